@@ -1,0 +1,16 @@
+"""zkern: ZeRO training on torch.distributed with DeepSpeed-compatible configs.
+
+    engine = zkern.Engine(model, "ds_config.json"); engine.backward(engine(x).sum()); engine.step()
+
+`import zkern` needs torch alone; optional backends are reported by `python -m zkern.env_report`.
+"""
+
+from zkern import ops
+from zkern.config import Config, ConfigError
+from zkern.engine.comm import CommError
+from zkern.engine.engine import Engine
+from zkern.engine.partition import estimate_memory
+from zkern.engine.precision import LossScaleAtMinimum
+
+__all__ = ["Engine", "Config", "ConfigError", "CommError", "LossScaleAtMinimum", "estimate_memory", "ops"]
+__version__ = "0.1.0"

@@ -1,0 +1,554 @@
+"""DeepSpeed-style JSON / dict -> frozen dataclasses.
+
+    cfg = zkern.Config.load("ds_config.json")            # parse and validate the keys
+    cfg = cfg.resolve(world_size=2, model=model)          # fill "auto", check the batch arithmetic
+
+Keys mean what they mean in DeepSpeed, with DeepSpeed's code defaults, so a user's existing file works
+unchanged. Three kinds of key exist here:
+  - implemented: parsed into the dataclasses below;
+  - known to DeepSpeed but not implemented by zkern: accepted only at DeepSpeed's default value (it then
+    asks for nothing zkern lacks), otherwise a ConfigError that says it is not implemented;
+  - unknown: a ConfigError that names the key path and the nearest known key.
+Nothing is ignored silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+AUTO = "auto"
+
+
+class ConfigError(ValueError):
+    """A config key or value zkern cannot accept; the message names the key path and what to do."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The dataclasses (what the engine reads)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    type: str = "adamw"  # "adam" or "adamw", lower case
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    # DeepSpeed's "Adam" is decoupled-weight-decay Adam unless params.adam_w_mode is false.
+    adamw: bool = True
+    # Run torch.optim.Adam/AdamW on the shard instead of zkern's fused step (same math, slower).
+    torch_adam: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    type: str  # "WarmupLR" or "WarmupDecayLR"
+    warmup_min_lr: float = 0.0
+    warmup_max_lr: float = 1e-3
+    warmup_num_steps: int = 1000
+    warmup_type: str = "log"
+    total_num_steps: int | None = None  # WarmupDecayLR only
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    enabled: bool = False
+    loss_scale: float = 0.0  # 0 = dynamic; > 0 = static scale
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = 0
+    overlap_comm: bool | None = None  # None until resolve(): DeepSpeed's code default is stage == 3
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    ignore_unused_parameters: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_clipping: float = 0.0  # DeepSpeed's code default (its docs say 1.0)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    steps_per_print: int = 10
+    zero_allow_untested_optimizer: bool = False
+    comm_timeout_s: float = 600.0  # zkern's own key: collective timeout, so a dead rank ends the job
+    world_size: int | None = None  # set by resolve()
+
+    # -- construction ------------------------------------------------------------------------------------------
+    @staticmethod
+    def load(source: Config | dict | str | os.PathLike) -> Config:
+        """Parse a dict, a path to a JSON file, or pass a Config through."""
+        if isinstance(source, Config):
+            return source
+        if isinstance(source, (str, os.PathLike)):
+            try:
+                with open(source) as f:
+                    source = json.load(f)
+            except FileNotFoundError as e:
+                raise ConfigError(f"config file {os.fspath(source)!r} does not exist") from e
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"config file is not valid JSON: {e}") from e
+        if not isinstance(source, dict):
+            raise ConfigError(f"config must be a dict, a JSON path or a zkern.Config, not {type(source).__name__}")
+        return _parse(source)
+
+    def resolve(self, world_size: int, model: Any = None) -> Config:
+        """Fill "auto" values from the model and world, and check batch arithmetic against world_size."""
+        return _resolve(self, world_size, model)
+
+    @property
+    def precision(self) -> str:
+        """'fp16', 'bf16' or 'fp32'."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Key tables.  A spec is (kind, default); kind is one of "int", "float", "bool", "str", "betas", "section".
+
+_IMPLEMENTED_TOP = {
+    "train_batch_size": ("int_auto", None),
+    "train_micro_batch_size_per_gpu": ("int_auto", None),
+    "gradient_accumulation_steps": ("int_auto", None),
+    "gradient_clipping": ("float", 0.0),
+    "optimizer": ("section", None),
+    "scheduler": ("section", None),
+    "fp16": ("section", None),
+    "bf16": ("section", None),
+    "bfloat16": ("section", None),  # DeepSpeed's older spelling of bf16
+    "zero_optimization": ("section", None),
+    "steps_per_print": ("int", 10),
+    "zero_allow_untested_optimizer": ("bool", False),
+    "comm_timeout_s": ("float", 600.0),
+}
+
+_FP16_KEYS = {
+    "enabled": ("bool", False),
+    "loss_scale": ("float", 0.0),
+    "initial_scale_power": ("int", 16),
+    "loss_scale_window": ("int", 1000),
+    "hysteresis": ("int", 2),
+    "consecutive_hysteresis": ("bool", False),
+    "min_loss_scale": ("float", 1.0),
+}
+_BF16_KEYS = {"enabled": ("bool", False)}
+_ZERO_KEYS = {
+    "stage": ("int", 0),
+    "overlap_comm": ("bool", None),
+    "contiguous_gradients": ("bool", True),
+    "reduce_scatter": ("bool", True),
+    "reduce_bucket_size": ("int_auto", 500_000_000),
+    "allgather_bucket_size": ("int", 500_000_000),
+    "ignore_unused_parameters": ("bool", True),
+}
+_ADAM_PARAMS = {
+    "lr": ("float", 1e-3),
+    "betas": ("betas", (0.9, 0.999)),
+    "eps": ("float", 1e-8),
+    "weight_decay": ("float", 0.0),
+    "adam_w_mode": ("bool", True),
+    "torch_adam": ("bool", False),
+}
+_SCHEDULER_PARAMS = {
+    "WarmupLR": {
+        "warmup_min_lr": ("float", 0.0),
+        "warmup_max_lr": ("float", 1e-3),
+        "warmup_num_steps": ("int", 1000),
+        "warmup_type": ("str", "log"),
+    },
+}
+_SCHEDULER_PARAMS["WarmupDecayLR"] = {**_SCHEDULER_PARAMS["WarmupLR"], "total_num_steps": ("int", None)}
+
+# DeepSpeed keys zkern knows but does not implement, with the DeepSpeed default value that asks for nothing.
+# _SECTION_OFF: a section accepted only when it says {"enabled": false} (or is empty).
+_SECTION_OFF = object()
+_NOT_IMPLEMENTED_TOP = {
+    "prescale_gradients": False,
+    "gradient_predivide_factor": 1.0,
+    "sparse_gradients": False,
+    "wall_clock_breakdown": False,
+    "memory_breakdown": False,
+    "dump_state": False,
+    "disable_allgather": False,
+    "communication_data_type": None,
+    "seq_parallel_communication_data_type": None,
+    "dataloader_drop_last": False,
+    "zero_force_ds_cpu_optimizer": True,
+    "graph_harvesting": False,
+    "use_data_before_expert_parallelism": False,
+    "flops_profiler": _SECTION_OFF,
+    "tensorboard": _SECTION_OFF,
+    "wandb": _SECTION_OFF,
+    "csv_monitor": _SECTION_OFF,
+    "comet": _SECTION_OFF,
+    "comms_logger": _SECTION_OFF,
+    "amp": _SECTION_OFF,
+    "sparse_attention": _SECTION_OFF,
+    "data_efficiency": _SECTION_OFF,
+    "curriculum_learning": _SECTION_OFF,
+    "elasticity": _SECTION_OFF,
+    "autotuning": _SECTION_OFF,
+    "nebula": _SECTION_OFF,
+    "eigenvalue": _SECTION_OFF,
+    "progressive_layer_drop": _SECTION_OFF,
+    "hybrid_engine": _SECTION_OFF,
+    "compression_training": _SECTION_OFF,
+    "activation_checkpointing": _SECTION_OFF,
+    "aio": _SECTION_OFF,
+    "pipeline": _SECTION_OFF,
+    "checkpoint": _SECTION_OFF,
+    "data_types": _SECTION_OFF,
+    "quantize_training": _SECTION_OFF,
+    "weight_quantization": _SECTION_OFF,
+    "timers": _SECTION_OFF,
+}
+_NOT_IMPLEMENTED_FP16 = {"auto_cast": False, "fp16_master_weights_and_grads": False}
+_NOT_IMPLEMENTED_BF16 = {
+    "immediate_grad_update": False,
+    "check_grad_overflow": False,
+    "bf16_master_weights_and_grads": False,
+    "bf16_optimizer_states": False,
+}
+_NOT_IMPLEMENTED_ZERO = {
+    # Later zkern issues implement these (stage 3, offload, ZeRO++); until then only their defaults pass.
+    "offload_optimizer": _SECTION_OFF,
+    "offload_param": _SECTION_OFF,
+    "sub_group_size": 1_000_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_gather_16bit_weights_on_model_save": False,
+    "stage3_gather_fp16_weights_on_model_save": False,
+    "stage3_module_granularity_threshold": 0,
+    "zero_quantized_weights": False,
+    "zero_quantized_nontrainable_weights": False,
+    "zero_quantized_gradients": False,
+    "zero_hpz_partition_size": 1,
+    "allgather_partitions": True,
+    "round_robin_gradients": False,
+    "elastic_checkpoint": False,
+    "load_from_fp32_weights": True,
+    "use_multi_rank_bucket_allreduce": True,
+    "cpu_offload": False,
+    "cpu_offload_params": False,
+    "cpu_offload_use_pin_memory": False,
+    "memory_efficient_linear": True,
+    "mics_shard_size": -1,
+    "mics_hierarchical_params_gather": False,
+    "legacy_stage1": False,
+    "pipeline_loading_checkpoint": False,
+    "override_module_apply": True,
+    "log_trace_cache_warnings": False,
+    "zeropp_loco_param": None,
+}
+_NOT_IMPLEMENTED_OPTIMIZER_PARAMS = {"amsgrad": False, "bias_correction": True}
+_NOT_IMPLEMENTED_OPTIMIZERS = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
+                               "muadamw", "musgd", "sgd", "cpuadam", "fusedadam"}
+_NOT_IMPLEMENTED_SCHEDULERS = {"LRRangeTest", "OneCycle", "WarmupCosineLR"}
+
+_ALL_KNOWN_PATHS = (
+    [*_IMPLEMENTED_TOP, *_NOT_IMPLEMENTED_TOP]
+    + [f"fp16.{k}" for k in [*_FP16_KEYS, *_NOT_IMPLEMENTED_FP16]]
+    + [f"bf16.{k}" for k in [*_BF16_KEYS, *_NOT_IMPLEMENTED_BF16]]
+    + [f"zero_optimization.{k}" for k in [*_ZERO_KEYS, *_NOT_IMPLEMENTED_ZERO]]
+    + [f"optimizer.params.{k}" for k in [*_ADAM_PARAMS, *_NOT_IMPLEMENTED_OPTIMIZER_PARAMS]]
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _nearest(key: str, known: list[str], path: str) -> str:
+    """A hint naming the nearest known key: first at this level, then anywhere in the config."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{path}{close[0]}'?"
+    leaves = {p.rsplit(".", 1)[-1]: p for p in _ALL_KNOWN_PATHS}
+    close = difflib.get_close_matches(key, list(leaves), n=1, cutoff=0.75)
+    if close:
+        return f"; did you mean '{leaves[close[0]]}'?"
+    return f"; known keys here: {', '.join(sorted(known))}"
+
+
+def _value(path: str, kind: str, value: Any) -> Any:
+    """Check one value's type; integral floats (5e8) are accepted for ints as JSON writes them."""
+    if value == AUTO and kind.endswith("_auto"):
+        return AUTO
+    if value == AUTO:
+        raise ConfigError(f"'{path}': \"auto\" is not resolvable by zkern here (an HF Trainer fills it from its own "
+                          f"arguments); set a number")
+    base = kind.removesuffix("_auto")
+    if base == "section":  # checked by its own parser
+        return value
+    if base == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"'{path}' must be true or false, got {value!r}")
+        return value
+    if base == "int":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"'{path}' must be a whole number, got {value!r}")
+        return int(value)
+    if base == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"'{path}' must be a number, got {value!r}")
+        return float(value)
+    if base == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"'{path}' must be a string, got {value!r}")
+        return value
+    if base == "betas":
+        if (not isinstance(value, (list, tuple)) or len(value) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)):
+            raise ConfigError(f"'{path}' must be a list of two numbers like [0.9, 0.999], got {value!r}")
+        return (float(value[0]), float(value[1]))
+    raise AssertionError(kind)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if default is _SECTION_OFF:
+        return isinstance(value, dict) and (not value or value.get("enabled") is False
+                                            or value.get("device") in (None, "none"))
+    return value == default or value == AUTO
+
+
+def _section(path: str, raw: Any, specs: dict, not_implemented: dict) -> dict:
+    """Validate one section: returns {key: checked value} for implemented keys present in raw."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"'{path.rstrip('.')}' must be a JSON object, got {raw!r}")
+    out = {}
+    for key, value in raw.items():
+        if key in specs:
+            out[key] = _value(path + key, specs[key][0], value)
+        elif key in not_implemented:
+            if not _is_default(value, not_implemented[key]):
+                default = not_implemented[key]
+                shown = "absent or disabled" if default is _SECTION_OFF else json.dumps(default)
+                raise ConfigError(f"'{path}{key}' is a DeepSpeed key that zkern does not implement yet; "
+                                  f"remove it or set it to its default ({shown})")
+        else:
+            raise ConfigError(f"unknown config key '{path}{key}'{_nearest(key, [*specs, *not_implemented], path)}")
+    return out
+
+
+def _parse_optimizer(raw: Any) -> OptimizerConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"'optimizer' must be a JSON object like {{\"type\": \"AdamW\", \"params\": {{...}}}}, "
+                          f"got {raw!r}")
+    extra = set(raw) - {"type", "params", "legacy_fusion"}
+    if extra:
+        key = sorted(extra)[0]
+        raise ConfigError(f"unknown config key 'optimizer.{key}'{_nearest(key, ['type', 'params'], 'optimizer.')}")
+    if raw.get("legacy_fusion", False):
+        raise ConfigError("'optimizer.legacy_fusion' is a DeepSpeed key that zkern does not implement; remove it")
+    kind = raw.get("type")
+    if not isinstance(kind, str):
+        raise ConfigError(f"'optimizer.type' must name an optimizer (Adam or AdamW), got {kind!r}")
+    name = kind.lower()
+    if name in _NOT_IMPLEMENTED_OPTIMIZERS:
+        raise ConfigError(f"'optimizer.type' {kind!r} is a DeepSpeed optimizer that zkern does not implement; "
+                          f"use Adam or AdamW, or pass a torch optimizer as zkern.Engine(model, cfg, optimizer=...)")
+    if name not in ("adam", "adamw"):
+        raise ConfigError(f"'optimizer.type' {kind!r} is unknown{_nearest(name, ['adam', 'adamw'], '')}")
+    params = _section("optimizer.params.", raw.get("params"), _ADAM_PARAMS, _NOT_IMPLEMENTED_OPTIMIZER_PARAMS)
+    lr = params.get("lr", 1e-3)
+    if lr < 0:
+        raise ConfigError(f"'optimizer.params.lr' must be >= 0, got {lr}")
+    betas = params.get("betas", (0.9, 0.999))
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ConfigError(f"'optimizer.params.betas' must each be in [0, 1), got {list(betas)}")
+    return OptimizerConfig(
+        type=name,
+        lr=lr,
+        betas=betas,
+        eps=params.get("eps", 1e-8),
+        weight_decay=params.get("weight_decay", 0.0),
+        # DeepSpeed: AdamW always decouples; Adam decouples unless adam_w_mode is false.
+        adamw=name == "adamw" or params.get("adam_w_mode", True),
+        torch_adam=params.get("torch_adam", False),
+    )
+
+
+def _parse_scheduler(raw: Any) -> SchedulerConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+        raise ConfigError(f"'scheduler' must be a JSON object like {{\"type\": \"WarmupLR\", \"params\": {{...}}}}, "
+                          f"got {raw!r}")
+    extra = set(raw) - {"type", "params"}
+    if extra:
+        key = sorted(extra)[0]
+        raise ConfigError(f"unknown config key 'scheduler.{key}'{_nearest(key, ['type', 'params'], 'scheduler.')}")
+    kind = raw["type"]
+    if kind in _NOT_IMPLEMENTED_SCHEDULERS:
+        raise ConfigError(f"'scheduler.type' {kind!r} is a DeepSpeed scheduler that zkern does not implement; "
+                          f"use WarmupLR or WarmupDecayLR, or pass a torch scheduler as Engine(..., lr_scheduler=...)")
+    if kind not in _SCHEDULER_PARAMS:
+        raise ConfigError(f"'scheduler.type' {kind!r} is unknown{_nearest(kind, list(_SCHEDULER_PARAMS), '')}")
+    params = _section("scheduler.params.", raw.get("params"), _SCHEDULER_PARAMS[kind], {})
+    if params.get("warmup_type", "log") not in ("log", "linear"):
+        raise ConfigError(f"'scheduler.params.warmup_type' must be \"log\" or \"linear\", got "
+                          f"{params['warmup_type']!r}")
+    if kind == "WarmupDecayLR" and "total_num_steps" not in params:
+        raise ConfigError("'scheduler.params.total_num_steps' is required by WarmupDecayLR (the step at which the "
+                          "learning rate reaches 0)")
+    if params.get("warmup_num_steps", 1000) < 0:
+        raise ConfigError("'scheduler.params.warmup_num_steps' must be >= 0")
+    return SchedulerConfig(type=kind, **params)
+
+
+def _parse(raw: dict) -> Config:
+    top = _section("", raw, _IMPLEMENTED_TOP, _NOT_IMPLEMENTED_TOP)
+    if "bf16" in raw and "bfloat16" in raw:
+        raise ConfigError("both 'bf16' and 'bfloat16' are set; they are the same section, keep 'bf16'")
+    fp16 = FP16Config(**_section("fp16.", raw.get("fp16"), _FP16_KEYS, _NOT_IMPLEMENTED_FP16))
+    bf16 = BF16Config(**_section("bf16.", raw.get("bf16", raw.get("bfloat16")), _BF16_KEYS, _NOT_IMPLEMENTED_BF16))
+    zero = _section("zero_optimization.", raw.get("zero_optimization"), _ZERO_KEYS, _NOT_IMPLEMENTED_ZERO)
+    zero_cfg = ZeroConfig(**zero)
+    _check_values(top, fp16, bf16, zero_cfg)
+    return Config(
+        train_batch_size=top.get("train_batch_size"),
+        train_micro_batch_size_per_gpu=top.get("train_micro_batch_size_per_gpu"),
+        gradient_accumulation_steps=top.get("gradient_accumulation_steps"),
+        gradient_clipping=top.get("gradient_clipping", 0.0),
+        optimizer=_parse_optimizer(raw.get("optimizer")),
+        scheduler=_parse_scheduler(raw.get("scheduler")),
+        fp16=fp16,
+        bf16=bf16,
+        zero_optimization=zero_cfg,
+        steps_per_print=top.get("steps_per_print", 10),
+        zero_allow_untested_optimizer=top.get("zero_allow_untested_optimizer", False),
+        comm_timeout_s=top.get("comm_timeout_s", 600.0),
+    )
+
+
+def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfig) -> None:
+    if fp16.enabled and bf16.enabled:
+        raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true; choose one precision")
+    match zero.stage:
+        case 0 | 1 | 2:
+            pass
+        case 3:
+            raise ConfigError("'zero_optimization.stage' 3 is not implemented by zkern yet; use stage 0, 1 or 2")
+        case other:
+            raise ConfigError(f"'zero_optimization.stage' must be 0, 1, 2 or 3, got {other}")
+    if top.get("gradient_clipping", 0.0) < 0:
+        raise ConfigError(f"'gradient_clipping' must be >= 0 (0 turns clipping off), got {top['gradient_clipping']}")
+    if top.get("comm_timeout_s", 600.0) <= 0:
+        raise ConfigError(f"'comm_timeout_s' must be > 0 seconds, got {top['comm_timeout_s']}")
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        value = getattr(zero, key)
+        if value != AUTO and value <= 0:
+            raise ConfigError(f"'zero_optimization.{key}' must be > 0 elements, got {value}")
+    if fp16.loss_scale < 0:
+        raise ConfigError(f"'fp16.loss_scale' must be 0 (dynamic) or a positive static scale, got {fp16.loss_scale}")
+    if fp16.min_loss_scale <= 0:
+        raise ConfigError(f"'fp16.min_loss_scale' must be > 0, got {fp16.min_loss_scale}")
+    if fp16.hysteresis < 1 or fp16.loss_scale_window < 1:
+        raise ConfigError("'fp16.hysteresis' and 'fp16.loss_scale_window' must be >= 1")
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if top.get(key) not in (None, AUTO) and top[key] < 1:
+            raise ConfigError(f"'{key}' must be >= 1, got {top[key]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Resolution against the world and the model
+
+
+def _hidden_size(model: Any, key: str) -> int:
+    """The model's hidden size, where HF integrations read it: model.config.hidden_size (or hidden_sizes)."""
+    config = getattr(model, "config", None)
+    for attr in ("hidden_size", "d_model", "n_embd"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    sizes = getattr(config, "hidden_sizes", None)
+    if sizes:
+        return max(sizes)
+    raise ConfigError(f"'{key}' is \"auto\" but the model has no config.hidden_size to derive it from "
+                      f"(DeepSpeed's HF integration uses hidden_size**2); set a number")
+
+
+def _resolve_batch(cfg: Config, world: int) -> tuple[int, int, int]:
+    """DeepSpeed's rule: train = micro x accumulation x world; any two give the third."""
+    train, micro, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    autos = [k for k, v in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
+                            ("gradient_accumulation_steps", gas)) if v == AUTO]
+    if len(autos) > 1:
+        raise ConfigError(f"{' and '.join(repr(a) for a in autos)} are \"auto\"; zkern can derive one of the three "
+                          f"batch keys from the other two and the world size ({world}), not more")
+    train, micro, gas = (None if v == AUTO else v for v in (train, micro, gas))
+    if train is not None and micro is not None and gas is not None:
+        if train != micro * gas * world:
+            raise ConfigError(f"train_batch_size ({train}) != train_micro_batch_size_per_gpu ({micro}) x "
+                              f"gradient_accumulation_steps ({gas}) x world size ({world}) = {micro * gas * world}")
+    elif train is not None and micro is not None:
+        if train % (micro * world):
+            raise ConfigError(f"train_batch_size ({train}) is not divisible by train_micro_batch_size_per_gpu "
+                              f"({micro}) x world size ({world}) = {micro * world}; gradient_accumulation_steps "
+                              f"would not be a whole number")
+        gas = train // (micro * world)
+    elif train is not None and gas is not None:
+        if train % (gas * world):
+            raise ConfigError(f"train_batch_size ({train}) is not divisible by gradient_accumulation_steps ({gas}) "
+                              f"x world size ({world}) = {gas * world}; train_micro_batch_size_per_gpu would not be "
+                              f"a whole number")
+        micro = train // (gas * world)
+    elif micro is not None and gas is not None:
+        train = micro * gas * world
+    elif train is not None:
+        gas = 1
+        if train % world:
+            raise ConfigError(f"train_batch_size ({train}) is not divisible by the world size ({world})")
+        micro = train // world
+    elif micro is not None:
+        gas = 1
+        train = micro * world
+    else:
+        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (DeepSpeed needs one of them)")
+    return train, micro, gas
+
+
+def _resolve(cfg: Config, world: int, model: Any) -> Config:
+    if not isinstance(world, int) or world < 1:
+        raise ConfigError(f"world size must be a positive integer, got {world!r}")
+    train, micro, gas = _resolve_batch(cfg, world)
+    zero = cfg.zero_optimization
+    if zero.reduce_bucket_size == AUTO:
+        zero = dataclasses.replace(zero, reduce_bucket_size=_hidden_size(model, "zero_optimization."
+                                                                         "reduce_bucket_size") ** 2)
+    if zero.overlap_comm is None:
+        zero = dataclasses.replace(zero, overlap_comm=zero.stage == 3)
+    return dataclasses.replace(cfg, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
+                               gradient_accumulation_steps=gas, zero_optimization=zero, world_size=world)

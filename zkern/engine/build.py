@@ -1,0 +1,149 @@
+"""Engine construction: device, initial broadcast, parameter groups, optimizer and LR scheduler.
+
+    python -m pytest tests/test_engine_build.py -q
+
+Each function does one step of zkern.Engine.__init__ and raises a clear error on input it cannot take.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+
+from zkern import ops
+from zkern.config import Config, ConfigError
+from zkern.engine.comm import Comm
+from zkern.engine.lr_schedules import build_scheduler
+from zkern.engine.optimizer import ShardAdam, ShardGroup
+
+
+def pick_device(model: torch.nn.Module) -> torch.device:
+    """Where the engine trains: the model's CUDA device if it is on one; else cuda:LOCAL_RANK when CUDA is
+    available (as DeepSpeed moves the module); else the CPU."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
+                         f"zkern trains a model that lives on one device per rank")
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type == "cpu" and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def broadcast_state(model: torch.nn.Module, comm: Comm) -> None:
+    """Give every rank rank 0's parameters and buffers (one flat broadcast per dtype), as DDP does."""
+    if comm.world == 1:
+        return
+    tensors = list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        by_dtype[t.dtype].append(t)
+    for dtype, group in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+        flat = ops.flatten([t.detach() for t in group])
+        comm.broadcast(flat, f"initial {dtype} parameters and buffers from rank 0")
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+
+
+def param_names(model: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first name in model.named_parameters() (tied parameters appear once)."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def trainable_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[list[torch.nn.Parameter]]:
+    """The parameter groups zkern trains: the client optimizer's groups, or one group of all trainable params.
+
+    Every parameter that requires grad must be in exactly one group; groups hold only the model's own
+    trainable parameters.
+    """
+    names = param_names(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if optimizer is None:
+        return [trainable]
+    groups, seen = [], set()
+    for gi, group in enumerate(optimizer.param_groups):
+        params = list(group["params"])
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not "
+                                 f"a parameter of the model; build the optimizer from model.parameters()")
+            if not p.requires_grad:
+                raise ValueError(f"optimizer param group {gi} holds frozen parameter '{names[id(p)]}'; remove it "
+                                 f"from the optimizer or set requires_grad=True")
+            seen.add(id(p))
+        groups.append(params)
+    missing = [names[id(p)] for p in trainable if id(p) not in seen]
+    if missing:
+        raise ValueError(f"parameters {missing} require grad but are in no optimizer param group; add them to the "
+                         f"optimizer, or freeze them with requires_grad_(False)")
+    if optimizer.state:
+        raise ValueError("the optimizer passed to zkern.Engine already has state; pass a fresh optimizer and "
+                         "restore state through the engine")
+    return groups
+
+
+def check_dtypes(groups: list[list[torch.nn.Parameter]], model: torch.nn.Module) -> None:
+    """fp32 training: every trainable parameter must be float32 (it is its own master copy)."""
+    names = param_names(model)
+    for group in groups:
+        for p in group:
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    f"parameter '{names[id(p)]}' is {p.dtype}; zkern keeps fp32 master weights and expects the "
+                    f"model in float32 (call model.float()); for 16-bit training set \"bf16\" or \"fp16\" "
+                    f"{{\"enabled\": true}} in the config and zkern casts the model itself")
+
+
+def group_options(cfg: Config) -> dict:
+    o = cfg.optimizer
+    return {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay, "adamw": o.adamw}
+
+
+def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None,
+                    shard_groups: list[ShardGroup]) -> torch.optim.Optimizer:
+    """zkern's fused ShardAdam from the config, or the client's torch optimizer re-pointed at the shard pieces."""
+    if client is not None and cfg.optimizer is not None:
+        raise ConfigError("an optimizer is given twice: in the config's 'optimizer' section and as "
+                          "Engine(optimizer=...); keep one")
+    if client is None and cfg.optimizer is None:
+        raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. {\"type\": \"AdamW\", "
+                          "\"params\": {\"lr\": 1e-4}}) or pass Engine(model, cfg, optimizer=torch_optimizer)")
+    if client is None:
+        if cfg.optimizer.torch_adam:
+            o = group_options(cfg)
+            cls = torch.optim.AdamW if o.pop("adamw") else torch.optim.Adam
+            return cls([p for g in shard_groups for p in g.pieces], **o)
+        return ShardAdam(shard_groups, [group_options(cfg) for _ in shard_groups])
+    stage = cfg.zero_optimization.stage
+    if stage >= 1 and not isinstance(client, (torch.optim.Adam, torch.optim.AdamW)) \
+            and not cfg.zero_allow_untested_optimizer:
+        raise ConfigError(
+            f"{type(client).__name__} is an untested ZeRO optimizer: at stage {stage} zkern steps 1-D pieces of "
+            f"each rank's shard, which is exact only for element-wise optimizers (Adam, AdamW, SGD, ...). If yours "
+            f"is element-wise, add \"zero_allow_untested_optimizer\": true to the config")
+    for group, shard in zip(client.param_groups, shard_groups):
+        group["params"] = shard.pieces
+    return client
+
+
+def build_scheduler_for(cfg: Config, client_scheduler, optimizer: torch.optim.Optimizer):
+    """The config's WarmupLR/WarmupDecayLR, or the client's scheduler (an object bound to the client optimizer,
+    or a callable that takes the engine's optimizer), or None."""
+    if client_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("a scheduler is given twice: in the config's 'scheduler' section and as "
+                          "Engine(lr_scheduler=...); keep one")
+    if cfg.scheduler is not None:
+        return build_scheduler(optimizer, cfg.scheduler)
+    if client_scheduler is None:
+        return None
+    if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+        return client_scheduler(optimizer)
+    if getattr(client_scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("lr_scheduler is bound to another optimizer than the engine's; build it on the optimizer "
+                         "you pass to zkern.Engine, or pass a callable optimizer -> scheduler")
+    return client_scheduler

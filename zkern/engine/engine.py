@@ -1,0 +1,259 @@
+"""zkern.Engine: the thin orchestrator of forward, backward and the optimizer step.
+
+    engine = zkern.Engine(model, "ds_config.json")
+    loss = engine(batch).loss; engine.backward(loss); engine.step()
+
+The stage runtime (stage12.FlatGroup today) owns buffers and gradient communication; the optimizer
+(optimizer.py) owns the update; this file sequences them and keeps the counters users read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+from zkern import ops
+from zkern.config import Config
+from zkern.engine import build
+from zkern.engine.comm import Comm, init_distributed
+from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
+from zkern.engine.precision import LossScaler, working_dtype
+from zkern.engine.stage12 import FlatGroup
+
+log = logging.getLogger("zkern")
+
+
+class Engine:
+    """Train `model` with ZeRO stage 0, 1 or 2 as the DeepSpeed-style `config` says.
+
+    Engine(model, config, optimizer=None, lr_scheduler=None): config is a dict, a JSON path or a zkern.Config.
+    optimizer: a torch optimizer over model.parameters() when the config has no 'optimizer' section.
+    lr_scheduler: a scheduler bound to that optimizer, or a callable optimizer -> scheduler.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Config | dict | str | os.PathLike,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None):
+        cfg = Config.load(config)
+        self.device = build.pick_device(model)
+        group, rank, world = init_distributed(self.device, cfg.comm_timeout_s)
+        self.config = cfg = cfg.resolve(world, model)
+        self.comm = Comm(group, rank, world, cfg.comm_timeout_s)
+        self.rank, self.world_size = rank, world
+        self.module = model.to(self.device)
+        build.broadcast_state(model, self.comm)
+
+        groups = build.trainable_groups(model, optimizer)
+        if not any(groups):
+            raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+        self.dtype = working_dtype(cfg)
+        mixed = self.dtype != torch.float32
+        if not mixed:
+            build.check_dtypes(groups, model)
+        master_from = [[p.detach().float().clone() for p in g] for g in groups] if mixed else [[] for _ in groups]
+        if mixed:
+            model.to(self.dtype)
+        zero = cfg.zero_optimization
+        if not zero.contiguous_gradients:
+            log.warning("zkern: zero_optimization.contiguous_gradients=false has no effect: zkern always reduces "
+                        "gradients from contiguous buckets, which costs no extra memory")
+        names = build.param_names(model)
+        bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
+        # Reverse registration order: backward produces gradients roughly last layer first, so buckets fill in order.
+        self.groups = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], stage=zero.stage, comm=self.comm,
+                                 dtype=self.dtype, master_from=m[::-1], mixed=mixed, bucket_numel=bucket,
+                                 overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter)
+                       for g, m in zip(groups, master_from) if g]
+        del master_from
+        self._log_padding()
+        shard_groups = [g.shard_group for g in self.groups]
+        self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups)
+        self.lr_scheduler = build.build_scheduler_for(cfg, lr_scheduler, self.optimizer)
+        self.scaler = LossScaler.from_config(cfg)
+        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+
+    def _log_padding(self) -> None:
+        """Say once how many zero elements pad the buckets so every rank's shard has the same size."""
+        if self.rank != 0:
+            return
+        for i, g in enumerate(self.groups):
+            layout = g.layout
+            log.info("zkern: group %d: %d parameters, %d elements in %d buckets, padded with %d zero elements to a "
+                     "shard of %d per rank (padding never enters the math)", i, len(g.params), layout.numel,
+                     len(layout.buckets), layout.padding, layout.shard_numel)
+
+    # -- the training loop ------------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next step() will update the parameters."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate loss (scaled for fp16, divided by the accumulation steps); reduce gradients as the
+        stage prescribes (at the boundary for stages 0/1, every micro-step for stage 2)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got "
+                             f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+        if not loss.requires_grad:
+            raise ValueError("engine.backward: the loss does not require grad (computed under torch.no_grad(), or "
+                             "no trainable parameter took part in it)")
+        boundary = self.is_gradient_accumulation_boundary()
+        for g in self.groups:
+            g.begin_backward(boundary)
+        (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+        for g in self.groups:
+            g.end_backward()
+
+    def step(self) -> None:
+        """At the accumulation boundary: overflow check, clipping, optimizer, loss-scale and LR update.
+        Between boundaries: a no-op (gradients keep accumulating)."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self._optimizer_step()
+        self.global_steps += 1
+        if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0 and self.rank == 0:
+            lrs = [g["lr"] for g in self.optimizer.param_groups]
+            log.info("zkern: step=%d skipped=%d lr=%s grad_norm=%s loss_scale=%g", self.global_steps,
+                     self.skipped_steps, lrs, self.last_grad_norm, self.scaler.scale)
+
+    def _optimizer_step(self) -> None:
+        found = torch.zeros((), dtype=torch.float32, device=self.device)
+        sq_norm = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in self.groups:
+            for segment in g.grad_segments():
+                f, s = ops.unscale_and_check_(segment, 1.0)  # check and norm only; unscaling is folded into Adam
+                found += f
+                sq_norm += s
+        if self.config.zero_optimization.stage == 0 and self.rank != 0:
+            sq_norm.zero_()  # stage 0: every rank holds the whole reduced gradient; count its norm once
+        used = torch.tensor([float(u) for g in self.groups for u in g.used], device=self.device)
+        control = torch.cat([found.view(1), sq_norm.view(1), used])
+        self.comm.all_reduce(control, "step control: overflow flag, squared gradient norm, parameters with "
+                                      "gradients", kind="control")
+        values = control.tolist()  # the one host synchronisation of the step
+        sq = values[1]
+        overflow = values[0] > 0 or not math.isfinite(sq)
+        # Gradients hold the sum over ranks of loss_scale * (micro-batch mean gradient): fold the average and the
+        # unscaling into one factor applied inside the Adam pass.
+        inv = 1.0 / (self.scaler.scale * self.world_size)
+        norm = math.sqrt(sq) * inv if math.isfinite(sq) else float("inf")
+        self.last_grad_norm = norm
+        if overflow:
+            self._skip(norm)
+        else:
+            clip = self.config.gradient_clipping
+            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # torch.nn.utils.clip_grad_norm_'s rule
+            flags = [v > 0 for v in values[2:]]
+            active, start = [], 0
+            for g in self.groups:
+                active.append(g.active_pieces(flags[start:start + len(g.params)]))
+                start += len(g.params)
+            self._check_unused(flags)
+            if isinstance(self.optimizer, ShardAdam):
+                self.optimizer.step(grad_scale=inv * coef, active=active)
+            else:
+                step_torch_optimizer(self.optimizer, [g.shard_group for g in self.groups], grad_scale=inv * coef,
+                                     active=active)
+            self.scaler.update(False)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            for g in self.groups:
+                g.gather_params()
+        for g in self.groups:
+            g.zero_grad()
+
+    def _skip(self, norm: float) -> None:
+        self.skipped_steps += 1
+        before = self.scaler.scale
+        if self.config.precision == "fp16":
+            self.scaler.update(True)
+            if self.rank == 0:
+                log.warning("zkern: OVERFLOW! Skipping step %d. Attempted loss scale: %g, reducing to %g",
+                            self.global_steps + 1, before, self.scaler.scale)
+        elif self.rank == 0:
+            log.warning("zkern: non-finite gradient (norm %s) at step %d; step skipped, parameters and optimizer "
+                        "state unchanged", norm, self.global_steps + 1)
+
+    def _check_unused(self, flags: list[bool]) -> None:
+        if self.config.zero_optimization.ignore_unused_parameters:
+            return
+        names = [n for g in self.groups for n in g.names]
+        unused = [n for n, f in zip(names, flags) if not f]
+        if unused:
+            raise RuntimeError(f"parameters {unused} got no gradient on any rank in this step and "
+                               f"zero_optimization.ignore_unused_parameters is false; set it to true (the default) "
+                               f"to let them skip the step")
+
+    # -- reports ----------------------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds, by device type: params, grads, optimizer (states), master (fp32 weights),
+        comm_buffers (stage 2 gradient buckets), total."""
+        report = {"params": 0, "grads": 0, "optimizer": 0, "master": 0, "comm_buffers": 0}
+        for g in self.groups:
+            for key, value in g.memory().items():
+                report[key] += value
+        trainable = {id(p) for g in self.groups for p in g.params}
+        report["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters()
+                                if id(p) not in trainable)
+        report["optimizer"] += _optimizer_state_bytes(self.optimizer)
+        report["total"] = sum(report.values())
+        return {self.device.type: report}
+
+    def comm_stats(self) -> dict:
+        """Bytes this rank sent per collective kind since the start (ring-algorithm volumes)."""
+        return self.comm.stats()
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """fp32 weights with model.state_dict()'s names (a collective: call it on every rank).
+        With rank0_only, other ranks return None and hold at most one bucket at a time."""
+        values: dict[int, torch.Tensor] = {}
+        for g in self.groups:
+            full = g.full_fp32(rank0_only)
+            if full is not None:
+                values.update({id(p): t for p, t in zip(g.params, full)})
+        if rank0_only and self.rank != 0:
+            return None
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in values:
+                out[name] = values[id(t)]
+            else:
+                t = t.detach()
+                out[name] = t.float().clone() if t.is_floating_point() else t.clone()
+        return out
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    if isinstance(optimizer, ShardAdam):
+        return optimizer.state_bytes()
+    seen, total = set(), 0
+    for state in optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and t.numel() > 1 and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total

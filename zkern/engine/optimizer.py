@@ -1,0 +1,136 @@
+"""Optimizers over a rank's shard: zkern's fused Adam, or any torch optimizer, stepping shard pieces.
+
+    python -m pytest tests/test_optimizer.py -q
+
+A rank's shard is cut into pieces, one per parameter part it owns (partition.Piece). The pieces are what a
+torch optimizer sees as its params: fp32 tensors (views into the master shard in mixed precision, into the
+flat parameter buffer in fp32), whole-shaped where a piece is a whole parameter, 1-D otherwise. This gives
+torch's exact semantics per parameter, including a parameter that got no gradient this step (its piece gets
+grad None and is skipped, its step count unchanged), and lets LR schedulers drive param_groups as usual.
+
+ShardAdam keeps exp_avg/exp_avg_sq as two flat shard-sized buffers and steps each bucket chunk in ONE fused
+ops.adam_step_ call when all its pieces are active with equal step counts (the common case), else per run of
+such pieces. Loss-scale unscaling, clipping and the 1/world average arrive folded into one grad_scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zkern import ops
+
+
+@dataclass
+class Chunk:
+    """One bucket chunk this rank steps: contiguous fp32 params, gradients, and optional low-precision copy."""
+
+    param: torch.Tensor  # fp32, (chunk,)
+    grad: torch.Tensor  # working dtype, (chunk,)
+    out: torch.Tensor | None  # working-dtype parameter chunk to refresh (mixed precision), else None
+    shard_start: int  # offset of the chunk in the rank's shard
+    pieces: list[tuple[int, int, int]]  # (piece index within its group, start within chunk, numel)
+
+
+@dataclass
+class ShardGroup:
+    """The shard pieces and chunks of one optimizer param group."""
+
+    pieces: list[torch.Tensor]  # the optimizer's params, in shard order
+    chunks: list[Chunk]
+    shard_numel: int
+
+
+class ShardAdam(torch.optim.Optimizer):
+    """Adam/AdamW over flat shard chunks, with torch.optim.AdamW's per-parameter semantics."""
+
+    def __init__(self, groups: list[ShardGroup], options: list[dict]):
+        param_groups = [{"params": g.pieces, **o} for g, o in zip(groups, options)]
+        super().__init__(param_groups, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                                        "adamw": True})
+        self.shard_groups = groups
+        self.exp_avg = [torch.zeros(g.shard_numel, dtype=torch.float32, device=_device(g)) for g in groups]
+        self.exp_avg_sq = [torch.zeros(g.shard_numel, dtype=torch.float32, device=_device(g)) for g in groups]
+        # Per-piece step counts as Python ints: reading a device tensor here would sync the host every step.
+        self.steps = [[0] * len(g.pieces) for g in groups]
+        for gi, g in enumerate(groups):
+            for chunk in g.chunks:
+                for index, start, numel in chunk.pieces:
+                    lo = chunk.shard_start + start
+                    self.state[g.pieces[index]] = {"exp_avg": self.exp_avg[gi][lo:lo + numel],
+                                                   "exp_avg_sq": self.exp_avg_sq[gi][lo:lo + numel]}
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.exp_avg, *self.exp_avg_sq))
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float = 1.0, active: list[list[bool]] | None = None):
+        """One step; active[g][i] says whether piece i of group g got a gradient (default: all did)."""
+        if closure is not None:
+            raise ValueError("ShardAdam.step does not take a closure; zkern runs forward/backward itself")
+        for gi, (g, options) in enumerate(zip(self.shard_groups, self.param_groups)):
+            steps = self.steps[gi]
+            on = active[gi] if active is not None else [True] * len(g.pieces)
+            hyper = dict(lr=options["lr"], betas=tuple(options["betas"]), eps=options["eps"],
+                         weight_decay=options["weight_decay"], adamw=options["adamw"], grad_scale=grad_scale)
+            for chunk in g.chunks:
+                for lo, hi, step in _runs(chunk, on, steps):
+                    s = chunk.shard_start
+                    ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], self.exp_avg[gi][s + lo:s + hi],
+                                   self.exp_avg_sq[gi][s + lo:s + hi], step=step + 1,
+                                   param_out=None if chunk.out is None else chunk.out[lo:hi], **hyper)
+            for i, is_on in enumerate(on):
+                if is_on:
+                    steps[i] += 1
+        return None
+
+
+def _runs(chunk: Chunk, active: list[bool], steps: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, step) ranges of the chunk to step in one call each.
+
+    All pieces active with one step count: the whole chunk, padding included (zero gradient, zero parameter:
+    Adam leaves it zero), in one call. Otherwise maximal runs of adjacent active pieces with equal step counts.
+    """
+    if not chunk.pieces:
+        return []
+    first_step = steps[chunk.pieces[0][0]]
+    if all(active[i] and steps[i] == first_step for i, _, _ in chunk.pieces):
+        return [(0, chunk.param.numel(), first_step)]
+    runs: list[list[int]] = []
+    for index, start, numel in chunk.pieces:
+        if not active[index]:
+            continue
+        if runs and runs[-1][1] == start and runs[-1][2] == steps[index]:
+            runs[-1][1] = start + numel
+        else:
+            runs.append([start, start + numel, steps[index]])
+    return [tuple(r) for r in runs]
+
+
+def _device(g: ShardGroup) -> torch.device:
+    return g.chunks[0].param.device if g.chunks else torch.device("cpu")
+
+
+def step_torch_optimizer(optimizer: torch.optim.Optimizer, groups: list[ShardGroup], *, grad_scale: float,
+                         active: list[list[bool]]) -> None:
+    """Step a torch optimizer whose params are the pieces: give active pieces fp32 gradients, step, refresh.
+
+    The general path (any element-wise torch optimizer); a chunk's gradient is upcast and scaled into one
+    temporary fp32 buffer when it is not already fp32 with scale 1.
+    """
+    for gi, g in enumerate(groups):
+        for chunk in g.chunks:
+            grad = chunk.grad
+            if grad.dtype != torch.float32 or grad_scale != 1.0:
+                grad = grad.float() * grad_scale
+            for index, start, numel in chunk.pieces:
+                piece = g.pieces[index]
+                piece.grad = grad[start:start + numel].view(piece.shape) if active[gi][index] else None
+    optimizer.step()
+    for g in groups:
+        for piece in g.pieces:
+            piece.grad = None
+        for chunk in g.chunks:
+            if chunk.out is not None:
+                chunk.out.copy_(chunk.param)

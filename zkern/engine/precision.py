@@ -1,0 +1,99 @@
+"""Mixed precision: working dtype choice and the fp16 loss scaler (DeepSpeed's dynamic loss scaling rules).
+
+    python -m pytest tests/test_precision.py -q
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from zkern.config import Config
+
+log = logging.getLogger("zkern")
+
+
+def working_dtype(cfg: Config) -> torch.dtype:
+    """The dtype parameters and gradients live in during forward/backward."""
+    match cfg.precision:
+        case "fp16":
+            return torch.float16
+        case "bf16":
+            return torch.bfloat16
+        case "fp32":
+            return torch.float32
+        case other:
+            raise ValueError(f"unknown precision {other!r}")
+
+
+class LossScaleAtMinimum(RuntimeError):
+    """fp16 overflowed with the loss scale already at fp16.min_loss_scale."""
+
+
+@dataclass
+class LossScaler:
+    """Static (loss_scale > 0) or dynamic scaling, with DeepSpeed's semantics.
+
+    Dynamic: start at 2**initial_scale_power; on overflow, spend one unit of hysteresis, and when none is left
+    halve the scale (never below min_loss_scale); after loss_scale_window clean steps since the last overflow,
+    double it and refill hysteresis (or refill after every clean step with consecutive_hysteresis). An overflow
+    at the minimum scale raises LossScaleAtMinimum.
+    """
+
+    scale: float
+    dynamic: bool
+    window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_scale: float = 1.0
+    _hysteresis_left: int = 0
+    _iter: int = 0
+    _last_overflow_iter: int = -1
+
+    @staticmethod
+    def from_config(cfg: Config) -> LossScaler:
+        fp16 = cfg.fp16
+        if not fp16.enabled:
+            return LossScaler(scale=1.0, dynamic=False)
+        if fp16.loss_scale > 0:
+            return LossScaler(scale=fp16.loss_scale, dynamic=False)
+        return LossScaler(scale=float(2**fp16.initial_scale_power), dynamic=True, window=fp16.loss_scale_window,
+                          hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
+                          min_scale=fp16.min_loss_scale, _hysteresis_left=fp16.hysteresis)
+
+    def update(self, overflow: bool) -> None:
+        """Advance by one optimizer step that did (overflow=True) or did not overflow."""
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.hysteresis == 1 or self._hysteresis_left <= 1:
+                if self.scale <= self.min_scale:
+                    raise LossScaleAtMinimum(
+                        f"Current loss scale already at minimum ({self.scale:g}) - cannot decrease scale anymore. "
+                        f"The fp16 gradients keep overflowing: look for NaN/inf in the data or the loss, lower the "
+                        f"learning rate, set gradient_clipping, or train in bf16 (\"bf16\": {{\"enabled\": true}}), "
+                        f"which needs no loss scaling.")
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            else:
+                self._hysteresis_left -= 1
+            self._last_overflow_iter = self._iter
+        else:
+            if self.consecutive_hysteresis:
+                self._hysteresis_left = self.hysteresis
+            if (self._iter - self._last_overflow_iter) % self.window == 0:
+                if not self.consecutive_hysteresis:
+                    self._hysteresis_left = self.hysteresis
+                self.scale *= 2.0
+        self._iter += 1
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "hysteresis_left": self._hysteresis_left, "iter": self._iter,
+                "last_overflow_iter": self._last_overflow_iter}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = state["scale"]
+        self._hysteresis_left = state["hysteresis_left"]
+        self._iter = state["iter"]
+        self._last_overflow_iter = state["last_overflow_iter"]

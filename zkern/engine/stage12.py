@@ -1,0 +1,314 @@
+"""ZeRO stages 0, 1 and 2: flat parameter buffers, bucketed gradient reduction, shard bookkeeping.
+
+    python -m pytest tests/test_engine.py -q -k "stage0 or stage1 or stage2"
+
+One FlatGroup per (optimizer param group, dtype). Its trainable parameters become views into one flat buffer
+laid out by partition.plan_layout (reverse registration order, so buckets fill roughly as backward runs).
+
+  stage 0: every rank steps everything; gradients are views into a full flat buffer, all-reduced per bucket
+           at the accumulation boundary.
+  stage 1: gradients as in stage 0, reduce-scattered per bucket at the boundary (in place: each rank keeps
+           its chunk); each rank steps its shard; updated parameters are all-gathered per bucket.
+  stage 2: a gradient is copied into its bucket as backward produces it and freed; a full bucket is
+           reduce-scattered at once (every micro-step) and its chunk added into the rank's gradient shard.
+
+Buckets launch strictly in index order on every rank, so ranks issue collectives in the same order even when
+their backward passes produce gradients in a different order. With overlap_comm, collectives run async while
+backward continues; without it, each runs to completion when launched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from zkern import ops
+from zkern.engine.comm import Comm, Work
+from zkern.engine.optimizer import Chunk, ShardGroup
+from zkern.engine.partition import Bucket, Layout, plan_layout
+
+log = logging.getLogger("zkern")
+
+
+class FlatGroup:
+    """One group of trainable parameters packed into flat buffers, for ZeRO stages 0, 1 and 2."""
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, stage: int, comm: Comm,
+                 dtype: torch.dtype, master_from: list[torch.Tensor], mixed: bool, bucket_numel: int,
+                 overlap: bool, reduce_scatter: bool):
+        self.params, self.names, self.stage, self.comm = params, names, stage, comm
+        self.dtype, self.mixed, self.overlap, self.reduce_scatter = dtype, mixed, overlap, reduce_scatter
+        self.shard_world = 1 if stage == 0 else comm.world
+        self.shard_rank = 0 if stage == 0 else comm.rank
+        self.layout: Layout = plan_layout([p.numel() for p in params], self.shard_world, bucket_numel)
+        device = params[0].device
+        layout = self.layout
+
+        # Flat working-dtype parameters; padding stays zero.
+        self.param_flat = torch.zeros(layout.total, dtype=dtype, device=device)
+        for b in layout.buckets:
+            self.param_flat[b.offset:b.offset + b.numel].copy_(
+                ops.flatten([p.detach() for p in params[b.first:b.last]], dtype))
+        for i, p in enumerate(params):
+            p.data = self._param_view(self.param_flat, i)
+
+        # fp32 master shard (mixed precision) from the caller's fp32 values, before any rounding to 16 bits.
+        self.master = None
+        if mixed:
+            self.master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+            full = torch.zeros(layout.total, dtype=torch.float32, device=device)
+            for b in layout.buckets:
+                full[b.offset:b.offset + b.numel].copy_(ops.flatten(master_from[b.first:b.last], torch.float32))
+                lo, size = layout.chunk_range(b, self.shard_rank)
+                self.master[b.shard_offset:b.shard_offset + size].copy_(full[lo:lo + size])
+            del full
+
+        # Gradients: a full flat buffer whose views are the params' .grad (stages 0, 1), or a shard (stage 2).
+        self.grad_flat = self.grad_shard = None
+        if stage < 2:
+            self.grad_flat = torch.zeros(layout.total, dtype=dtype, device=device)
+            self._attach_grad_views()
+        else:
+            self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self._free_buffers: list[torch.Tensor] = []  # stage 2 bucket buffers not in use
+        self._buffer_count = 0
+        self._open: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> buffer being filled
+        self._in_flight: deque[tuple[Bucket, Work, torch.Tensor | None]] = deque()
+
+        self._bucket_of = [b for b in layout.buckets for _ in range(b.first, b.last)]
+        self.fired = [False] * len(params)  # got a gradient in this backward
+        self.used = [False] * len(params)  # got a gradient in any micro-step since the last optimizer step
+        self._ready = [0] * len(layout.buckets)
+        self._next_launch = 0
+        self._boundary = False
+        self._micro_since_step = 0  # stage 2: reduced micro-steps accumulated into grad_shard
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        self.pieces = layout.pieces(self.shard_rank)
+        self.shard_group = self._make_shard_group()
+
+    # -- views ------------------------------------------------------------------------------------------------
+    def _param_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        return flat[off:off + n].view(self.params[i].shape)
+
+    def _attach_grad_views(self) -> None:
+        for i, p in enumerate(self.params):
+            p.grad = self._param_view(self.grad_flat, i)
+
+    def _own_chunk(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
+        lo, size = self.layout.chunk_range(b, self.shard_rank)
+        return flat[lo:lo + size]
+
+    def grad_chunk(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient for bucket b (valid after backward at the boundary)."""
+        if self.grad_shard is not None:
+            return self.grad_shard[b.shard_offset:b.shard_offset + b.chunk]
+        return self._own_chunk(self.grad_flat, b)
+
+    def grad_segments(self) -> list[torch.Tensor]:
+        """Contiguous buffers that together hold this rank's reduced gradient shard."""
+        if self.grad_shard is not None:
+            return [self.grad_shard]
+        if self.stage == 0:
+            return [self.grad_flat]
+        return [self.grad_chunk(b) for b in self.layout.buckets]
+
+    def _make_shard_group(self) -> ShardGroup:
+        """The shard as the optimizer sees it: fp32 pieces and per-bucket chunks."""
+        base = self.master  # fp32 shard layout
+        pieces, chunks = [], []
+        by_bucket: dict[int, list[tuple[int, int, int]]] = {b.index: [] for b in self.layout.buckets}
+        for piece in self.pieces:
+            if base is not None:
+                t = base[piece.shard_start:piece.shard_start + piece.numel]
+            else:  # fp32: the rank's chunk of the flat parameter buffer is the master copy
+                b = self.layout.buckets[piece.bucket]
+                t = self._own_chunk(self.param_flat, b)[piece.chunk_start:piece.chunk_start + piece.numel]
+            if piece.numel == self.params[piece.param].numel():
+                t = t.view(self.params[piece.param].shape)
+            by_bucket[piece.bucket].append((len(pieces), piece.chunk_start, piece.numel))
+            pieces.append(t)
+        for b in self.layout.buckets:
+            own = self._own_chunk(self.param_flat, b)
+            param = own if base is None else base[b.shard_offset:b.shard_offset + b.chunk]
+            chunks.append(Chunk(param=param, grad=self.grad_chunk(b), out=own if base is not None else None,
+                                shard_start=b.shard_offset, pieces=by_bucket[b.index]))
+        return ShardGroup(pieces=pieces, chunks=chunks, shard_numel=self.layout.shard_numel)
+
+    def active_pieces(self, used: list[bool]) -> list[bool]:
+        """For each shard piece: did its parameter get a gradient on any rank (used: global flags)?"""
+        return [used[piece.param] for piece in self.pieces]
+
+    # -- backward ---------------------------------------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        self._boundary = boundary
+        self.fired = [False] * len(self.params)
+        self._ready = [0] * len(self.layout.buckets)
+        self._next_launch = 0
+        if self.grad_flat is not None:
+            for i, p in enumerate(self.params):
+                if p.grad is None or p.grad.data_ptr() != self._param_view(self.grad_flat, i).data_ptr():
+                    raise RuntimeError(
+                        f"zkern: the gradient of '{self.names[i]}' was replaced or set to None outside the engine "
+                        f"(e.g. model.zero_grad() or optimizer.zero_grad()); the engine zeroes gradients itself "
+                        f"after each step, so remove that call")
+
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad(i, p)
+        return hook
+
+    def _reduces_now(self) -> bool:
+        return self.stage == 2 or self._boundary
+
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        b = self._bucket_of[i]
+        again = self.fired[i]
+        self.fired[i] = self.used[i] = True
+        if self.stage == 2:
+            if again and b.index < self._next_launch:
+                raise RuntimeError(
+                    f"zkern stage 2: '{self.names[i]}' received a second gradient after its bucket was reduced "
+                    f"(reentrant activation checkpointing?); use torch.utils.checkpoint(..., use_reentrant=False)")
+            buf = self._open.get(b.index)
+            if buf is None:
+                buf = self._open[b.index] = self._take_buffer(b)
+            off = self.layout.offsets[i] - b.offset
+            slot = buf[off:off + self.layout.numels[i]]
+            if again:
+                slot.add_(p.grad.reshape(-1))
+            else:
+                slot.copy_(p.grad.reshape(-1))
+            p.grad = None  # stage 2 keeps only the shard: this parameter's full gradient is freed here
+        if again:
+            return
+        self._ready[b.index] += 1
+        if self._reduces_now():
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        buckets = self.layout.buckets
+        while self._next_launch < len(buckets):
+            b = buckets[self._next_launch]
+            if self._ready[b.index] < b.last - b.first:
+                return
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        """Issue bucket b's gradient collective (buckets launch in index order on every rank)."""
+        self._next_launch = b.index + 1
+        purpose = f"gradients of bucket {b.index}, parameters {self.names[b.first]}..{self.names[b.last - 1]}"
+        if self.stage == 2:
+            buf = self._open.pop(b.index, None)
+            if buf is None:
+                buf = self._take_buffer(b)
+            self._zero_unfilled(buf, b)
+            data = buf[:b.padded]
+            out = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
+            work = self.comm.reduce_scatter(out, data, purpose, async_op=self.overlap)
+            self._in_flight.append((b, work, buf))
+        else:
+            data = self.grad_flat[b.offset:b.offset + b.padded]
+            if self.stage == 1 and self.reduce_scatter:
+                work = self.comm.reduce_scatter(self._own_chunk(self.grad_flat, b), data, purpose,
+                                                async_op=self.overlap)
+            else:
+                work = self.comm.all_reduce(data, purpose, async_op=self.overlap)
+            self._in_flight.append((b, work, None))
+        if not self.overlap:
+            self._retire_oldest()
+
+    def _zero_unfilled(self, buf: torch.Tensor, b: Bucket) -> None:
+        """Zero the slots of parameters that got no gradient in this backward, and the padding."""
+        for i in range(b.first, b.last):
+            if not self.fired[i]:
+                off = self.layout.offsets[i] - b.offset
+                buf[off:off + self.layout.numels[i]].zero_()
+        buf[b.numel:b.padded].zero_()
+
+    def _take_buffer(self, b: Bucket) -> torch.Tensor:
+        """A stage-2 bucket buffer; reuses one whose collective has finished before allocating another."""
+        need = max(x.padded for x in self.layout.buckets)
+        if not self._free_buffers and self._in_flight:
+            self._retire_oldest()
+        if self._free_buffers:
+            return self._free_buffers.pop()
+        self._buffer_count += 1
+        return torch.empty(need, dtype=self.dtype, device=self.param_flat.device)
+
+    def _retire_oldest(self) -> None:
+        b, work, buf = self._in_flight.popleft()
+        work.wait()
+        if buf is not None:  # stage 2: fold this micro-step's reduced chunk into the gradient shard
+            chunk = buf[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
+            shard = self.grad_shard[b.shard_offset:b.shard_offset + b.chunk]
+            if self._micro_since_step == 0:
+                shard.copy_(chunk)
+            else:
+                shard.add_(chunk)
+            self._free_buffers.append(buf)
+
+    def end_backward(self) -> None:
+        """Launch the buckets no gradient completed (unused parameters) and wait for every collective."""
+        if self._reduces_now():
+            for b in self.layout.buckets[self._next_launch:]:
+                self._launch(b)
+        while self._in_flight:
+            self._retire_oldest()
+        if self.stage == 2:
+            self._micro_since_step += 1
+
+    # -- step -------------------------------------------------------------------------------------------------
+    def gather_params(self) -> None:
+        """After the step: all-gather every rank's updated chunk into the full flat parameter buffer."""
+        if self.stage == 0:
+            return
+        works = []
+        for b in self.layout.buckets:
+            data = self.param_flat[b.offset:b.offset + b.padded]
+            works.append(self.comm.all_gather(data, self._own_chunk(self.param_flat, b),
+                                              f"updated parameters of bucket {b.index}", async_op=True))
+        for w in works:
+            w.wait()
+
+    def zero_grad(self) -> None:
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()
+        self._micro_since_step = 0  # stage 2: the next reduced chunk overwrites the shard
+        self.used = [False] * len(self.params)
+
+    def full_fp32(self, rank0_only: bool) -> list[torch.Tensor] | None:
+        """Every parameter of the group in fp32 (collective; with rank0_only, None on other ranks)."""
+        keep = not rank0_only or self.comm.rank == 0
+        out: list[torch.Tensor | None] = [None] * len(self.params)
+        for b in self.layout.buckets:
+            if self.master is None:
+                data = self.param_flat[b.offset:b.offset + b.padded]
+            else:
+                data = torch.empty(b.padded, dtype=torch.float32, device=self.master.device)
+                mine = self.master[b.shard_offset:b.shard_offset + b.chunk]
+                if self.shard_world == 1:
+                    data.copy_(mine)
+                else:
+                    self.comm.all_gather(data, mine, f"fp32 weights of bucket {b.index} for full_state_dict")
+            if keep:
+                for i in range(b.first, b.last):
+                    off = self.layout.offsets[i] - b.offset
+                    out[i] = data[off:off + self.layout.numels[i]].float().clone().view(self.params[i].shape)
+        return out if keep else None
+
+    # -- accounting -------------------------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        grads = nbytes(self.grad_flat) + nbytes(self.grad_shard)
+        buffers = self._buffer_count * max(b.padded for b in self.layout.buckets) * self.param_flat.element_size()
+        return {"params": nbytes(self.param_flat), "grads": grads, "master": nbytes(self.master),
+                "comm_buffers": buffers}
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()

@@ -1,0 +1,104 @@
+"""Pure-torch reference of every zkern op: ground truth for tests and bench, and the CPU fallback.
+
+    python -c "import torch, zkern.reference as r; print(r.flatten([torch.ones(2), torch.zeros(3)]))"
+
+Each function here states the exact semantics its Triton / CUDA / CPU twins must reproduce. Depends on torch alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Concatenate the tensors' elements (row-major) into one new 1-D buffer, cast to dtype if given.
+
+    An empty list gives an empty float32 buffer (or dtype). Mixed input dtypes need an explicit dtype.
+    """
+    if not tensors:
+        return torch.empty(0, dtype=dtype or torch.float32)
+    dtypes = {t.dtype for t in tensors}
+    if dtype is None and len(dtypes) > 1:
+        raise TypeError(f"flatten got mixed dtypes {sorted(map(str, dtypes))}; pass dtype= to cast them")
+    out_dtype = dtype or tensors[0].dtype
+    return torch.cat([t.reshape(-1).to(out_dtype) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Split flat into new tensors shaped like `like` (in flat's dtype); flat may be longer (padding)."""
+    need = sum(t.numel() for t in like)
+    if flat.dim() != 1 or flat.numel() < need:
+        raise ValueError(f"unflatten needs a 1-D buffer of at least {need} elements, got shape {tuple(flat.shape)}")
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset:offset + t.numel()].view(t.shape).clone())
+        offset += t.numel()
+    return out
+
+
+def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multiply flat_grad by inv_scale in place; return (found_inf, sq_norm) as fp32 0-d tensors.
+
+    found_inf is 1.0 when any element is NaN or +-inf, else 0.0. sq_norm is the fp32 sum of squares of the
+    unscaled elements (computed in fp32 whatever the buffer dtype). Both stay on flat_grad's device: no host
+    synchronisation. inv_scale == 1.0 leaves the buffer untouched (a check-and-norm pass only).
+    """
+    _check_float("flat_grad", flat_grad)
+    if not flat_grad.is_contiguous():
+        raise ValueError("unscale_and_check_ needs a contiguous buffer (it works on flat gradient shards)")
+    x = flat_grad.float()
+    if inv_scale != 1.0:
+        x = x * inv_scale
+        flat_grad.copy_(x)
+    found_inf = (~torch.isfinite(x)).any().float()
+    sq_norm = torch.dot(x, x) if x.numel() else torch.zeros((), device=x.device)
+    return found_inf, sq_norm.float()
+
+
+def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, adamw: bool,
+               grad_scale: float = 1.0, param_out: torch.Tensor | None = None) -> None:
+    """One Adam/AdamW step in place, with torch.optim.Adam/AdamW's exact formulas (single-tensor path).
+
+    param, exp_avg, exp_avg_sq: fp32. grad: fp32/fp16/bf16, multiplied by grad_scale after the upcast (zkern folds
+    loss-scale unscaling, clipping and the 1/world average into that one factor). step: the step count after
+    this update (1 on the first step). param_out: optional fp16/bf16 buffer that receives param.to(dtype).
+    """
+    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"adam_step_: {name} must be float32, got {t.dtype}")
+        if t.shape != param.shape:
+            raise ValueError(f"adam_step_: {name} has shape {tuple(t.shape)}, param has {tuple(param.shape)}")
+    _check_float("grad", grad)
+    if grad.shape != param.shape:
+        raise ValueError(f"adam_step_: grad has shape {tuple(grad.shape)}, param has {tuple(param.shape)}")
+    if step < 1:
+        raise ValueError(f"adam_step_: step counts from 1, got {step}")
+    beta1, beta2 = betas
+    g = grad.float() if grad.dtype != torch.float32 else grad
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if weight_decay != 0.0:
+        if adamw:
+            param.mul_(1.0 - lr * weight_decay)
+        else:
+            g = g.add(param, alpha=weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2 = 1.0 - beta2**step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / (bias_correction2**0.5)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+    if param_out is not None:
+        if param_out.shape != param.shape:
+            raise ValueError(f"adam_step_: param_out has shape {tuple(param_out.shape)}, param has "
+                             f"{tuple(param.shape)}")
+        param_out.copy_(param)

@@ -1,0 +1,311 @@
+"""Helpers shared by tests and bench: a tiny GPT, deterministic batches, an N-rank spawner over gloo, a plain
+single-process torch reference run, and the parameter comparison zkern's equivalence tests use.
+
+    python -c "from zkern.testing import TinyGPT; print(sum(p.numel() for p in TinyGPT().parameters()))"
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import socket
+import traceback
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.ln1 = nn.LayerNorm(dim)
+        # No qkv bias: the key bias's gradient is exactly zero in exact arithmetic (softmax ignores a shift shared
+        # by all keys), so Adam turns pure rounding noise into lr-sized steps that no two implementations share.
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.fc_out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-2-shaped model small enough for CI: token embedding tied to the LM head (GPT-2's tied weight), a
+    learned position embedding, pre-norm blocks, and an LM-head bias of `vocab` elements (odd by default, so the
+    parameter count divides by no world size). `extra_branch` adds a layer used only when forward gets
+    use_extra=True (a parameter that gets no gradient in some steps); `freeze_pos` freezes the position embedding.
+    """
+
+    def __init__(self, vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16,
+                 tie: bool = True, extra_branch: bool = False, freeze_pos: bool = False):
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=dim, vocab_size=vocab, n_layer=n_layer, seq=seq)
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02, requires_grad=not freeze_pos)
+        self.blocks = nn.ModuleList(Block(dim, n_head) for _ in range(n_layer))
+        self.extra = nn.Linear(dim, dim) if extra_branch else None
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        if tie:
+            self.head.weight = self.tok.weight
+        self.register_buffer("position_ids", torch.arange(seq), persistent=True)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, use_extra: bool = False):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos[self.position_ids[:t]].to(self.tok.weight.dtype)
+        for block in self.blocks:
+            x = block(x)
+        if use_extra:
+            if self.extra is None:
+                raise ValueError("use_extra=True needs TinyGPT(extra_branch=True)")
+            x = x + self.extra(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def make_batches(seed: int, steps: int, accumulation: int, world: int, micro_batch: int, seq: int, vocab: int):
+    """batches[step][micro][rank] = (idx, targets), LongTensors of shape (micro_batch, seq); deterministic."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab, (steps, accumulation, world, micro_batch, seq + 1), generator=g)
+    return [[[(data[s, m, r, :, :-1], data[s, m, r, :, 1:]) for r in range(world)] for m in range(accumulation)]
+            for s in range(steps)]
+
+
+def global_batch(batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole global batch of a step (every micro-step of every rank), as one single process sees it."""
+    pairs = [pair for micro in batches[step] for pair in micro]
+    return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A training run, described once for both zkern and the reference
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    stage: int = 0
+    steps: int = 10
+    accumulation: int = 1
+    micro_batch: int = 2
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    clip: float = 0.0
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    optimizer: str = "AdamW"
+    seed: int = 1234
+    model: dict = field(default_factory=dict)  # TinyGPT kwargs
+    extra_every: int = 0  # > 0: forward uses the extra branch on steps where step % extra_every == 0
+    reduce_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    zero: dict = field(default_factory=dict)  # more zero_optimization keys
+    fp16: dict = field(default_factory=dict)  # more fp16 keys
+
+    def config(self, world: int) -> dict:
+        cfg = {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.accumulation,
+            "gradient_clipping": self.clip,
+            "optimizer": {"type": self.optimizer, "params": {"lr": self.lr, "weight_decay": self.weight_decay}},
+            "zero_optimization": {"stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
+                                  "overlap_comm": self.overlap_comm, **self.zero},
+            "steps_per_print": 0,
+            "comm_timeout_s": 120,
+        }
+        if self.precision == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        elif self.precision == "fp16":
+            cfg["fp16"] = {"enabled": True, **self.fp16}
+        return cfg
+
+    def make_model(self) -> TinyGPT:
+        torch.manual_seed(self.seed)
+        return TinyGPT(**self.model)
+
+    def batches(self, world: int):
+        vocab = self.model.get("vocab", 67)
+        seq = self.model.get("seq", 16)
+        return make_batches(self.seed + 1, self.steps, self.accumulation, world, self.micro_batch, seq, vocab)
+
+    def uses_extra(self, step: int) -> bool:
+        return self.extra_every > 0 and step % self.extra_every == 0
+
+
+def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain single-process torch: the same model, the whole global batch per step, torch.optim.AdamW/Adam,
+    torch.nn.utils.clip_grad_norm_. Returns (final state_dict in fp32, loss per step)."""
+    model = spec.make_model()
+    batches = spec.batches(world)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # DeepSpeed's (and so zkern's) "Adam" decouples weight decay like AdamW unless adam_w_mode is false.
+    opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    losses = []
+    for step in range(spec.steps):
+        opt.zero_grad()
+        idx, tgt = global_batch(batches, step)
+        loss = model(idx, tgt, use_extra=spec.uses_extra(step))
+        loss.backward()
+        if spec.clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, spec.clip)
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}, losses
+
+
+def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
+    """Train spec with zkern.Engine on this rank; returns losses (this rank's mean per step), the final
+    full_state_dict (rank 0), memory_report, comm_stats after construction and at the end, counters."""
+    import zkern
+
+    model = spec.make_model()
+    engine = zkern.Engine(model, spec.config(world))
+    comm_start = engine.comm_stats()
+    batches = spec.batches(world)
+    losses = []
+    for step in range(spec.steps):
+        total = 0.0
+        for micro in range(spec.accumulation):
+            idx, tgt = batches[step][micro][rank]
+            loss = engine(idx.to(engine.device), tgt.to(engine.device), use_extra=spec.uses_extra(step))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / spec.accumulation)
+    state = engine.full_state_dict(rank0_only=True)
+    return {"losses": losses, "state": state, "memory": engine.memory_report(), "comm_start": comm_start,
+            "comm_end": engine.comm_stats(), "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
+            "loss_scale": engine.loss_scale, "grad_norm": engine.last_grad_norm, "spec": asdict(spec)}
+
+
+def mean_losses(results: list[dict]) -> list[float]:
+    """The global loss per step: the mean of the ranks' losses (equal micro-batch sizes)."""
+    return [sum(r["losses"][s] for r in results) / len(results) for s in range(len(results[0]["losses"]))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Comparison
+
+
+def compare_params(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, lr: float, steps: int,
+                   rtol: float = 1e-5, lr_units: float = 1e-3) -> list[str]:
+    """Failures (empty when all match) of zkern's equivalence bar, tensor by tensor:
+
+    a tensor matches when its relative error ||a - e|| / ||e|| is within rtol (float32 rounding), or, where Adam's
+    division by sqrt(v) amplifies rounding (gradients near zero, as in zero-initialised biases), when its largest
+    element error is within lr_units * lr * steps (Adam moves an element by about lr per step).
+    """
+    failures = []
+    if set(actual) != set(expected):
+        return [f"names differ: missing {sorted(set(expected) - set(actual))}, "
+                f"unexpected {sorted(set(actual) - set(expected))}"]
+    for name, e in expected.items():
+        a = actual[name]
+        if a.shape != e.shape:
+            failures.append(f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}")
+            continue
+        if not e.is_floating_point():
+            if not torch.equal(a, e):
+                failures.append(f"{name}: integer tensor differs")
+            continue
+        a, e = a.double(), e.double()
+        if not torch.isfinite(a).all():
+            failures.append(f"{name}: non-finite values")
+            continue
+        diff = (a - e).norm().item()
+        ref = e.norm().item()
+        rel = diff / ref if ref > 0 else (0.0 if diff == 0 else math.inf)
+        max_err = (a - e).abs().max().item() if a.numel() else 0.0
+        if rel <= rtol or max_err <= lr_units * lr * steps:
+            continue
+        failures.append(f"{name}: relative error {rel:.3e} > {rtol:g} and largest element error {max_err:.3e} > "
+                        f"{lr_units:g} x lr x steps = {lr_units * lr * steps:.3e}")
+    return failures
+
+
+def assert_params_close(actual: dict, expected: dict, *, lr: float, steps: int, **kwargs) -> None:
+    failures = compare_params(actual, expected, lr=lr, steps=steps, **kwargs)
+    if failures:
+        raise AssertionError("parameters differ from the reference:\n  " + "\n  ".join(failures))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Spawning ranks
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn, args, queue, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    try:
+        result = fn(rank, world, *args)
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def spawn(fn, world: int, *args, timeout: float = 300.0, threads: int = 1) -> list:
+    """Run fn(rank, world, *args) on `world` processes over gloo (torchrun's environment variables on a free
+    127.0.0.1 port); returns the results by rank. World size 1 runs in this process, with no process group.
+    A rank that raises fails the whole call with that rank's traceback; no rank is left running."""
+    if world == 1:
+        return [fn(0, 1, *args)]
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue, threads), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout)
+            except Exception as e:
+                raise TimeoutError(f"spawn: ranks {sorted(set(range(world)) - set(results))} gave no result "
+                                   f"within {timeout:g}s") from e
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world} failed:\n{payload}")
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return [results[r] for r in range(world)]

@@ -333,9 +333,14 @@ def _value(path: str, kind: str, value: Any) -> Any:
 
 
 def _is_default(value: Any, default: Any) -> bool:
-    if default is _SECTION_OFF:
-        return isinstance(value, dict) and (not value or value.get("enabled") is False
-                                            or value.get("device") in (None, "none"))
+    if default is _SECTION_OFF:  # off: empty, {"enabled": false}, or an offload section with device "none"
+        if not isinstance(value, dict):
+            return value is None
+        if "enabled" in value:
+            return value["enabled"] is False
+        if "device" in value:
+            return value["device"] in (None, "none")
+        return not value
     return value == default or value == AUTO
 
 

@@ -6,10 +6,12 @@ single-process torch reference run, and the parameter comparison zkern's equival
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
 import socket
+import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
@@ -82,9 +84,17 @@ class TinyGPT(nn.Module):
 
 
 def make_batches(seed: int, steps: int, accumulation: int, world: int, micro_batch: int, seq: int, vocab: int):
-    """batches[step][micro][rank] = (idx, targets), LongTensors of shape (micro_batch, seq); deterministic."""
+    """batches[step][micro][rank] = (idx, targets), LongTensors of shape (micro_batch, seq); deterministic.
+
+    Each sequence counts modulo vocab from a random start with a random stride in 1..4, so the next token is
+    learnable from the two before it: the loss falls well below ln(vocab) within a few steps, which makes loss
+    curves informative (random tokens leave them flat).
+    """
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, vocab, (steps, accumulation, world, micro_batch, seq + 1), generator=g)
+    shape = (steps, accumulation, world, micro_batch, 1)
+    start = torch.randint(0, vocab, shape, generator=g)
+    stride = torch.randint(1, 5, shape, generator=g)
+    data = (start + stride * torch.arange(seq + 1)) % vocab
     return [[[(data[s, m, r, :, :-1], data[s, m, r, :, 1:]) for r in range(world)] for m in range(accumulation)]
             for s in range(steps)]
 
@@ -178,8 +188,9 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
     engine = zkern.Engine(model, spec.config(world))
     comm_start = engine.comm_stats()
     batches = spec.batches(world)
-    losses = []
+    losses, times = [], []
     for step in range(spec.steps):
+        start = time.perf_counter()
         total = 0.0
         for micro in range(spec.accumulation):
             idx, tgt = batches[step][micro][rank]
@@ -187,11 +198,47 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
             engine.backward(loss)
             engine.step()
             total += loss.item()
+        times.append(time.perf_counter() - start)
         losses.append(total / spec.accumulation)
+    comm_end = engine.comm_stats()  # before full_state_dict's own gather
     state = engine.full_state_dict(rank0_only=True)
     return {"losses": losses, "state": state, "memory": engine.memory_report(), "comm_start": comm_start,
-            "comm_end": engine.comm_stats(), "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
-            "loss_scale": engine.loss_scale, "grad_norm": engine.last_grad_norm, "spec": asdict(spec)}
+            "comm_end": comm_end, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
+            "loss_scale": engine.loss_scale, "grad_norm": engine.last_grad_norm, "step_times": times,
+            "spec": asdict(spec)}
+
+
+def ddp_run(rank: int, world: int, spec: TrainSpec) -> dict:
+    """The same training under torch's DistributedDataParallel + AdamW (the stock peer of stage 0)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    model = spec.make_model()
+    ddp = DistributedDataParallel(model, find_unused_parameters=spec.extra_every > 0) if world > 1 else model
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    batches = spec.batches(world)
+    losses, times = [], []
+    for step in range(spec.steps):
+        start = time.perf_counter()
+        opt.zero_grad()
+        total = 0.0
+        for micro in range(spec.accumulation):
+            idx, tgt = batches[step][micro][rank]
+            last = micro == spec.accumulation - 1
+            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
+                loss = ddp(idx, tgt, use_extra=spec.uses_extra(step))
+                (loss / spec.accumulation).backward()
+            total += loss.item()
+        if spec.clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, spec.clip)
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(total / spec.accumulation)
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()} if rank == 0 else None
+    return {"losses": losses, "state": state, "step_times": times}
 
 
 def mean_losses(results: list[dict]) -> list[float]:

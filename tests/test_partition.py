@@ -1,0 +1,52 @@
+import pytest
+
+import zkern
+from zkern.engine.partition import padded_numel, plan_layout, shard_range
+
+
+def test_shard_range_and_padding():
+    assert padded_numel(10, 4) == 12 and padded_numel(12, 4) == 12 and padded_numel(1, 1) == 1
+    assert [shard_range(10, r, 4) for r in range(4)] == [(0, 3), (3, 3), (6, 3), (9, 3)]
+    with pytest.raises(ValueError, match="rank 4 is outside world size 4"):
+        shard_range(10, 4, 4)
+
+
+@pytest.mark.parametrize("numels, world, bucket", [
+    ([10, 7, 3], 4, 12), ([1], 4, 100), ([5, 5, 5, 5], 3, 5), ([1000, 17, 15, 1], 2, 64), ([7], 1, 3),
+])
+def test_layout_pieces_cover_every_element_exactly_once(numels, world, bucket):
+    layout = plan_layout(numels, world, bucket)
+    assert layout.total == sum(b.padded for b in layout.buckets)
+    assert all(b.padded % world == 0 and b.numel <= b.padded for b in layout.buckets)
+    assert all(b.numel <= bucket or b.last - b.first == 1 for b in layout.buckets)  # only a lone big param overflows
+    assert layout.shard_numel * world == layout.total
+    seen = {p: [0] * n for p, n in enumerate(numels)}
+    for rank in range(world):
+        shard_used = 0
+        for piece in layout.pieces(rank):
+            for k in range(piece.param_start, piece.param_start + piece.numel):
+                seen[piece.param][k] += 1
+            b = layout.buckets[piece.bucket]
+            # the piece sits where the flat layout says, inside the rank's chunk
+            flat_start = layout.offsets[piece.param] + piece.param_start
+            lo, size = layout.chunk_range(b, rank)
+            assert lo <= flat_start and flat_start + piece.numel <= lo + size
+            assert piece.shard_start == b.shard_offset + flat_start - lo
+            shard_used += piece.numel
+        assert shard_used <= layout.shard_numel
+    assert all(count == 1 for counts in seen.values() for count in counts)
+
+
+def test_estimate_memory_matches_the_zero_paper():
+    # The paper's example: 7.5B parameters, 64 ranks, mixed-precision Adam (K = 12).
+    psi, n = 7_500_000_000, 64
+    expected_gb = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.875}
+    for stage, gb in expected_gb.items():
+        total = zkern.estimate_memory(psi, n, stage)["total"]
+        assert total / 1e9 == pytest.approx(gb, rel=5e-3)
+    fp32 = zkern.estimate_memory(1000, 4, 1, precision="fp32")
+    assert fp32 == {"params": 4000, "grads": 4000, "optimizer_states": 2000, "total": 10000, "host": 0}
+    off = zkern.estimate_memory(1000, 4, 3, offload_optimizer=True, offload_param=True)
+    assert off["optimizer_states"] == 0 and off["params"] == 0 and off["host"] == 3000 + 500
+    with pytest.raises(ValueError, match="offload_param needs ZeRO stage 3"):
+        zkern.estimate_memory(1000, 4, 2, offload_param=True)

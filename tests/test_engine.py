@@ -11,8 +11,16 @@ import pytest
 import torch
 
 import zkern
-from zkern.testing import (TrainSpec, assert_params_close, compare_params, ddp_run, engine_run, mean_losses,
-                           reference_run, spawn)
+from zkern.testing import (
+    TrainSpec,
+    assert_params_close,
+    compare_params,
+    ddp_run,
+    engine_run,
+    mean_losses,
+    reference_run,
+    spawn,
+)
 
 
 def engine_runs(rank, world, specs):

@@ -96,6 +96,7 @@ class Config:
     steps_per_print: int = 10
     zero_allow_untested_optimizer: bool = False
     comm_timeout_s: float = 600.0  # zkern's own key: collective timeout, so a dead rank ends the job
+    device: str = "auto"  # zkern's own key: "auto" (cuda:LOCAL_RANK when CUDA is available), "cpu" or "cuda"
     world_size: int | None = None  # set by resolve()
 
     # -- construction ------------------------------------------------------------------------------------------
@@ -146,6 +147,7 @@ _IMPLEMENTED_TOP = {
     "steps_per_print": ("int", 10),
     "zero_allow_untested_optimizer": ("bool", False),
     "comm_timeout_s": ("float", 600.0),
+    "device": ("str", "auto"),
 }
 
 _FP16_KEYS = {
@@ -455,6 +457,7 @@ def _parse(raw: dict) -> Config:
         steps_per_print=top.get("steps_per_print", 10),
         zero_allow_untested_optimizer=top.get("zero_allow_untested_optimizer", False),
         comm_timeout_s=top.get("comm_timeout_s", 600.0),
+        device=top.get("device", "auto"),
     )
 
 
@@ -470,6 +473,8 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
             raise ConfigError(f"'zero_optimization.stage' must be 0, 1, 2 or 3, got {other}")
     if top.get("gradient_clipping", 0.0) < 0:
         raise ConfigError(f"'gradient_clipping' must be >= 0 (0 turns clipping off), got {top['gradient_clipping']}")
+    if top.get("device", "auto") not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"'device' must be \"auto\", \"cpu\" or \"cuda\", got {top['device']!r}")
     if top.get("comm_timeout_s", 600.0) <= 0:
         raise ConfigError(f"'comm_timeout_s' must be > 0 seconds, got {top['comm_timeout_s']}")
     for key in ("reduce_bucket_size", "allgather_bucket_size"):

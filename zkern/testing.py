@@ -127,6 +127,7 @@ class TrainSpec:
     overlap_comm: bool = True
     zero: dict = field(default_factory=dict)  # more zero_optimization keys
     fp16: dict = field(default_factory=dict)  # more fp16 keys
+    device: str = "cpu"  # "cuda" for the gpu-marked tests
 
     def config(self, world: int) -> dict:
         cfg = {
@@ -138,6 +139,7 @@ class TrainSpec:
                                   "overlap_comm": self.overlap_comm, **self.zero},
             "steps_per_print": 0,
             "comm_timeout_s": 120,
+            "device": self.device,
         }
         if self.precision == "bf16":
             cfg["bf16"] = {"enabled": True}
@@ -161,7 +163,8 @@ class TrainSpec:
 def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain single-process torch: the same model, the whole global batch per step, torch.optim.AdamW/Adam,
     torch.nn.utils.clip_grad_norm_. Returns (final state_dict in fp32, loss per step)."""
-    model = spec.make_model()
+    device = torch.device("cuda" if spec.device == "cuda" else "cpu")
+    model = spec.make_model().to(device)
     batches = spec.batches(world)
     params = [p for p in model.parameters() if p.requires_grad]
     # DeepSpeed's (and so zkern's) "Adam" decouples weight decay like AdamW unless adam_w_mode is false.
@@ -170,13 +173,13 @@ def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor],
     for step in range(spec.steps):
         opt.zero_grad()
         idx, tgt = global_batch(batches, step)
-        loss = model(idx, tgt, use_extra=spec.uses_extra(step))
+        loss = model(idx.to(device), tgt.to(device), use_extra=spec.uses_extra(step))
         loss.backward()
         if spec.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, spec.clip)
         opt.step()
         losses.append(loss.item())
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}, losses
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}, losses
 
 
 def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
@@ -202,6 +205,7 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
         losses.append(total / spec.accumulation)
     comm_end = engine.comm_stats()  # before full_state_dict's own gather
     state = engine.full_state_dict(rank0_only=True)
+    state = None if state is None else {k: v.cpu() for k, v in state.items()}
     return {"losses": losses, "state": state, "memory": engine.memory_report(), "comm_start": comm_start,
             "comm_end": comm_end, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
             "loss_scale": engine.loss_scale, "grad_norm": engine.last_grad_norm, "step_times": times,

@@ -19,17 +19,30 @@ from zkern.engine.lr_schedules import build_scheduler
 from zkern.engine.optimizer import ShardAdam, ShardGroup
 
 
-def pick_device(model: torch.nn.Module) -> torch.device:
-    """Where the engine trains: the model's CUDA device if it is on one; else cuda:LOCAL_RANK when CUDA is
-    available (as DeepSpeed moves the module); else the CPU."""
+def pick_device(model: torch.nn.Module, want: str) -> torch.device:
+    """Where this rank trains. want "cpu" or "cuda" (config key 'device') decides; "auto" keeps a model that
+    is already on a CUDA device, else takes cuda:LOCAL_RANK when CUDA is available (as DeepSpeed moves the
+    module), else the CPU."""
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
                          f"zkern trains a model that lives on one device per rank")
-    device = devices.pop() if devices else torch.device("cpu")
-    if device.type == "cpu" and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
+    current = devices.pop() if devices else torch.device("cpu")
+    local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    match want:
+        case "cpu":
+            return torch.device("cpu")
+        case "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("config 'device' is \"cuda\" but torch sees no CUDA device; use \"cpu\" or "
+                                   "\"auto\"")
+            return current if current.type == "cuda" else local
+        case "auto":
+            if current.type == "cuda" or not torch.cuda.is_available():
+                return current
+            return local
+        case other:
+            raise ValueError(f"device must be auto, cpu or cuda, got {other!r}")
 
 
 def broadcast_state(model: torch.nn.Module, comm: Comm) -> None:

@@ -37,7 +37,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: Config | dict | str | os.PathLike,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None):
         cfg = Config.load(config)
-        self.device = build.pick_device(model)
+        self.device = build.pick_device(model, cfg.device)
         group, rank, world = init_distributed(self.device, cfg.comm_timeout_s)
         self.config = cfg = cfg.resolve(world, model)
         self.comm = Comm(group, rank, world, cfg.comm_timeout_s)

@@ -1,0 +1,210 @@
+"""The engine's contract beyond plain equivalence: client optimizers and schedulers, misuse errors, and a
+dead or stalled rank ending the job with an error that names it."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zkern
+from zkern import ConfigError
+from zkern.testing import TinyGPT, TrainSpec, assert_params_close, global_batch, spawn
+
+
+def base_config(**kw):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "device": "cpu"}
+    cfg.update(kw)
+    return cfg
+
+
+def two_groups(model, opt_cls, **kw):
+    """HF-style groups: weight decay on matrices, none on biases and norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2 and p.requires_grad]
+    rest = [p for p in model.parameters() if p.dim() < 2 and p.requires_grad]
+    return opt_cls([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], **kw)
+
+
+def make_client(kind, model):
+    match kind:
+        case "adamw_groups":
+            return two_groups(model, torch.optim.AdamW, lr=3e-3)
+        case "sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def make_schedule(kind):
+    match kind:
+        case None:
+            return None
+        case "halving":  # a callable optimizer -> scheduler, as DeepSpeed accepts
+            return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+
+
+def client_worker(rank, world, stage, kind, schedule, extra_cfg, init_group_first):
+    """Train with a client torch optimizer (and scheduler) through zkern; rank 0 returns the fp32 weights."""
+    if init_group_first and world > 1:
+        dist.init_process_group("gloo")  # the user's own group: zkern must make its own and work beside it
+    spec = TrainSpec(stage=stage, steps=6, accumulation=2)
+    model = spec.make_model()
+    opt = make_client(kind, model)
+    engine = zkern.Engine(model, base_config(gradient_accumulation_steps=2, zero_optimization={"stage": stage},
+                                             **extra_cfg), optimizer=opt, lr_scheduler=make_schedule(schedule))
+    assert engine.optimizer is opt
+    batches = spec.batches(world)
+    lrs = []
+    for step in range(spec.steps):
+        for micro in range(spec.accumulation):
+            idx, tgt = batches[step][micro][rank]
+            engine.backward(engine(idx, tgt))
+            engine.step()
+        lrs.append([g["lr"] for g in opt.param_groups])
+    return {"state": engine.full_state_dict(rank0_only=True), "lrs": lrs}
+
+
+def client_reference(kind, schedule, world):
+    spec = TrainSpec(steps=6, accumulation=2)
+    model = spec.make_model()
+    opt = make_client(kind, model)
+    sched = make_schedule(schedule)
+    sched = sched(opt) if sched else None
+    batches = spec.batches(world)
+    for step in range(spec.steps):
+        opt.zero_grad()
+        idx, tgt = global_batch(batches, step)
+        model(idx, tgt).backward()
+        opt.step()
+        if sched:
+            sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [0, 2])
+def test_client_adamw_with_two_param_groups_and_a_client_scheduler(stage):
+    results = spawn(client_worker, 2, stage, "adamw_groups", "halving", {}, stage == 2)
+    assert_params_close(results[0]["state"], client_reference("adamw_groups", "halving", 2), lr=3e-3, steps=6)
+    assert results[0]["lrs"][-1] == [3e-3 * 0.5**6] * 2
+
+
+@pytest.mark.dist
+def test_untested_client_optimizer_needs_the_opt_in_and_then_matches():
+    with pytest.raises(ConfigError, match="SGD is an untested ZeRO optimizer.*zero_allow_untested_optimizer"):
+        client_worker(0, 1, 1, "sgd", None, {}, False)
+    results = spawn(client_worker, 2, 1, "sgd", None, {"zero_allow_untested_optimizer": True}, False)
+    assert_params_close(results[0]["state"], client_reference("sgd", None, 2), lr=0.05, steps=6)
+
+
+def test_torch_adam_option_runs_torch_on_the_shard_and_matches():
+    spec = TrainSpec(stage=1, steps=5)
+    from zkern.testing import engine_run, reference_run
+
+    class TorchAdamSpec(TrainSpec):
+        def config(self, world):
+            cfg = super().config(world)
+            cfg["optimizer"]["params"]["torch_adam"] = True
+            return cfg
+
+    spec = TorchAdamSpec(stage=1, steps=5)
+    result = engine_run(0, 1, spec)
+    assert_params_close(result["state"], reference_run(spec, 1)[0], lr=spec.lr, steps=spec.steps)
+
+
+def test_config_scheduler_drives_the_lr_and_waits_on_skipped_steps():
+    model = TinyGPT()
+    cfg = base_config(optimizer={"type": "AdamW", "params": {"lr": 1.0}}, fp16={"enabled": True, "hysteresis": 1},
+                      scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                                "warmup_num_steps": 4, "warmup_type": "linear"}})
+    engine = zkern.Engine(model, cfg)
+    idx = torch.randint(0, 67, (2, 17))
+    seen = []
+    for step in range(6):
+        loss = engine(idx[:, :-1], idx[:, 1:])
+        if step == 2:
+            loss = loss * float("inf")  # an overflowing step: skipped, the schedule does not advance
+        engine.backward(loss)
+        engine.step()
+        seen.append(engine.optimizer.param_groups[0]["lr"])
+    # DeepSpeed: lr = min at construction; each taken step advances the iteration k = 0, 1, ...: 0.01 * k / 4
+    assert seen == [0.0, 0.0025, 0.0025, 0.005, 0.0075, 0.01]
+    assert engine.skipped_steps == 1 and engine.global_steps == 6
+
+
+def test_misuse_gets_clear_errors():
+    cfg = base_config(optimizer={"type": "AdamW"})
+    with pytest.raises(ConfigError, match="no optimizer"):
+        zkern.Engine(TinyGPT(), base_config())
+    model = TinyGPT()
+    with pytest.raises(ConfigError, match="an optimizer is given twice"):
+        zkern.Engine(model, cfg, optimizer=torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match="parameter 'pos' is torch.bfloat16; zkern keeps fp32 master weights.*\"bf16\""):
+        zkern.Engine(TinyGPT().bfloat16(), cfg)
+    model = TinyGPT()
+    partial = torch.optim.AdamW(model.blocks.parameters())
+    with pytest.raises(ValueError, match="require grad but are in no optimizer param group"):
+        zkern.Engine(model, base_config(), optimizer=partial)
+    frozen = TinyGPT()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        zkern.Engine(frozen, cfg)
+
+    engine = zkern.Engine(TinyGPT(), base_config(optimizer={"type": "AdamW"}, zero_optimization={"stage": 1}))
+    idx = torch.randint(0, 67, (2, 17))
+    with torch.no_grad():
+        loss = engine(idx[:, :-1], idx[:, 1:])
+    with pytest.raises(ValueError, match="does not require grad"):
+        engine.backward(loss)
+    engine.module.zero_grad()  # replaces the engine's gradient views with None
+    with pytest.raises(RuntimeError, match="was replaced or set to None outside the engine"):
+        engine.backward(engine(idx[:, :-1], idx[:, 1:]))
+
+
+def test_unused_parameters_error_when_asked():
+    model = TinyGPT(extra_branch=True)
+    engine = zkern.Engine(model, base_config(optimizer={"type": "AdamW"},
+                                             zero_optimization={"stage": 2, "ignore_unused_parameters": False}))
+    idx = torch.randint(0, 67, (2, 17))
+    engine.backward(engine(idx[:, :-1], idx[:, 1:]))
+    with pytest.raises(RuntimeError, match=r"\['extra.bias', 'extra.weight'\] got no gradient"):
+        engine.step()
+
+
+def test_world_size_one_needs_no_process_group():
+    engine = zkern.Engine(TinyGPT(), base_config(optimizer={"type": "AdamW"}, zero_optimization={"stage": 2}))
+    assert not dist.is_initialized() and engine.world_size == 1
+    idx = torch.randint(0, 67, (2, 17))
+    engine.backward(engine(idx[:, :-1], idx[:, 1:]))
+    engine.step()
+    assert engine.global_steps == 1 and engine.comm_stats()["reduce_scatter"] == 0
+
+
+def stalled_peer_worker(rank, world, mode, timeout_s):
+    """Rank 1 dies (mode "dies") or stalls past the timeout (mode "stalls") instead of its first step; rank 0
+    must end with a CommError naming itself and the collective, within the timeout."""
+    engine = zkern.Engine(TinyGPT(), base_config(optimizer={"type": "AdamW"}, zero_optimization={"stage": 2},
+                                                 comm_timeout_s=timeout_s))
+    if rank == 1:
+        if mode == "stalls":
+            time.sleep(timeout_s + 8)
+        return {"rank": 1}
+    idx = torch.randint(0, 67, (2, 17))
+    start = time.monotonic()
+    try:
+        engine.backward(engine(idx[:, :-1], idx[:, 1:]))
+        engine.step()
+    except zkern.CommError as e:
+        return {"rank": 0, "error": str(e), "seconds": time.monotonic() - start}
+    return {"rank": 0, "error": None}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dies", "stalls"])
+def test_a_dead_or_stalled_rank_ends_the_job_with_an_error(mode):
+    timeout_s = 4.0
+    results = spawn(stalled_peer_worker, 2, mode, timeout_s, timeout=60)
+    error = results[0]["error"]
+    assert error is not None, "rank 0 finished a step without its peer"
+    assert "zkern rank 0 of 2: reduce_scatter" in error and "comm_timeout_s=4s" in error
+    assert results[0]["seconds"] < timeout_s + 5

@@ -57,8 +57,13 @@ def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch
     if inv_scale != 1.0:
         x = x * inv_scale
         flat_grad.copy_(x)
-    found_inf = (~torch.isfinite(x)).any().float()
     sq_norm = torch.dot(x, x) if x.numel() else torch.zeros((), device=x.device)
+    if x.device.type == "cpu":
+        # One pass in the common case: a NaN or inf element makes the sum of squares non-finite, so only then
+        # look for one (a finite sum can hide none). Reading sq_norm costs nothing on the CPU.
+        found_inf = (~torch.isfinite(x)).any().float() if not torch.isfinite(sq_norm) else torch.zeros(())
+    else:
+        found_inf = (~torch.isfinite(x)).any().float()  # no host synchronisation on an accelerator
     return found_inf, sq_norm.float()
 
 
@@ -83,19 +88,26 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         raise ValueError(f"adam_step_: step counts from 1, got {step}")
     beta1, beta2 = betas
     g = grad.float() if grad.dtype != torch.float32 else grad
-    if grad_scale != 1.0:
-        g = g * grad_scale
     if weight_decay != 0.0:
         if adamw:
             param.mul_(1.0 - lr * weight_decay)
         else:
+            g = g * grad_scale if grad_scale != 1.0 else g
+            grad_scale = 1.0
             g = g.add(param, alpha=weight_decay)
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    if grad_scale == 1.0:
+        exp_avg.lerp_(g, 1.0 - beta1)  # torch's formula, bit for bit
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    else:
+        # The scale folded into the coefficients: no full-size temporary (on a CPU every fresh large buffer
+        # page-faults), at the price of a last-place rounding difference from lerp.
+        exp_avg.mul_(beta1).add_(g, alpha=(1.0 - beta1) * grad_scale)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=(1.0 - beta2) * grad_scale * grad_scale)
     bias_correction1 = 1.0 - beta1**step
     bias_correction2 = 1.0 - beta2**step
     step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / (bias_correction2**0.5)).add_(eps)
+    denom = exp_avg_sq.sqrt()
+    denom.div_(bias_correction2**0.5).add_(eps)  # in place: one temporary instead of torch's two, same values
     param.addcdiv_(exp_avg, denom, value=-step_size)
     if param_out is not None:
         if param_out.shape != param.shape:

@@ -206,7 +206,8 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
     comm_end = engine.comm_stats()  # before full_state_dict's own gather
     state = engine.full_state_dict(rank0_only=True)
     state = None if state is None else {k: v.cpu() for k, v in state.items()}
-    return {"losses": losses, "state": state, "memory": engine.memory_report(), "comm_start": comm_start,
+    return {"losses": losses, "state": state, "memory": engine.memory_report(), "peak_rss": peak_rss_bytes(),
+            "comm_start": comm_start,
             "comm_end": comm_end, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
             "loss_scale": engine.loss_scale, "grad_norm": engine.last_grad_norm, "step_times": times,
             "spec": asdict(spec)}
@@ -242,7 +243,17 @@ def ddp_run(rank: int, world: int, spec: TrainSpec) -> dict:
         times.append(time.perf_counter() - start)
         losses.append(total / spec.accumulation)
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()} if rank == 0 else None
-    return {"losses": losses, "state": state, "step_times": times}
+    tensors = [*model.parameters(), *(p.grad for p in params if p.grad is not None),
+               *(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.numel() > 1)]
+    return {"losses": losses, "state": state, "step_times": times, "peak_rss": peak_rss_bytes(),
+            "model_state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def mean_losses(results: list[dict]) -> list[float]:
@@ -327,11 +338,11 @@ def _child(rank: int, world: int, port: int, fn, args, queue, threads: int) -> N
                 pass
 
 
-def spawn(fn, world: int, *args, timeout: float = 300.0, threads: int = 1) -> list:
-    """Run fn(rank, world, *args) on `world` processes over gloo (torchrun's environment variables on a free
-    127.0.0.1 port); returns the results by rank. World size 1 runs in this process, with no process group.
-    A rank that raises fails the whole call with that rank's traceback; no rank is left running."""
-    if world == 1:
+def spawn(fn, world: int, *args, timeout: float = 300.0, threads: int = 1, subprocess: bool = False) -> list:
+    """Run fn(rank, world, *args) on `world` processes (torchrun's environment variables on a free 127.0.0.1
+    port); returns the results by rank. World size 1 runs in this process unless subprocess=True. A rank that
+    raises fails the whole call with that rank's traceback; no rank is left running."""
+    if world == 1 and not subprocess:
         return [fn(0, 1, *args)]
     import torch.multiprocessing as mp
 

@@ -1,0 +1,35 @@
+# `make test` and `make bench` work on a fresh machine: each first runs `setup`, which makes a virtual
+# environment in the checkout (unless one is active), installs torch==2.13.0 when no torch imports (an
+# unpinned torch pulls gigabytes of CUDA packages), then `pip install -e ".[test]"`.
+
+SHELL := /bin/bash
+ifdef VIRTUAL_ENV
+PY := python
+else
+PY := .venv/bin/python
+endif
+STAMP := .setup-stamp
+BENCH_ARGS ?=
+
+.PHONY: setup test bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml
+	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[test]"
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+# Stage 3 is not implemented yet: the benchmark runs the highest stage that exists, 2.
+bench: setup
+	$(PY) bench/run.py --stage 2 $(BENCH_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(STAMP) build *.egg-info .pytest_cache .ruff_cache

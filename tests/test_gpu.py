@@ -1,0 +1,40 @@
+"""The equivalence tests on CUDA at world size 1 inside an nccl process group (skipped without a GPU).
+
+At world size 1 zkern issues no collectives, so these check the CUDA path of the engine (device placement,
+mixed precision on the GPU, the step) rather than nccl itself; multi-GPU runs belong to the benchmark.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from zkern.testing import TrainSpec, assert_params_close, engine_run, mean_losses, reference_run, spawn
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def nccl_engine_run(rank, world, spec):
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    return engine_run(rank, world, spec)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fp32_on_cuda_equals_single_process_adamw(stage):
+    spec = TrainSpec(stage=stage, accumulation=2, clip=0.05, device="cuda")
+    result = spawn(nccl_engine_run, 1, spec, subprocess=True)[0]
+    ref_state, _ = reference_run(spec, 1)
+    assert_params_close(result["state"], ref_state, lr=spec.lr, steps=spec.steps)
+
+
+@pytest.mark.parametrize("precision, tolerance", [("bf16", 4 * 2**-8), ("fp16", 4 * 2**-11)])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_16_bit_on_cuda_follows_the_fp32_curve(stage, precision, tolerance):
+    spec = TrainSpec(stage=stage, precision=precision, accumulation=2, lr=1e-2, device="cuda")
+    result = spawn(nccl_engine_run, 1, spec, subprocess=True)
+    _, ref_losses = reference_run(dataclasses.replace(spec, precision="fp32"), 1)
+    gaps = [abs(a - b) / b for a, b in zip(mean_losses(result), ref_losses)]
+    assert max(gaps) <= tolerance, gaps
+    assert result[0]["skipped"] == 0

@@ -1,0 +1,100 @@
+"""What this machine gives zkern: versions, devices, backends and CPU instruction sets.
+
+    python -m zkern.env_report            # a readable report
+    python -m zkern.env_report --json     # the same as JSON (the benchmark records it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+
+import torch
+
+import zkern
+from zkern import ops
+
+
+def cpu_flags() -> dict[str, bool]:
+    """The x86 instruction sets zkern's CPU kernels choose between, from /proc/cpuinfo."""
+    wanted = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return {name: name in flags for name in wanted}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.machine())
+    except OSError:
+        return platform.machine()
+
+
+def report() -> dict:
+    triton_spec = importlib.util.find_spec("triton")
+    triton_version = None
+    if triton_spec is not None:
+        try:
+            import triton
+
+            triton_version = triton.__version__
+        except Exception as e:  # a broken install is worth reporting, not crashing over
+            triton_version = f"import failed: {e}"
+    cuda = torch.cuda.is_available()
+    try:
+        forced = ops.forced_backend()
+    except (ValueError, RuntimeError) as e:
+        forced = f"invalid: {e}"
+    return {
+        "zkern": zkern.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": {"model": cpu_model(), "threads": torch.get_num_threads(),
+                "isa": cpu_flags()},
+        "cuda": {"available": cuda, "version": torch.version.cuda,
+                 "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []},
+        "distributed": {"gloo": torch.distributed.is_gloo_available(),
+                        "nccl": torch.distributed.is_nccl_available()},
+        "triton": triton_version or "not installed",
+        "backends": {
+            "available": sorted(ops.AVAILABLE),
+            "ZKERN_BACKEND": os.environ.get("ZKERN_BACKEND") or "unset",
+            "forced": forced,
+            "ops on CPU tensors": ops.backend_for(torch.empty(0)) if not str(forced).startswith("invalid") else forced,
+            "why": "zkern's Triton, CUDA and CPU-extension kernels are not part of this build yet; every op runs "
+                   "zkern.reference (pure torch)",
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args()
+    data = report()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return
+
+    def show(d: dict, indent: int = 0) -> None:
+        for key, value in d.items():
+            if isinstance(value, dict):
+                print(" " * indent + f"{key}:")
+                show(value, indent + 2)
+            else:
+                print(" " * indent + f"{key}: {value}")
+
+    show(data)
+
+
+if __name__ == "__main__":
+    main()

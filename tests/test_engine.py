@@ -38,6 +38,7 @@ MATRIX = [
     dict(accumulation=4, clip=0.0, overlap_comm=False),
     dict(accumulation=1, clip=0.05),  # clipping active on every step (the norm is well above 0.05)
     dict(accumulation=4, clip=0.05),
+    dict(accumulation=2, clip=0.0, zero={"reduce_scatter": False}),  # all-reduce instead (stages 1, 2)
 ]
 
 
@@ -52,6 +53,7 @@ def test_fp32_equals_single_process_adamw(stage, world):
         losses = mean_losses(results)
         assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
         assert results[0]["global_steps"] == spec.steps and results[0]["skipped"] == 0
+        assert all(r["state"] is None for r in results[1:])  # full_state_dict(rank0_only=True)
         if spec.clip:
             assert results[0]["grad_norm"] > spec.clip  # clipping really was active
 

@@ -11,6 +11,7 @@ laid out by partition.plan_layout (reverse registration order, so buckets fill r
            its chunk); each rank steps its shard; updated parameters are all-gathered per bucket.
   stage 2: a gradient is copied into its bucket as backward produces it and freed; a full bucket is
            reduce-scattered at once (every micro-step) and its chunk added into the rank's gradient shard.
+  reduce_scatter=false (stages 1, 2): all-reduce the bucket instead and keep this rank's chunk.
 
 Buckets launch strictly in index order on every rank, so ranks issue collectives in the same order even when
 their backward passes produce gradients in a different order. With overlap_comm, collectives run async while
@@ -206,8 +207,11 @@ class FlatGroup:
                 buf = self._take_buffer(b)
             self._zero_unfilled(buf, b)
             data = buf[:b.padded]
-            out = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
-            work = self.comm.reduce_scatter(out, data, purpose, async_op=self.overlap)
+            if self.reduce_scatter:
+                out = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
+                work = self.comm.reduce_scatter(out, data, purpose, async_op=self.overlap)
+            else:  # reduce_scatter=false: all-reduce the bucket, then keep this rank's chunk of it
+                work = self.comm.all_reduce(data, purpose, async_op=self.overlap)
             self._in_flight.append((b, work, buf))
         else:
             data = self.grad_flat[b.offset:b.offset + b.padded]

@@ -79,7 +79,8 @@ class Engine:
         self.last_grad_norm: float | None = None
 
     def _log_padding(self) -> None:
-        """Say once how many zero elements pad the buckets so every rank's shard has the same size."""
+        """Say once how many zero elements pad the buckets so every rank's shard has the same size, and warn
+        where stage 2's gradient bucket would cost what sharding the gradients saves."""
         if self.rank != 0:
             return
         for i, g in enumerate(self.groups):
@@ -87,6 +88,12 @@ class Engine:
             log.info("zkern: group %d: %d parameters, %d elements in %d buckets, padded with %d zero elements to a "
                      "shard of %d per rank (padding never enters the math)", i, len(g.params), layout.numel,
                      len(layout.buckets), layout.padding, layout.shard_numel)
+            if g.stage == 2 and self.world_size > 1 and len(layout.buckets) == 1:
+                log.warning("zkern: stage 2 with one gradient bucket: reduce_bucket_size (%d) >= the %d trainable "
+                            "elements, so backward fills a bucket as large as the whole gradient and stage 2 holds "
+                            "as much gradient memory as stage 1. Set zero_optimization.reduce_bucket_size well "
+                            "below %d (\"auto\" = hidden_size**2) to keep the saving.",
+                            self.config.zero_optimization.reduce_bucket_size, layout.numel, layout.numel)
 
     # -- the training loop ------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -160,6 +160,19 @@ def test_misuse_gets_clear_errors():
         engine.backward(engine(idx[:, :-1], idx[:, 1:]))
 
 
+def test_an_empty_client_param_group_keeps_the_groups_aligned():
+    model = TinyGPT()
+    opt = torch.optim.AdamW([{"params": [], "lr": 9.0}, {"params": list(model.parameters()), "lr": 1e-3}])
+    engine = zkern.Engine(model, base_config(), optimizer=opt)
+    assert opt.param_groups[0]["params"] == [] and len(opt.param_groups[1]["params"]) > 0
+    idx = torch.randint(0, 67, (2, 17))
+    before = engine.full_state_dict()["blocks.0.fc.weight"]
+    engine.backward(engine(idx[:, :-1], idx[:, 1:]))
+    engine.step()
+    moved = (engine.full_state_dict()["blocks.0.fc.weight"] - before).abs().max().item()
+    assert 0 < moved < 2e-3  # stepped with lr 1e-3 (Adam moves an element by about lr), not 9.0
+
+
 def test_unused_parameters_error_when_asked():
     model = TinyGPT(extra_branch=True)
     engine = zkern.Engine(model, base_config(optimizer={"type": "AdamW"},
@@ -208,3 +221,25 @@ def test_a_dead_or_stalled_rank_ends_the_job_with_an_error(mode):
     assert error is not None, "rank 0 finished a step without its peer"
     assert "zkern rank 0 of 2: reduce_scatter" in error and "comm_timeout_s=4s" in error
     assert results[0]["seconds"] < timeout_s + 5
+
+
+def test_a_second_gradient_after_the_bucket_was_sent_is_an_error():
+    """Reentrant checkpointing runs a second backward for a segment: a parameter's gradient can then arrive
+    after its bucket was reduced, which would corrupt the reduction. zkern raises instead."""
+    import torch.utils.checkpoint as ckpt
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+            self.b = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = ckpt.checkpoint(self.a, x, use_reentrant=True)
+            return (self.b(y) + self.a(x)).sum()  # a's weight gets a gradient from two separate backward passes
+
+    for stage in (0, 2):
+        engine = zkern.Engine(Twice(), base_config(optimizer={"type": "AdamW"}, zero_optimization={"stage": stage}))
+        x = torch.randn(4, 8, requires_grad=True)
+        with pytest.raises(RuntimeError, match="received a second gradient in one backward"):
+            engine.backward(engine(x))

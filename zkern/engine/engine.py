@@ -19,7 +19,7 @@ from zkern import ops
 from zkern.config import Config
 from zkern.engine import build
 from zkern.engine.comm import Comm, init_distributed
-from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
+from zkern.engine.optimizer import ShardAdam, ShardGroup, step_torch_optimizer
 from zkern.engine.precision import LossScaler, working_dtype
 from zkern.engine.stage12 import FlatGroup
 
@@ -62,13 +62,15 @@ class Engine:
         names = build.param_names(model)
         bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
         # Reverse registration order: backward produces gradients roughly last layer first, so buckets fill in order.
-        self.groups = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], stage=zero.stage, comm=self.comm,
-                                 dtype=self.dtype, master_from=m[::-1], mixed=mixed, bucket_numel=bucket,
-                                 overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter)
-                       for g, m in zip(groups, master_from) if g]
+        # One FlatGroup per non-empty optimizer param group; empty groups stay (empty) in the optimizer.
+        flat = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], stage=zero.stage, comm=self.comm,
+                          dtype=self.dtype, master_from=m[::-1], mixed=mixed, bucket_numel=bucket,
+                          overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter) if g else None
+                for g, m in zip(groups, master_from)]
         del master_from
+        self.groups = [g for g in flat if g is not None]
         self._log_padding()
-        shard_groups = [g.shard_group for g in self.groups]
+        shard_groups = [g.shard_group if g is not None else ShardGroup([], [], 0) for g in flat]
         self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups)
         self.lr_scheduler = build.build_scheduler_for(cfg, lr_scheduler, self.optimizer)
         self.scaler = LossScaler.from_config(cfg)
@@ -180,7 +182,7 @@ class Engine:
                 active.append(g.active_pieces(flags[start:start + len(g.params)]))
                 start += len(g.params)
             self._check_unused(flags)
-            if isinstance(self.optimizer, ShardAdam):
+            if isinstance(self.optimizer, ShardAdam):  # built from the config: exactly self.groups
                 self.optimizer.step(grad_scale=inv * coef, active=active)
             else:
                 step_torch_optimizer(self.optimizer, [g.shard_group for g in self.groups], grad_scale=inv * coef,

@@ -168,11 +168,12 @@ class FlatGroup:
         b = self._bucket_of[i]
         again = self.fired[i]
         self.fired[i] = self.used[i] = True
+        if again and self._reduces_now() and b.index < self._next_launch:
+            raise RuntimeError(
+                f"zkern stage {self.stage}: '{self.names[i]}' received a second gradient in one backward after its "
+                f"bucket was sent for reduction (reentrant activation checkpointing?); use "
+                f"torch.utils.checkpoint(..., use_reentrant=False)")
         if self.stage == 2:
-            if again and b.index < self._next_launch:
-                raise RuntimeError(
-                    f"zkern stage 2: '{self.names[i]}' received a second gradient after its bucket was reduced "
-                    f"(reentrant activation checkpointing?); use torch.utils.checkpoint(..., use_reentrant=False)")
             buf = self._open.get(b.index)
             if buf is None:
                 buf = self._open[b.index] = self._take_buffer(b)

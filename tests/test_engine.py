@@ -142,15 +142,15 @@ def fp16_overflow_worker(rank, world, inject_step):
         inject = step == inject_step and rank == 1
         handle = target.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf"))) if inject else None
         before = (engine.full_state_dict(), [t.clone() for t in engine.optimizer.exp_avg],
-                  [t.clone() for t in engine.optimizer.exp_avg_sq], [g.param_flat.clone() for g in engine.groups],
-                  engine.loss_scale)
+                  [t.clone() for t in engine.optimizer.exp_avg_sq],
+                  [p.detach().clone() for p in engine.module.parameters()], engine.loss_scale)
         idx, tgt = batches[step][0][rank]
         engine.backward(engine(idx, tgt))
         engine.step()
         if handle:
             handle.remove()
         after = (engine.full_state_dict(), engine.optimizer.exp_avg, engine.optimizer.exp_avg_sq,
-                 [g.param_flat for g in engine.groups], engine.loss_scale)
+                 [p.detach() for p in engine.module.parameters()], engine.loss_scale)
         unchanged = (all(torch.equal(before[0][k], after[0][k]) for k in before[0])
                      and all(torch.equal(a, b) for i in (1, 2, 3) for a, b in zip(before[i], after[i])))
         snapshots.append({"unchanged": unchanged, "scale_before": before[4], "scale_after": after[4]})

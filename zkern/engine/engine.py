@@ -3,7 +3,7 @@
     engine = zkern.Engine(model, "ds_config.json")
     loss = engine(batch).loss; engine.backward(loss); engine.step()
 
-The stage runtime (stage12.FlatGroup today) owns buffers and gradient communication; the optimizer
+The stage runtime (stage12.Stage12Runtime, stage3.Stage3Runtime) owns buffers and gradient communication; the optimizer
 (optimizer.py) owns the update; this file sequences them and keeps the counters users read.
 """
 
@@ -19,9 +19,9 @@ from zkern import ops
 from zkern.config import Config
 from zkern.engine import build
 from zkern.engine.comm import Comm, init_distributed
-from zkern.engine.optimizer import ShardAdam, ShardGroup, step_torch_optimizer
+from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
 from zkern.engine.precision import LossScaler, working_dtype
-from zkern.engine.stage12 import FlatGroup
+from zkern.engine.stage12 import Stage12Runtime
 
 log = logging.getLogger("zkern")
 
@@ -61,16 +61,12 @@ class Engine:
                         "gradients from contiguous buckets, which costs no extra memory")
         names = build.param_names(model)
         bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
-        # Reverse registration order: backward produces gradients roughly last layer first, so buckets fill in order.
-        # One FlatGroup per non-empty optimizer param group; empty groups stay (empty) in the optimizer.
-        flat = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], stage=zero.stage, comm=self.comm,
-                          dtype=self.dtype, master_from=m[::-1], mixed=mixed, bucket_numel=bucket,
-                          overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter) if g else None
-                for g, m in zip(groups, master_from)]
+        self.runtime = Stage12Runtime(groups, names, master_from, stage=zero.stage, comm=self.comm, dtype=self.dtype,
+                                      mixed=mixed, bucket_numel=bucket, overlap=zero.overlap_comm,
+                                      reduce_scatter=zero.reduce_scatter)
         del master_from
-        self.groups = [g for g in flat if g is not None]
-        self._log_padding()
-        shard_groups = [g.shard_group if g is not None else ShardGroup([], [], 0) for g in flat]
+        self._log_layout()
+        shard_groups = self.runtime.shard_groups
         self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups)
         self.lr_scheduler = build.build_scheduler_for(cfg, lr_scheduler, self.optimizer)
         self.scaler = LossScaler.from_config(cfg)
@@ -80,22 +76,14 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
 
-    def _log_padding(self) -> None:
-        """Say once how many zero elements pad the buckets so every rank's shard has the same size, and warn
-        where stage 2's gradient bucket would cost what sharding the gradients saves."""
+    def _log_layout(self) -> None:
+        """Say once how the parameters were laid out (padding included) and warn about costly layouts."""
         if self.rank != 0:
             return
-        for i, g in enumerate(self.groups):
-            layout = g.layout
-            log.info("zkern: group %d: %d parameters, %d elements in %d buckets, padded with %d zero elements to a "
-                     "shard of %d per rank (padding never enters the math)", i, len(g.params), layout.numel,
-                     len(layout.buckets), layout.padding, layout.shard_numel)
-            if g.stage == 2 and self.world_size > 1 and len(layout.buckets) == 1:
-                log.warning("zkern: stage 2 with one gradient bucket: reduce_bucket_size (%d) >= the %d trainable "
-                            "elements, so backward fills a bucket as large as the whole gradient and stage 2 holds "
-                            "as much gradient memory as stage 1. Set zero_optimization.reduce_bucket_size well "
-                            "below %d (\"auto\" = hidden_size**2) to keep the saving.",
-                            self.config.zero_optimization.reduce_bucket_size, layout.numel, layout.numel)
+        for line in self.runtime.describe():
+            log.info("zkern: %s", line)
+        for line in self.runtime.warnings(self.config.zero_optimization.reduce_bucket_size):
+            log.warning("zkern: %s", line)
 
     # -- the training loop ------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -128,12 +116,9 @@ class Engine:
         if not loss.requires_grad:
             raise ValueError("engine.backward: the loss does not require grad (computed under torch.no_grad(), or "
                              "no trainable parameter took part in it)")
-        boundary = self.is_gradient_accumulation_boundary()
-        for g in self.groups:
-            g.begin_backward(boundary)
+        self.runtime.begin_backward(self.is_gradient_accumulation_boundary())
         (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
-        for g in self.groups:
-            g.end_backward()
+        self.runtime.end_backward()
 
     def step(self) -> None:
         """At the accumulation boundary: overflow check, clipping, optimizer, loss-scale and LR update.
@@ -152,14 +137,13 @@ class Engine:
     def _optimizer_step(self) -> None:
         found = torch.zeros((), dtype=torch.float32, device=self.device)
         sq_norm = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in self.groups:
-            for segment in g.grad_segments():
-                f, s = ops.unscale_and_check_(segment, 1.0)  # check and norm only; unscaling is folded into Adam
-                found += f
-                sq_norm += s
+        for segment in self.runtime.grad_segments():
+            f, s = ops.unscale_and_check_(segment, 1.0)  # check and norm only; unscaling is folded into Adam
+            found += f
+            sq_norm += s
         if self.config.zero_optimization.stage == 0 and self.rank != 0:
             sq_norm.zero_()  # stage 0: every rank holds the whole reduced gradient; count its norm once
-        used = torch.tensor([float(u) for g in self.groups for u in g.used], device=self.device)
+        used = torch.tensor([float(u) for u in self.runtime.used], device=self.device)
         control = torch.cat([found.view(1), sq_norm.view(1), used])
         self.comm.all_reduce(control, "step control: overflow flag, squared gradient norm, parameters with "
                                       "gradients", kind="control")
@@ -177,23 +161,17 @@ class Engine:
             clip = self.config.gradient_clipping
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # torch.nn.utils.clip_grad_norm_'s rule
             flags = [v > 0 for v in values[2:]]
-            active, start = [], 0
-            for g in self.groups:
-                active.append(g.active_pieces(flags[start:start + len(g.params)]))
-                start += len(g.params)
             self._check_unused(flags)
-            if isinstance(self.optimizer, ShardAdam):  # built from the config: exactly self.groups
+            active = self.runtime.active(flags)
+            if isinstance(self.optimizer, ShardAdam):
                 self.optimizer.step(grad_scale=inv * coef, active=active)
             else:
-                step_torch_optimizer(self.optimizer, [g.shard_group for g in self.groups], grad_scale=inv * coef,
-                                     active=active)
+                step_torch_optimizer(self.optimizer, self.runtime.shard_groups, grad_scale=inv * coef, active=active)
             self.scaler.update(False)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            for g in self.groups:
-                g.gather_params()
-        for g in self.groups:
-            g.zero_grad()
+            self.runtime.after_step()
+        self.runtime.zero_grad()
 
     def _skip(self, norm: float) -> None:
         self.skipped_steps += 1
@@ -210,8 +188,7 @@ class Engine:
     def _check_unused(self, flags: list[bool]) -> None:
         if self.config.zero_optimization.ignore_unused_parameters:
             return
-        names = [n for g in self.groups for n in g.names]
-        unused = [n for n, f in zip(names, flags) if not f]
+        unused = [n for n, f in zip(self.runtime.names, flags) if not f]
         if unused:
             raise RuntimeError(f"parameters {unused} got no gradient on any rank in this step and "
                                f"zero_optimization.ignore_unused_parameters is false; set it to true (the default) "
@@ -222,10 +199,9 @@ class Engine:
         """Bytes this rank holds, by device type: params, grads, optimizer (states), master (fp32 weights),
         comm_buffers (stage 2 gradient buckets), total."""
         report = {"params": 0, "grads": 0, "optimizer": 0, "master": 0, "comm_buffers": 0}
-        for g in self.groups:
-            for key, value in g.memory().items():
-                report[key] += value
-        trainable = {id(p) for g in self.groups for p in g.params}
+        for key, value in self.runtime.memory().items():
+            report[key] += value
+        trainable = {id(p) for p in self.runtime.params}
         report["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters()
                                 if id(p) not in trainable)
         report["optimizer"] += _optimizer_state_bytes(self.optimizer)
@@ -239,12 +215,8 @@ class Engine:
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """fp32 weights with model.state_dict()'s names (a collective: call it on every rank).
         With rank0_only, other ranks return None and hold at most one bucket at a time."""
-        values: dict[int, torch.Tensor] = {}
-        for g in self.groups:
-            full = g.full_fp32(rank0_only)
-            if full is not None:
-                values.update({id(p): t for p, t in zip(g.params, full)})
-        if rank0_only and self.rank != 0:
+        values = self.runtime.full_fp32(rank0_only)
+        if values is None:
             return None
         out = {}
         for name, t in self.module.state_dict(keep_vars=True).items():

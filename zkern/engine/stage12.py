@@ -317,3 +317,92 @@ class FlatGroup:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+class Stage12Runtime:
+    """The stage 0/1/2 runtime the engine drives: one FlatGroup per non-empty optimizer param group."""
+
+    def __init__(self, groups: list[list[torch.nn.Parameter]], names: dict[int, str], master_from: list[list],
+                 **kwargs):
+        # Reverse registration order: backward produces gradients roughly last layer first, so buckets fill in
+        # order. Empty optimizer groups get no FlatGroup and stay empty in the optimizer.
+        self.flat = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], master_from=m[::-1], **kwargs) if g
+                     else None for g, m in zip(groups, master_from)]
+        self.groups = [g for g in self.flat if g is not None]
+        self.shard_groups = [g.shard_group if g is not None else ShardGroup([], [], 0) for g in self.flat]
+        self.params = [p for g in self.groups for p in g.params]
+        self.names = [n for g in self.groups for n in g.names]
+
+    @property
+    def used(self) -> list[bool]:
+        """Per parameter (self.params order): got a gradient on this rank since the last step."""
+        return [u for g in self.groups for u in g.used]
+
+    def active(self, flags: list[bool]) -> list[list[bool]]:
+        """Per shard group, per piece: did its parameter get a gradient on any rank (flags: global)?"""
+        out, start = [], 0
+        for g in self.flat:
+            if g is None:
+                out.append([])
+                continue
+            out.append(g.active_pieces(flags[start:start + len(g.params)]))
+            start += len(g.params)
+        return out
+
+    def begin_backward(self, boundary: bool) -> None:
+        for g in self.groups:
+            g.begin_backward(boundary)
+
+    def end_backward(self) -> None:
+        for g in self.groups:
+            g.end_backward()
+
+    def grad_segments(self) -> list[torch.Tensor]:
+        return [s for g in self.groups for s in g.grad_segments()]
+
+    def after_step(self) -> None:
+        for g in self.groups:
+            g.gather_params()
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.zero_grad()
+
+    def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
+        """id(parameter) -> its fp32 value (collective; None off rank 0 with rank0_only)."""
+        values: dict[int, torch.Tensor] = {}
+        keep = True
+        for g in self.groups:
+            full = g.full_fp32(rank0_only)
+            keep = full is not None
+            if keep:
+                values.update({id(p): t for p, t in zip(g.params, full)})
+        return values if keep else None
+
+    def memory(self) -> dict[str, int]:
+        report: dict[str, int] = {}
+        for g in self.groups:
+            for key, value in g.memory().items():
+                report[key] = report.get(key, 0) + value
+        return report
+
+    def describe(self) -> list[str]:
+        """One line per group for the start-up log; warns where stage 2's one bucket holds a full gradient."""
+        lines = []
+        for i, g in enumerate(self.groups):
+            layout = g.layout
+            lines.append(f"group {i}: {len(g.params)} parameters, {layout.numel} elements in {len(layout.buckets)} "
+                         f"buckets, padded with {layout.padding} zero elements to a shard of {layout.shard_numel} per "
+                         f"rank (padding never enters the math)")
+        return lines
+
+    def warnings(self, reduce_bucket_size: int) -> list[str]:
+        out = []
+        for g in self.groups:
+            if g.stage == 2 and g.comm.world > 1 and len(g.layout.buckets) == 1:
+                n = g.layout.numel
+                out.append(f"stage 2 with one gradient bucket: reduce_bucket_size ({reduce_bucket_size}) >= the {n} "
+                           f"trainable elements, so backward fills a bucket as large as the whole gradient and stage 2 "
+                           f"holds as much gradient memory as stage 1. Set zero_optimization.reduce_bucket_size well "
+                           f"below {n} (\"auto\" = hidden_size**2) to keep the saving.")
+        return out

@@ -80,6 +80,13 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     ignore_unused_parameters: bool = True
+    # Stage 3 (DeepSpeed's code defaults; its docs say 5e8 for the prefetch bucket)
+    stage3_prefetch_bucket_size: int = 50_000_000  # elements gathered ahead of use
+    stage3_param_persistence_threshold: int = 100_000  # fetch units smaller than this stay whole on every rank
+    stage3_max_live_parameters: int = 1_000_000_000  # bound on gathered elements (prefetch stops at it)
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_gather_fp16_weights_on_model_save: bool = False
+    stage3_fetch_units: tuple[str, ...] = ()  # module class names: each instance is one fetch unit
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,12 @@ _ZERO_KEYS = {
     "reduce_bucket_size": ("int_auto", 500_000_000),
     "allgather_bucket_size": ("int", 500_000_000),
     "ignore_unused_parameters": ("bool", True),
+    "stage3_prefetch_bucket_size": ("int_auto", 50_000_000),
+    "stage3_param_persistence_threshold": ("int_auto", 100_000),
+    "stage3_max_live_parameters": ("int", 1_000_000_000),
+    "stage3_gather_16bit_weights_on_model_save": ("bool", False),
+    "stage3_gather_fp16_weights_on_model_save": ("bool", False),  # DeepSpeed's older name of the key above
+    "stage3_fetch_units": ("str_list", ()),  # zkern's own: module class names gathered as one unit each
 }
 _ADAM_PARAMS = {
     "lr": ("float", 1e-3),
@@ -238,16 +251,11 @@ _NOT_IMPLEMENTED_BF16 = {
     "bf16_optimizer_states": False,
 }
 _NOT_IMPLEMENTED_ZERO = {
-    # Later zkern issues implement these (stage 3, offload, ZeRO++); until then only their defaults pass.
+    # Later zkern issues implement these (offload, ZeRO++); until then only their defaults pass.
     "offload_optimizer": _SECTION_OFF,
     "offload_param": _SECTION_OFF,
     "sub_group_size": 1_000_000_000,
-    "stage3_prefetch_bucket_size": 50_000_000,
-    "stage3_param_persistence_threshold": 100_000,
-    "stage3_max_live_parameters": 1_000_000_000,
     "stage3_max_reuse_distance": 1_000_000_000,
-    "stage3_gather_16bit_weights_on_model_save": False,
-    "stage3_gather_fp16_weights_on_model_save": False,
     "stage3_module_granularity_threshold": 0,
     "zero_quantized_weights": False,
     "zero_quantized_nontrainable_weights": False,
@@ -326,6 +334,10 @@ def _value(path: str, kind: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"'{path}' must be a string, got {value!r}")
         return value
+    if base == "str_list":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"'{path}' must be a list of module class names like [\"Block\"], got {value!r}")
+        return tuple(value)
     if base == "betas":
         if (not isinstance(value, (list, tuple)) or len(value) != 2
                 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)):
@@ -465,10 +477,8 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
     if fp16.enabled and bf16.enabled:
         raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true; choose one precision")
     match zero.stage:
-        case 0 | 1 | 2:
+        case 0 | 1 | 2 | 3:
             pass
-        case 3:
-            raise ConfigError("'zero_optimization.stage' 3 is not implemented by zkern yet; use stage 0, 1 or 2")
         case other:
             raise ConfigError(f"'zero_optimization.stage' must be 0, 1, 2 or 3, got {other}")
     if top.get("gradient_clipping", 0.0) < 0:
@@ -477,10 +487,14 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
         raise ConfigError(f"'device' must be \"auto\", \"cpu\" or \"cuda\", got {top['device']!r}")
     if top.get("comm_timeout_s", 600.0) <= 0:
         raise ConfigError(f"'comm_timeout_s' must be > 0 seconds, got {top['comm_timeout_s']}")
-    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_max_live_parameters"):
         value = getattr(zero, key)
         if value != AUTO and value <= 0:
             raise ConfigError(f"'zero_optimization.{key}' must be > 0 elements, got {value}")
+    if zero.stage3_param_persistence_threshold != AUTO and zero.stage3_param_persistence_threshold < 0:
+        raise ConfigError("'zero_optimization.stage3_param_persistence_threshold' must be >= 0 (0: nothing stays "
+                          "whole)")
     if fp16.loss_scale < 0:
         raise ConfigError(f"'fp16.loss_scale' must be 0 (dynamic) or a positive static scale, got {fp16.loss_scale}")
     if fp16.min_loss_scale <= 0:
@@ -555,9 +569,13 @@ def _resolve(cfg: Config, world: int, model: Any) -> Config:
         raise ConfigError(f"world size must be a positive integer, got {world!r}")
     train, micro, gas = _resolve_batch(cfg, world)
     zero = cfg.zero_optimization
-    if zero.reduce_bucket_size == AUTO:
-        zero = dataclasses.replace(zero, reduce_bucket_size=_hidden_size(model, "zero_optimization."
-                                                                         "reduce_bucket_size") ** 2)
+    # DeepSpeed's HF integration: reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 hidden^2,
+    # stage3_param_persistence_threshold = 10 hidden.
+    autos = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+             "stage3_param_persistence_threshold": lambda h: 10 * h}
+    for key, rule in autos.items():
+        if getattr(zero, key) == AUTO:
+            zero = dataclasses.replace(zero, **{key: rule(_hidden_size(model, f"zero_optimization.{key}"))})
     if zero.overlap_comm is None:
         zero = dataclasses.replace(zero, overlap_comm=zero.stage == 3)
     return dataclasses.replace(cfg, train_batch_size=train, train_micro_batch_size_per_gpu=micro,

@@ -21,13 +21,14 @@ from zkern.engine import build
 from zkern.engine.comm import Comm, init_distributed
 from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
 from zkern.engine.precision import LossScaler, working_dtype
+from zkern.engine.stage3 import Stage3Runtime
 from zkern.engine.stage12 import Stage12Runtime
 
 log = logging.getLogger("zkern")
 
 
 class Engine:
-    """Train `model` with ZeRO stage 0, 1 or 2 as the DeepSpeed-style `config` says.
+    """Train `model` with ZeRO stage 0, 1, 2 or 3 as the DeepSpeed-style `config` says.
 
     Engine(model, config, optimizer=None, lr_scheduler=None): config is a dict, a JSON path or a zkern.Config.
     optimizer: a torch optimizer over model.parameters() when the config has no 'optimizer' section.
@@ -52,19 +53,23 @@ class Engine:
         mixed = self.dtype != torch.float32
         if not mixed:
             build.check_dtypes(groups, model)
-        master_from = [[p.detach().float().clone() for p in g] for g in groups] if mixed else [[] for _ in groups]
-        if mixed:
-            model.to(self.dtype)
         zero = cfg.zero_optimization
         if not zero.contiguous_gradients:
             log.warning("zkern: zero_optimization.contiguous_gradients=false has no effect: zkern always reduces "
                         "gradients from contiguous buckets, which costs no extra memory")
-        names = build.param_names(model)
-        bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
-        self.runtime = Stage12Runtime(groups, names, master_from, stage=zero.stage, comm=self.comm, dtype=self.dtype,
-                                      mixed=mixed, bucket_numel=bucket, overlap=zero.overlap_comm,
-                                      reduce_scatter=zero.reduce_scatter)
-        del master_from
+        if zero.stage == 3:
+            # Partitions from the fp32 values, then casts what is left whole (buffers, empty parameters).
+            self.runtime = Stage3Runtime(model, groups, comm=self.comm, dtype=self.dtype, mixed=mixed, zero=zero,
+                                         overlap=zero.overlap_comm)
+            model.to(self.dtype)
+        else:
+            master_from = [[p.detach().float().clone() for p in g] for g in groups] if mixed else [[] for _ in groups]
+            model.to(self.dtype)
+            bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
+            self.runtime = Stage12Runtime(groups, build.param_names(model), master_from, stage=zero.stage,
+                                          comm=self.comm, dtype=self.dtype, mixed=mixed, bucket_numel=bucket,
+                                          overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter)
+            del master_from
         self._log_layout()
         shard_groups = self.runtime.shard_groups
         self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups)

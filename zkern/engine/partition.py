@@ -122,6 +122,22 @@ def plan_layout(numels: list[int], world: int, bucket_numel: int) -> Layout:
         filled += n
     if first < len(numels):
         groups.append((first, len(numels)))
+    return _layout(numels, world, groups)
+
+
+def plan_unit_layout(unit_numels: list[list[int]], world: int) -> Layout:
+    """One bucket per unit (stage 3: a fetch unit is gathered and reduced as one): unit_numels[u] lists the
+    sizes of unit u's parameters, which are numbered consecutively across units."""
+    if any(not sizes for sizes in unit_numels):
+        raise ValueError("every unit needs at least one parameter")
+    bounds, first = [], 0
+    for sizes in unit_numels:
+        bounds.append((first, first + len(sizes)))
+        first += len(sizes)
+    return _layout([n for sizes in unit_numels for n in sizes], world, bounds)
+
+
+def _layout(numels: list[int], world: int, groups: list[tuple[int, int]]) -> Layout:
     buckets, offsets = [], []
     flat, shard = 0, 0
     for index, (lo, hi) in enumerate(groups):

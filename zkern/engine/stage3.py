@@ -1,0 +1,517 @@
+"""ZeRO stage 3: parameters partitioned at rest, gathered per fetch unit while needed, prefetched ahead.
+
+    python -m pytest tests/test_stage3.py -q
+
+At rest every parameter's .data is an empty tensor; each rank holds its chunk of every fetch unit (units.py)
+in `param_shard` (working dtype), `master` (fp32, mixed precision) and `grad_shard`. The layout is
+partition.plan_unit_layout: one bucket per unit, padded to the world size, rank r owning chunk r.
+
+  forward   pre-hook of a module: gather the units it needs (or finish their prefetch) -> run -> post-hook:
+            release; the last user frees the unit. Outputs get a tensor hook that gathers again in backward.
+  backward  a unit's parameters' gradients are copied into the unit's bucket as they arrive; when all have
+            arrived the bucket is reduce-scattered into the rank's gradient shard and the unit is freed.
+            Units that never complete (frozen or unused parameters) are flushed, in unit order, at the end.
+  prefetch  each pass records the order of its gathers; the next pass gathers up to
+            stage3_prefetch_bucket_size elements ahead (and never past stage3_max_live_parameters live). A
+            pass that departs from the record stops prefetching, re-records, and says so once.
+  external  the first pass (and every re-recording pass) watches torch calls for parameters at rest: a module
+            that reads a parameter of another unit (a tied head, self.head.weight used elsewhere) is given
+            that unit to gather from then on.
+
+Ranks must run the same modules in the same order (as in every stage-3 implementation); a rank that takes
+another path issues different collectives and the job ends with a CommError naming rank and collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from zkern import ops
+from zkern.engine.comm import Comm, Work
+from zkern.engine.optimizer import Chunk, ShardGroup
+from zkern.engine.partition import Bucket, plan_unit_layout
+from zkern.engine.units import UnitPlan, plan_units
+
+log = logging.getLogger("zkern")
+
+
+@dataclass
+class Unit:
+    index: int
+    plan: UnitPlan
+    bucket: Bucket
+    trainable: int  # parameters that get gradients
+    state: str = "rest"  # rest | inflight | gathered
+    buffer: torch.Tensor | None = None  # (bucket.padded,) working dtype while gathered
+    work: Work | None = None
+    refs: int = 0  # modules running forward with it
+    held_for_backward: bool = False
+    prefetched: bool = False  # gathered ahead, not used yet
+    grad_buffer: torch.Tensor | None = None
+    fired: set = field(default_factory=set)  # parameter positions in the unit with a gradient this backward
+    reduced: bool = False
+
+
+class _WatchAtRest(TorchFunctionMode):
+    """Recording passes only: a torch call that reads a parameter at rest gathers its unit for the running
+    module (and remembers that the module needs it)."""
+
+    def __init__(self, runtime: Stage3Runtime):
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if isinstance(leaf, torch.nn.Parameter):
+                self.runtime._adopt_if_at_rest(leaf)
+        return func(*args, **kwargs)
+
+
+class Stage3Runtime:
+    """Stage 3 behind the engine's runtime interface (see Stage12Runtime)."""
+
+    def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], *, comm: Comm,
+                 dtype: torch.dtype, mixed: bool, zero, overlap: bool):
+        self.comm, self.dtype, self.mixed, self.overlap = comm, dtype, mixed, overlap
+        self.root = model
+        self.prefetch_numel = zero.stage3_prefetch_bucket_size
+        self.max_live = zero.stage3_max_live_parameters
+        plans, needs = plan_units(model, tuple(zero.stage3_fetch_units), zero.stage3_param_persistence_threshold)
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g}
+        frozen = len(groups)
+        for plan in plans:  # within a unit: parameters of group 0, group 1, ..., then frozen ones
+            order = sorted(range(len(plan.params)), key=lambda i: group_of.get(id(plan.params[i]), frozen))
+            plan.params = [plan.params[i] for i in order]
+            plan.names = [plan.names[i] for i in order]
+        self.layout = plan_unit_layout([[p.numel() for p in u.params] for u in plans], comm.world)
+        self.units = [Unit(i, plan, b, sum(p.requires_grad for p in plan.params))
+                      for i, (plan, b) in enumerate(zip(plans, self.layout.buckets))]
+        self.needs = needs
+        self.all_params = [p for u in plans for p in u.params]
+        self.all_names = [n for u in plans for n in u.names]
+        self._unit_of = {id(p): u for u in self.units for p in u.plan.params}
+        self._position = {id(p): i for u in self.units for i, p in enumerate(u.plan.params)}
+        self.params = [p for p in self.all_params if p.requires_grad]
+        self.names = [n for p, n in zip(self.all_params, self.all_names) if p.requires_grad]
+        self._trainable_index = {id(p): i for i, p in enumerate(self.params)}
+        self.used = [False] * len(self.params)
+        # Shapes and in-unit offsets, recorded while parameters are still whole (at rest .data is empty).
+        self._full_shape = {id(p): p.shape for p in self.all_params}
+        self._name = {id(p): n for p, n in zip(self.all_params, self.all_names)}
+        self._offset: dict[int, int] = {}
+        for u in self.units:
+            off = 0
+            for p in u.plan.params:
+                self._offset[id(p)] = off
+                off += p.numel()
+
+        device = self.all_params[0].device
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+        shard = self.layout.shard_numel
+        self.param_shard = torch.zeros(shard, dtype=dtype, device=device)
+        self.master = torch.zeros(shard, dtype=torch.float32, device=device) if mixed else None
+        self.grad_shard = torch.zeros(shard, dtype=dtype, device=device)
+        self.peak_live = 0  # largest number of gathered elements seen (bookkeeping for tests and reports)
+        self._partition()
+        for u in self.units:
+            if u.plan.persistent:
+                self._gather(u, async_op=False)
+
+        self._phase = "forward"
+        self._trace: dict[str, list[int] | None] = {"forward": None, "backward": None}
+        self._valid = {"forward": False, "backward": False}
+        self._cursor = {"forward": 0, "backward": 0}
+        self._recording: dict[str, list[int]] = {"forward": [], "backward": []}
+        self._said_reorder = False
+        self._stack: list[torch.nn.Module] = []
+        self._watch: _WatchAtRest | None = None
+        self._pending: deque[tuple[Unit, Work]] = deque()
+        self._micro_since_step = 0
+        self._hooks = []
+        self._hooked: set[int] = set()
+        for module in [model, *needs]:
+            self._hook_module(module)
+        for p in self.params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.shard_groups = self._make_shard_groups(groups)
+
+    # -- layout -----------------------------------------------------------------------------------------------
+    def _partition(self) -> None:
+        """Keep this rank's chunk of every unit (fp32 master and working copy); parameters go to rest."""
+        rank = self.comm.rank
+        with torch.no_grad():
+            for u in self.units:
+                b = u.bucket
+                full = torch.zeros(b.padded, dtype=torch.float32, device=self.param_shard.device)
+                full[:b.numel].copy_(ops.flatten([p.detach() for p in u.plan.params], torch.float32))
+                mine = full[rank * b.chunk:(rank + 1) * b.chunk]
+                self.param_shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
+                if self.master is not None:
+                    self.master[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
+                for p in u.plan.params:
+                    p.data = self._empty
+
+    def _make_shard_groups(self, groups: list[list[torch.nn.Parameter]]) -> list[ShardGroup]:
+        """Per optimizer group: its pieces, and per unit the contiguous sub-range of its pieces."""
+        base = self.master if self.master is not None else self.param_shard
+        out_base = self.param_shard if self.master is not None else None
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g}
+        pieces: list[list[torch.Tensor]] = [[] for _ in groups]
+        spans: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (group, unit) -> (piece, shard, numel)
+        self._pieces_param: list[list[int]] = [[] for _ in groups]  # trainable index of each piece
+        for piece in self.layout.pieces(self.comm.rank):
+            p = self.all_params[piece.param]
+            gi = group_of.get(id(p))
+            if gi is None:
+                continue  # frozen
+            t = base[piece.shard_start:piece.shard_start + piece.numel]
+            if piece.numel == self._full_shape[id(p)].numel():
+                t = t.view(self._full_shape[id(p)])
+            spans.setdefault((gi, piece.bucket), []).append((len(pieces[gi]), piece.shard_start, piece.numel))
+            pieces[gi].append(t)
+            self._pieces_param[gi].append(self._trainable_index[id(p)])
+        result = []
+        for gi in range(len(groups)):
+            chunks = []
+            for u in self.units:
+                span = spans.get((gi, u.index))
+                if not span:
+                    continue
+                lo, hi = span[0][1], span[-1][1] + span[-1][2]
+                chunks.append(Chunk(param=base[lo:hi], grad=self.grad_shard[lo:hi],
+                                    out=None if out_base is None else out_base[lo:hi], shard_start=lo,
+                                    pieces=[(index, start - lo, numel) for index, start, numel in span]))
+            result.append(ShardGroup(pieces=pieces[gi], chunks=chunks, shard_numel=self.layout.shard_numel))
+        return result
+
+    # -- gather / free ----------------------------------------------------------------------------------------
+    def live_elements(self) -> int:
+        return sum(u.bucket.padded for u in self.units if u.state != "rest")
+
+    def gathered_units(self) -> list[str]:
+        """Names of the non-persistent units gathered (or in flight) now."""
+        return [u.plan.name for u in self.units if u.state != "rest" and not u.plan.persistent]
+
+    def _gather(self, u: Unit, async_op: bool) -> None:
+        b = u.bucket
+        u.buffer = torch.empty(b.padded, dtype=self.dtype, device=self.param_shard.device)
+        own = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
+        u.work = self.comm.all_gather(u.buffer, own, f"parameters of unit '{u.plan.name}'", async_op=async_op)
+        u.state = "inflight"
+        self.peak_live = max(self.peak_live, self.live_elements())
+        if not async_op:
+            self._finish(u)
+
+    def _finish(self, u: Unit) -> None:
+        if u.state != "inflight":
+            return
+        u.work.wait()
+        u.work = None
+        for p in u.plan.params:
+            shape, off = self._full_shape[id(p)], self._offset[id(p)]
+            p.data = u.buffer[off:off + shape.numel()].view(shape)
+        u.state = "gathered"
+
+    def _free(self, u: Unit) -> None:
+        if u.plan.persistent or u.state == "rest":
+            return
+        if u.state == "inflight":
+            u.work.wait()
+            u.work = None
+        for p in u.plan.params:
+            p.data = self._empty
+        u.buffer = None
+        u.state = "rest"
+        u.prefetched = False
+
+    # -- order recording and prefetch -------------------------------------------------------------------------
+    def _event(self, u: Unit) -> None:
+        """u is needed now and nobody holds it: record, check against the last pass, prefetch what follows."""
+        phase = self._phase
+        self._recording[phase].append(u.index)
+        trace = self._trace[phase]
+        if trace is None or not self._valid[phase]:
+            return
+        cursor = self._cursor[phase]
+        if cursor < len(trace) and trace[cursor] == u.index:
+            self._cursor[phase] = cursor + 1
+            return
+        self._valid[phase] = False
+        self._drop_prefetched()
+        if not self._said_reorder and self.comm.rank == 0:
+            self._said_reorder = True
+            log.warning("zkern stage 3: the %s pass gathered unit '%s' where the recorded order expected '%s'; "
+                        "prefetch stops for this pass and the order is re-recorded (said once)", phase,
+                        u.plan.name, self.units[trace[cursor]].plan.name if cursor < len(trace) else "nothing")
+
+    def _prefetch(self) -> None:
+        phase = self._phase
+        trace = self._trace[phase]
+        if trace is None or not self._valid[phase]:
+            return
+        ahead = sum(u.bucket.padded for u in self.units if u.prefetched)
+        live = self.live_elements()
+        for ui in trace[self._cursor[phase]:]:
+            u = self.units[ui]
+            if u.state != "rest":
+                continue
+            if ahead + u.bucket.padded > self.prefetch_numel or live + u.bucket.padded > self.max_live:
+                break
+            self._gather(u, async_op=True)
+            u.prefetched = True
+            ahead += u.bucket.padded
+            live += u.bucket.padded
+
+    def _drop_prefetched(self) -> None:
+        for u in self.units:
+            if u.prefetched:
+                self._free(u)
+
+    def _use(self, u: Unit) -> None:
+        """Make u's parameters whole for the running module."""
+        if u.plan.persistent:
+            return
+        if u.state == "rest" or u.prefetched:
+            self._event(u)
+        if u.state == "rest":
+            self._gather(u, async_op=False)
+        self._finish(u)
+        u.prefetched = False
+        self._prefetch()
+
+    def _end_pass(self) -> None:
+        phase = self._phase
+        self._drop_prefetched()
+        if self._trace[phase] != self._recording[phase]:
+            self._trace[phase] = self._recording[phase]
+        self._valid[phase] = True
+        self._cursor[phase] = 0
+        self._recording[phase] = []
+
+    # -- forward hooks ----------------------------------------------------------------------------------------
+    def _hook_module(self, module: torch.nn.Module) -> None:
+        if id(module) in self._hooked:
+            return
+        self._hooked.add(id(module))
+        self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+        self._hooks.append(module.register_forward_hook(self._post_forward))
+
+    def _pre_forward(self, module: torch.nn.Module, args) -> None:
+        if module is self.root and not self._stack:
+            self._begin_forward()
+        self._stack.append(module)
+        for ui in self.needs.get(module, ()):
+            u = self.units[ui]
+            if u.refs == 0:
+                self._use(u)
+            u.refs += 1
+
+    def _post_forward(self, module: torch.nn.Module, args, output):
+        if self._stack and self._stack[-1] is module:
+            self._stack.pop()
+        for ui in self.needs.get(module, ()):
+            u = self.units[ui]
+            u.refs -= 1
+            if u.refs == 0 and not u.held_for_backward:
+                self._free(u)
+        if torch.is_grad_enabled() and module in self.needs:
+            output = tree_map(lambda t: self._hook_output(t, module), output)
+        if module is self.root and not self._stack:
+            self._end_forward()
+        return output
+
+    def _begin_forward(self) -> None:
+        self._phase = "forward"
+        self._stack.clear()
+        if self._trace["forward"] is None or not self._valid["forward"]:
+            self._watch = _WatchAtRest(self)
+            self._watch.__enter__()
+
+    def _end_forward(self) -> None:
+        if self._watch is not None:
+            self._watch.__exit__(None, None, None)
+            self._watch = None
+        self._end_pass()
+
+    def _adopt_if_at_rest(self, p: torch.nn.Parameter) -> None:
+        u = self._unit_of.get(id(p))
+        if u is None or u.plan.persistent or (u.state == "gathered" and not u.prefetched):
+            return
+        module = self._stack[-1] if self._stack else self.root
+        wanted = self.needs.setdefault(module, [])
+        if u.index not in wanted:
+            wanted.append(u.index)
+            self._hook_module(module)
+            if self.comm.rank == 0:
+                log.info("zkern stage 3: %s reads '%s' of unit '%s' outside that unit's modules; it gathers that "
+                         "unit from now on", type(module).__name__, self._name[id(p)], u.plan.name)
+        if u.refs == 0:
+            self._use(u)
+        u.refs += 1
+
+    def _hook_output(self, t, module):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda grad: self._pre_backward(module, grad))
+        return t
+
+    # -- backward ---------------------------------------------------------------------------------------------
+    def _pre_backward(self, module: torch.nn.Module, grad):
+        for ui in self.needs.get(module, ()):
+            u = self.units[ui]
+            if not u.held_for_backward:
+                u.held_for_backward = True
+                self._use(u)
+        return grad
+
+    def begin_backward(self, boundary: bool) -> None:
+        self._phase = "backward"
+        self._recording["backward"] = []
+        self._cursor["backward"] = 0
+        for u in self.units:
+            u.fired = set()
+            u.reduced = False
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        u = self._unit_of[id(p)]
+        pos = self._position[id(p)]
+        self.used[self._trainable_index[id(p)]] = True
+        if u.reduced:
+            raise RuntimeError(
+                f"zkern stage 3: '{self._name[id(p)]}' received a second gradient in one "
+                f"backward after its unit was reduced (reentrant activation checkpointing?); use "
+                f"torch.utils.checkpoint(..., use_reentrant=False)")
+        if u.grad_buffer is None:
+            u.grad_buffer = torch.empty(u.bucket.padded, dtype=self.dtype, device=self.param_shard.device)
+        off = self._offset[id(p)]
+        slot = u.grad_buffer[off:off + self._full_shape[id(p)].numel()]
+        if pos in u.fired:
+            slot.add_(p.grad.reshape(-1))
+        else:
+            slot.copy_(p.grad.reshape(-1))
+            u.fired.add(pos)
+        p.grad = None  # only the shard is kept
+        if len(u.fired) == u.trainable:
+            self._reduce(u)
+
+    def _reduce(self, u: Unit) -> None:
+        """Reduce-scatter u's gradient bucket into this rank's chunk; free u's parameters."""
+        if u.grad_buffer is None:
+            u.grad_buffer = torch.zeros(u.bucket.padded, dtype=self.dtype, device=self.param_shard.device)
+        else:
+            for pos, p in enumerate(u.plan.params):
+                if pos not in u.fired:
+                    off = self._offset[id(p)]
+                    u.grad_buffer[off:off + self._full_shape[id(p)].numel()].zero_()
+            u.grad_buffer[u.bucket.numel:].zero_()
+        b, rank = u.bucket, self.comm.rank
+        out = u.grad_buffer[rank * b.chunk:(rank + 1) * b.chunk]
+        work = self.comm.reduce_scatter(out, u.grad_buffer, f"gradients of unit '{u.plan.name}'",
+                                        async_op=self.overlap)
+        u.reduced = True
+        self._pending.append((u, work))
+        if u.held_for_backward and u.refs == 0:
+            u.held_for_backward = False
+            self._free(u)
+        if not self.overlap:
+            self._retire()
+
+    def _retire(self) -> None:
+        u, work = self._pending.popleft()
+        work.wait()
+        b, rank = u.bucket, self.comm.rank
+        chunk = u.grad_buffer[rank * b.chunk:(rank + 1) * b.chunk]
+        shard = self.grad_shard[b.shard_offset:b.shard_offset + b.chunk]
+        if self._micro_since_step == 0:
+            shard.copy_(chunk)
+        else:
+            shard.add_(chunk)
+        u.grad_buffer = None
+
+    def end_backward(self) -> None:
+        for u in self.units:  # unit order on every rank: units some parameters of which got no gradient
+            if u.trainable and not u.reduced:
+                self._reduce(u)
+        while self._pending:
+            self._retire()
+        for u in self.units:
+            if u.held_for_backward:
+                u.held_for_backward = False
+                if u.refs == 0:
+                    self._free(u)
+        self._end_pass()
+        self._phase = "forward"
+        self._micro_since_step += 1
+
+    # -- step -------------------------------------------------------------------------------------------------
+    def active(self, flags: list[bool]) -> list[list[bool]]:
+        return [[flags[i] for i in per_group] for per_group in self._pieces_param]
+
+    def grad_segments(self) -> list[torch.Tensor]:
+        return [self.grad_shard]
+
+    def after_step(self) -> None:
+        """Refresh what stays whole (the persistent unit) from the updated shards."""
+        for u in self.units:
+            if u.plan.persistent:
+                b = u.bucket
+                self.comm.all_gather(u.buffer, self.param_shard[b.shard_offset:b.shard_offset + b.chunk],
+                                     "updated persistent parameters")
+
+    def zero_grad(self) -> None:
+        self._micro_since_step = 0
+        self.used = [False] * len(self.params)
+
+    def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
+        keep = not rank0_only or self.comm.rank == 0
+        source = self.master if self.master is not None else self.param_shard
+        values: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            b = u.bucket
+            data = torch.empty(b.padded, dtype=torch.float32, device=source.device)
+            self.comm.all_gather(data, source[b.shard_offset:b.shard_offset + b.chunk].float(),
+                                 f"fp32 weights of unit '{u.plan.name}' for full_state_dict")
+            if keep:
+                for p in u.plan.params:
+                    shape, off = self._full_shape[id(p)], self._offset[id(p)]
+                    values[id(p)] = data[off:off + shape.numel()].clone().view(shape)
+        return values if keep else None
+
+    def full_working(self) -> dict[int, torch.Tensor]:
+        """Every parameter in the working dtype (collective), for saving 16-bit weights."""
+        values = {}
+        for u in self.units:
+            b = u.bucket
+            data = torch.empty(b.padded, dtype=self.dtype, device=self.param_shard.device)
+            self.comm.all_gather(data, self.param_shard[b.shard_offset:b.shard_offset + b.chunk],
+                                 f"16-bit weights of unit '{u.plan.name}'")
+            for p in u.plan.params:
+                shape, off = self._full_shape[id(p)], self._offset[id(p)]
+                values[id(p)] = data[off:off + shape.numel()].clone().view(shape)
+        return values
+
+    # -- accounting -------------------------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        persistent = sum(nbytes(u.buffer) for u in self.units if u.plan.persistent)
+        live = sum(nbytes(u.buffer) for u in self.units if not u.plan.persistent)
+        grads = sum(nbytes(u.grad_buffer) for u in self.units)
+        return {"params": nbytes(self.param_shard) + persistent, "grads": nbytes(self.grad_shard),
+                "master": nbytes(self.master), "comm_buffers": live + grads}
+
+    def describe(self) -> list[str]:
+        persistent = sum(u.plan.numel for u in self.units if u.plan.persistent)
+        return [f"stage 3: {len(self.units)} fetch units over {len(self.all_params)} parameters ({self.layout.numel} "
+                f"elements), padded with {self.layout.padding} zero elements to a shard of {self.layout.shard_numel} "
+                f"per rank; {persistent} elements in small units stay whole on every rank"]
+
+    def warnings(self, reduce_bucket_size: int) -> list[str]:
+        return []

@@ -1,0 +1,83 @@
+"""Stage 3 fetch units: which parameters are gathered together, and which modules need which units.
+
+    python -c "from zkern.engine.units import plan_units; from zkern.testing import TinyGPT; \
+               print([(u.name, len(u.params)) for u in plan_units(TinyGPT(), (), 100)[0]])"
+
+A fetch unit is gathered with one all-gather and reduced with one reduce-scatter. By default each module that
+owns parameters directly is a unit of its own parameters; `fetch_classes` (config stage3_fetch_units) makes
+each outermost instance of those module classes one unit covering its whole subtree. A parameter shared by
+several modules (tied weights) belongs to the first owner in named_modules() order, and every module that
+holds it needs that unit. Units smaller than the persistence threshold are merged into one persistent unit
+that stays gathered. Pure: reads the module tree, changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class UnitPlan:
+    name: str  # module path of the unit root ("" for the root module, "<persistent>" for the merged unit)
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    persistent: bool = False
+    numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.numel = sum(p.numel() for p in self.params)
+
+
+def plan_units(model: torch.nn.Module, fetch_classes: tuple[str, ...], persistence_threshold: int
+               ) -> tuple[list[UnitPlan], dict[torch.nn.Module, list[int]]]:
+    """(units, needs): the fetch units in first-owner order (the persistent unit, if any, last), and for every
+    module that must gather something before it runs, the indices of the non-persistent units it needs."""
+    modules = dict(model.named_modules())
+    present = {type(m).__name__ for m in modules.values()}
+    missing = [c for c in fetch_classes if c not in present]
+    if missing:
+        raise ValueError(f"zero_optimization.stage3_fetch_units names module classes {missing} that the model does "
+                         f"not contain; its classes are {sorted(present)}")
+    owner: dict[int, str] = {}  # id(param) -> name of its first owning module
+    pname: dict[int, str] = {}
+    for mname, m in modules.items():
+        for pn, p in m.named_parameters(recurse=False):
+            if id(p) not in owner:
+                owner[id(p)] = mname
+                pname[id(p)] = f"{mname}.{pn}" if mname else pn
+    # Unit roots: outermost instances of the fetch classes; every other owner module is a root of its own.
+    roots: list[str] = []
+    for mname, m in modules.items():
+        if type(m).__name__ in fetch_classes and not any(_inside(mname, r) for r in roots):
+            roots.append(mname)
+    root_of: dict[int, str] = {}
+    for pid, mname in owner.items():
+        coarse = [r for r in roots if _inside(mname, r)]
+        root_of[pid] = coarse[0] if coarse else mname
+    by_root: dict[str, list[torch.nn.Parameter]] = {}
+    for p in model.parameters():  # registration order, tied parameters once
+        by_root.setdefault(root_of[id(p)], []).append(p)
+    units, small = [], []
+    for rname, params in by_root.items():
+        plan = UnitPlan(rname, params, [pname[id(p)] for p in params])
+        (small if plan.numel < persistence_threshold else units).append(plan)
+    if small:
+        units.append(UnitPlan("<persistent>", [p for u in small for p in u.params],
+                              [n for u in small for n in u.names], persistent=True))
+    unit_of = {id(p): i for i, u in enumerate(units) for p in u.params}
+    needs: dict[torch.nn.Module, list[int]] = {}
+    for mname, m in modules.items():
+        wanted = [unit_of[id(p)] for p in m.parameters(recurse=False)]
+        if mname in roots:
+            wanted += [unit_of[id(p)] for p in m.parameters()]
+        wanted = sorted({u for u in wanted if not units[u].persistent})
+        if wanted:
+            needs[m] = wanted
+    return units, needs
+
+
+def _inside(name: str, root: str) -> bool:
+    """Is module `name` the module `root` or inside it?"""
+    return root == "" or name == root or name.startswith(root + ".")

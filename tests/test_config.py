@@ -85,7 +85,7 @@ def test_not_implemented_keys_pass_at_default_and_fail_otherwise():
     cases = [
         (dict(zero_optimization={"offload_optimizer": {"device": "cpu"}}), "zero_optimization.offload_optimizer"),
         (dict(zero_optimization={"zero_quantized_weights": True}), "zero_optimization.zero_quantized_weights"),
-        (dict(zero_optimization={"stage3_max_live_parameters": 5}), "zero_optimization.stage3_max_live_parameters"),
+        (dict(zero_optimization={"stage3_max_reuse_distance": 5}), "zero_optimization.stage3_max_reuse_distance"),
         (dict(wall_clock_breakdown=True), "wall_clock_breakdown"),
         (dict(tensorboard={"enabled": True, "output_path": "x"}), "tensorboard"),
         (dict(fp16={"auto_cast": True}), "fp16.auto_cast"),
@@ -98,9 +98,14 @@ def test_not_implemented_keys_pass_at_default_and_fail_otherwise():
         assert f"'{path}' is a DeepSpeed key that zkern does not implement yet" in str(e.value), str(e.value)
 
 
-def test_stage3_and_unimplemented_optimizers_and_schedulers_say_so():
-    with pytest.raises(ConfigError, match="'zero_optimization.stage' 3 is not implemented by zkern yet"):
-        load(zero_optimization={"stage": 3})
+def test_stage3_keys_and_unimplemented_optimizers_and_schedulers_say_so():
+    zero = load(zero_optimization={"stage": 3, "stage3_fetch_units": ["Block"], "stage3_max_live_parameters": 1e8,
+                                   "stage3_gather_16bit_weights_on_model_save": True}).resolve(1).zero_optimization
+    assert zero.stage == 3 and zero.stage3_fetch_units == ("Block",) and zero.stage3_max_live_parameters == 10**8
+    assert zero.overlap_comm is True  # DeepSpeed's code default for stage 3
+    assert zero.stage3_prefetch_bucket_size == 50_000_000 and zero.stage3_param_persistence_threshold == 100_000
+    with pytest.raises(ConfigError, match="stage3_fetch_units' must be a list of module class names"):
+        load(zero_optimization={"stage": 3, "stage3_fetch_units": "Block"})
     with pytest.raises(ConfigError, match="must be 0, 1, 2 or 3, got 5"):
         load(zero_optimization={"stage": 5})
     with pytest.raises(ConfigError, match="'Lamb' is a DeepSpeed optimizer that zkern does not implement"):
@@ -151,8 +156,11 @@ def test_auto_values():
     class Model:
         config = type("C", (), {"hidden_size": 64})()
 
-    cfg = load(zero_optimization={"stage": 2, "reduce_bucket_size": "auto"}).resolve(world_size=1, model=Model())
+    cfg = load(zero_optimization={"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                  "stage3_param_persistence_threshold": "auto"}).resolve(world_size=1, model=Model())
     assert cfg.zero_optimization.reduce_bucket_size == 64 * 64
+    assert cfg.zero_optimization.stage3_prefetch_bucket_size == int(0.9 * 64 * 64)
+    assert cfg.zero_optimization.stage3_param_persistence_threshold == 640
     with pytest.raises(ConfigError, match="model has no config.hidden_size"):
         load(zero_optimization={"reduce_bucket_size": "auto"}).resolve(world_size=1, model=object())
     for keys, path in [(dict(gradient_clipping="auto"), "gradient_clipping"),

@@ -44,7 +44,7 @@ MATRIX = [
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp32_equals_single_process_adamw(stage, world):
     specs = [TrainSpec(stage=stage, reduce_bucket_size=3000, **m) for m in MATRIX]
     for spec, results in zip(specs, run_specs(specs, world)):
@@ -66,7 +66,7 @@ def test_parameter_count_divides_by_no_world_size():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_frozen_and_sometimes_unused_parameters(stage):
     # pos is frozen; `extra` gets a gradient only on even steps: torch skips it (grad None) on odd steps,
     # and zkern must too, on every rank, keeping its Adam step count behind the others'.
@@ -178,7 +178,7 @@ def test_fp16_inf_on_one_rank_skips_everywhere_and_halves_the_scale():
     ("fp16", 4 * 2**-11),
 ])
 def test_16_bit_training_follows_the_fp32_loss_curve(precision, tolerance):
-    specs = [TrainSpec(stage=s, precision=precision, accumulation=2, lr=1e-2) for s in (1, 2)]
+    specs = [TrainSpec(stage=s, precision=precision, accumulation=2, lr=1e-2) for s in (1, 2, 3)]
     for spec, results in zip(specs, run_specs(specs, 2)):
         _, ref_losses = reference_run(spec, 2)
         losses = mean_losses(results)

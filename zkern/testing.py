@@ -51,10 +51,15 @@ class TinyGPT(nn.Module):
     learned position embedding, pre-norm blocks, and an LM-head bias of `vocab` elements (odd by default, so the
     parameter count divides by no world size). `extra_branch` adds a layer used only when forward gets
     use_extra=True (a parameter that gets no gradient in some steps); `freeze_pos` freezes the position embedding.
+    Shapes stage 3 must handle: `reuse_first_block` runs blocks[0] a second time after the others (a module
+    called twice in one forward); `functional_head` computes the logits in this module's own forward from
+    self.tok.weight (a parameter read outside its module's forward); forward(reverse_blocks=True) runs the
+    blocks in reverse order (dynamic control flow).
     """
 
     def __init__(self, vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16,
-                 tie: bool = True, extra_branch: bool = False, freeze_pos: bool = False):
+                 tie: bool = True, extra_branch: bool = False, freeze_pos: bool = False,
+                 reuse_first_block: bool = False, functional_head: bool = False):
         super().__init__()
         self.config = SimpleNamespace(hidden_size=dim, vocab_size=vocab, n_layer=n_layer, seq=seq)
         self.tok = nn.Embedding(vocab, dim)
@@ -62,22 +67,33 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, n_head) for _ in range(n_layer))
         self.extra = nn.Linear(dim, dim) if extra_branch else None
         self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
+        self.reuse_first_block = reuse_first_block
+        self.functional_head = functional_head
+        if functional_head:
+            self.head_bias = nn.Parameter(torch.zeros(vocab))
+        else:
+            self.head = nn.Linear(dim, vocab)
         nn.init.normal_(self.tok.weight, std=0.02)
-        if tie:
+        if tie and not functional_head:
             self.head.weight = self.tok.weight
         self.register_buffer("position_ids", torch.arange(seq), persistent=True)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, use_extra: bool = False):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, use_extra: bool = False,
+                reverse_blocks: bool = False):
         t = idx.shape[1]
         x = self.tok(idx) + self.pos[self.position_ids[:t]].to(self.tok.weight.dtype)
-        for block in self.blocks:
+        for block in (reversed(self.blocks) if reverse_blocks else self.blocks):
             x = block(x)
+        if self.reuse_first_block:
+            x = self.blocks[0](x)
         if use_extra:
             if self.extra is None:
                 raise ValueError("use_extra=True needs TinyGPT(extra_branch=True)")
             x = x + self.extra(x)
-        logits = self.head(self.ln_f(x))
+        if self.functional_head:
+            logits = F.linear(self.ln_f(x), self.tok.weight, self.head_bias)
+        else:
+            logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -123,6 +139,7 @@ class TrainSpec:
     seed: int = 1234
     model: dict = field(default_factory=dict)  # TinyGPT kwargs
     extra_every: int = 0  # > 0: forward uses the extra branch on steps where step % extra_every == 0
+    reverse_at: tuple[int, ...] = ()  # steps whose forward runs the blocks in reverse order
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = True
     zero: dict = field(default_factory=dict)  # more zero_optimization keys
@@ -141,6 +158,10 @@ class TrainSpec:
             "comm_timeout_s": 120,
             "device": self.device,
         }
+        if self.stage == 3:
+            # Every unit of the tiny model is below DeepSpeed's 1e5 persistence threshold: keep only LayerNorm-sized
+            # units whole, so that stage 3 really partitions and gathers.
+            cfg["zero_optimization"].setdefault("stage3_param_persistence_threshold", 100)
         if self.precision == "bf16":
             cfg["bf16"] = {"enabled": True}
         elif self.precision == "fp16":
@@ -159,6 +180,9 @@ class TrainSpec:
     def uses_extra(self, step: int) -> bool:
         return self.extra_every > 0 and step % self.extra_every == 0
 
+    def forward_kwargs(self, step: int) -> dict:
+        return {"use_extra": self.uses_extra(step), "reverse_blocks": step in self.reverse_at}
+
 
 def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain single-process torch: the same model, the whole global batch per step, torch.optim.AdamW/Adam,
@@ -173,7 +197,7 @@ def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor],
     for step in range(spec.steps):
         opt.zero_grad()
         idx, tgt = global_batch(batches, step)
-        loss = model(idx.to(device), tgt.to(device), use_extra=spec.uses_extra(step))
+        loss = model(idx.to(device), tgt.to(device), **spec.forward_kwargs(step))
         loss.backward()
         if spec.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, spec.clip)
@@ -185,19 +209,30 @@ def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor],
 def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
     """Train spec with zkern.Engine on this rank; returns losses (this rank's mean per step), the final
     full_state_dict (rank 0), memory_report, comm_stats after construction and at the end, counters."""
+    import logging
+
     import zkern
 
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("zkern")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
     model = spec.make_model()
     engine = zkern.Engine(model, spec.config(world))
     comm_start = engine.comm_stats()
     batches = spec.batches(world)
-    losses, times = [], []
+    losses, times, gathered_after_forward = [], [], []
     for step in range(spec.steps):
         start = time.perf_counter()
         total = 0.0
         for micro in range(spec.accumulation):
             idx, tgt = batches[step][micro][rank]
-            loss = engine(idx.to(engine.device), tgt.to(engine.device), use_extra=spec.uses_extra(step))
+            loss = engine(idx.to(engine.device), tgt.to(engine.device), **spec.forward_kwargs(step))
+            if hasattr(engine.runtime, "gathered_units"):  # stage 3: what the hooks hold between fwd and bwd
+                gathered_after_forward.append(engine.runtime.gathered_units())
             engine.backward(loss)
             engine.step()
             total += loss.item()
@@ -206,9 +241,13 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
     comm_end = engine.comm_stats()  # before full_state_dict's own gather
     state = engine.full_state_dict(rank0_only=True)
     state = None if state is None else {k: v.cpu() for k, v in state.items()}
+    logger.removeHandler(handler)
+    logger.setLevel(level)
     return {"losses": losses, "state": state, "memory": engine.memory_report(), "peak_rss": peak_rss_bytes(),
             "comm_start": comm_start,
             "comm_end": comm_end, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
+            "log": messages, "gathered_after_forward": gathered_after_forward,
+            "peak_live": getattr(engine.runtime, "peak_live", None),
             "loss_scale": engine.loss_scale, "grad_norm": engine.last_grad_norm, "step_times": times,
             "spec": asdict(spec)}
 
@@ -234,7 +273,7 @@ def ddp_run(rank: int, world: int, spec: TrainSpec) -> dict:
             idx, tgt = batches[step][micro][rank]
             last = micro == spec.accumulation - 1
             with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
-                loss = ddp(idx, tgt, use_extra=spec.uses_extra(step))
+                loss = ddp(idx, tgt, **spec.forward_kwargs(step))
                 (loss / spec.accumulation).backward()
             total += loss.item()
         if spec.clip > 0:
@@ -338,12 +377,16 @@ def _child(rank: int, world: int, port: int, fn, args, queue, threads: int) -> N
                 pass
 
 
-def spawn(fn, world: int, *args, timeout: float = 300.0, threads: int = 1, subprocess: bool = False) -> list:
+def spawn(fn, world: int, *args, timeout: float = 300.0, threads: int = 1, subprocess: bool = False,
+          allow_dead: bool = False) -> list:
     """Run fn(rank, world, *args) on `world` processes (torchrun's environment variables on a free 127.0.0.1
     port); returns the results by rank. World size 1 runs in this process unless subprocess=True. A rank that
-    raises fails the whole call with that rank's traceback; no rank is left running."""
+    raises fails the whole call with that rank's traceback; a rank whose process dies without a result (a hard
+    abort) fails it too, unless allow_dead, which puts {"died": exitcode} in its place. No rank is left running."""
     if world == 1 and not subprocess:
         return [fn(0, 1, *args)]
+    import queue as queue_module
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -354,13 +397,22 @@ def spawn(fn, world: int, *args, timeout: float = 300.0, threads: int = 1, subpr
     for p in procs:
         p.start()
     results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
+        while len(results) < world:
             try:
-                rank, ok, payload = queue.get(timeout=timeout)
-            except Exception as e:
-                raise TimeoutError(f"spawn: ranks {sorted(set(range(world)) - set(results))} gave no result "
-                                   f"within {timeout:g}s") from e
+                rank, ok, payload = queue.get(timeout=0.5)
+            except queue_module.Empty:
+                for r, p in enumerate(procs):
+                    if r not in results and p.exitcode is not None and queue.empty():
+                        if not allow_dead:
+                            raise RuntimeError(f"rank {r} of {world} died (exit code {p.exitcode}) without a "
+                                               f"result") from None
+                        results[r] = {"died": p.exitcode}
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"spawn: ranks {sorted(set(range(world)) - set(results))} gave no result "
+                                       f"within {timeout:g}s") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world} failed:\n{payload}")
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)

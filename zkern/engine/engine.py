@@ -60,7 +60,8 @@ class Engine:
         if zero.stage == 3:
             # Partitions from the fp32 values, then casts what is left whole (buffers, empty parameters).
             self.runtime = Stage3Runtime(model, groups, comm=self.comm, dtype=self.dtype, mixed=mixed, zero=zero,
-                                         overlap=zero.overlap_comm)
+                                         overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
+                                         bucket_numel=zero.reduce_bucket_size)
             model.to(self.dtype)
         else:
             master_from = [[p.detach().float().clone() for p in g] for g in groups] if mixed else [[] for _ in groups]
@@ -216,6 +217,25 @@ class Engine:
     def comm_stats(self) -> dict:
         """Bytes this rank sent per collective kind since the start (ring-algorithm volumes)."""
         return self.comm.stats()
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> str:
+        """Save the weights in the training dtype with model.state_dict()'s names, as DeepSpeed's method does (a
+        collective; rank 0 writes). Stage 3 gathers them only when the config allows it."""
+        zero = self.config.zero_optimization
+        if zero.stage == 3:
+            if not (zero.stage3_gather_16bit_weights_on_model_save or zero.stage3_gather_fp16_weights_on_model_save):
+                raise RuntimeError("save_16bit_model at stage 3 gathers the whole model onto rank 0; set "
+                                   "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to allow it")
+            values = self.runtime.full_working()
+        else:
+            values = {id(p): p.detach() for p in self.runtime.params}
+        path = os.path.join(os.fspath(save_dir), save_filename)
+        if self.rank == 0:
+            state = {name: values.get(id(t), t).detach().clone().cpu()
+                     for name, t in self.module.state_dict(keep_vars=True).items()}
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, path)
+        return path
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """fp32 weights with model.state_dict()'s names (a collective: call it on every rank).

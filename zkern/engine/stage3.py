@@ -53,9 +53,31 @@ class Unit:
     refs: int = 0  # modules running forward with it
     held_for_backward: bool = False
     prefetched: bool = False  # gathered ahead, not used yet
-    grad_buffer: torch.Tensor | None = None
     fired: set = field(default_factory=set)  # parameter positions in the unit with a gradient this backward
-    reduced: bool = False
+    complete: bool = False  # every trainable parameter's gradient arrived (or the unit was flushed)
+    group: ReduceGroup | None = None
+
+
+@dataclass
+class ReduceGroup:
+    """Consecutive units whose gradients are reduced by one collective (at most reduce_bucket_size elements).
+
+    The buffer is rank-major, so that one reduce-scatter leaves rank r the contiguous shard range of the group:
+    | rank 0: u1.chunk0 u2.chunk0 | rank 1: u1.chunk1 u2.chunk1 | ...
+    """
+
+    index: int
+    units: list[Unit]
+    section: int  # elements per rank section (sum of the units' chunks)
+    section_offset: dict[int, int]  # unit index -> offset inside a section
+    shard_offset: int
+    buffer: torch.Tensor | None = None
+    complete: int = 0
+    launched: bool = False
+
+
+# Attribute reads an at-rest parameter answers correctly (its empty stand-in has the right dtype and device).
+_METADATA = frozenset({"dtype", "device", "requires_grad", "is_leaf", "layout", "is_cuda", "grad_fn"})
 
 
 class _WatchAtRest(TorchFunctionMode):
@@ -68,6 +90,10 @@ class _WatchAtRest(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.runtime._in_hook:  # the runtime's own work (gathering sets p.data) is not the model reading
+            return func(*args, **kwargs)
+        if getattr(getattr(func, "__self__", None), "__name__", None) in _METADATA:
+            return func(*args, **kwargs)
         for leaf in tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.nn.Parameter):
                 self.runtime._adopt_if_at_rest(leaf)
@@ -78,7 +104,7 @@ class Stage3Runtime:
     """Stage 3 behind the engine's runtime interface (see Stage12Runtime)."""
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], *, comm: Comm,
-                 dtype: torch.dtype, mixed: bool, zero, overlap: bool):
+                 dtype: torch.dtype, mixed: bool, zero, overlap: bool, reduce_scatter: bool, bucket_numel: int):
         self.comm, self.dtype, self.mixed, self.overlap = comm, dtype, mixed, overlap
         self.root = model
         self.prefetch_numel = zero.stage3_prefetch_bucket_size
@@ -93,6 +119,8 @@ class Stage3Runtime:
         self.layout = plan_unit_layout([[p.numel() for p in u.params] for u in plans], comm.world)
         self.units = [Unit(i, plan, b, sum(p.requires_grad for p in plan.params))
                       for i, (plan, b) in enumerate(zip(plans, self.layout.buckets))]
+        self.reduce_scatter = reduce_scatter
+        self.groups = self._plan_reduce_groups(bucket_numel)
         self.needs = needs
         self.all_params = [p for u in plans for p in u.params]
         self.all_names = [n for u in plans for n in u.names]
@@ -132,6 +160,8 @@ class Stage3Runtime:
         self._said_reorder = False
         self._stack: list[torch.nn.Module] = []
         self._watch: _WatchAtRest | None = None
+        self._in_hook = False
+        self._needs_changed = False
         self._pending: deque[tuple[Unit, Work]] = deque()
         self._micro_since_step = 0
         self._hooks = []
@@ -289,8 +319,10 @@ class Stage3Runtime:
     def _end_pass(self) -> None:
         phase = self._phase
         self._drop_prefetched()
-        if self._trace[phase] != self._recording[phase]:
-            self._trace[phase] = self._recording[phase]
+        self._trace[phase] = self._recording[phase]
+        if self._needs_changed:  # a module adopted a unit: the next passes gather in another order
+            self._trace = {"forward": None, "backward": None}
+            self._needs_changed = False
         self._valid[phase] = True
         self._cursor[phase] = 0
         self._recording[phase] = []
@@ -307,13 +339,24 @@ class Stage3Runtime:
         if module is self.root and not self._stack:
             self._begin_forward()
         self._stack.append(module)
-        for ui in self.needs.get(module, ()):
-            u = self.units[ui]
-            if u.refs == 0:
-                self._use(u)
-            u.refs += 1
+        self._in_hook = True
+        try:
+            for ui in self.needs.get(module, ()):
+                u = self.units[ui]
+                if u.refs == 0:
+                    self._use(u)
+                u.refs += 1
+        finally:
+            self._in_hook = False
 
     def _post_forward(self, module: torch.nn.Module, args, output):
+        self._in_hook = True
+        try:
+            return self._release_after_forward(module, output)
+        finally:
+            self._in_hook = False
+
+    def _release_after_forward(self, module: torch.nn.Module, output):
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
         for ui in self.needs.get(module, ()):
@@ -349,6 +392,7 @@ class Stage3Runtime:
         if u.index not in wanted:
             wanted.append(u.index)
             self._hook_module(module)
+            self._needs_changed = True  # the next pass gathers in a new order: record it afresh, silently
             if self.comm.rank == 0:
                 log.info("zkern stage 3: %s reads '%s' of unit '%s' outside that unit's modules; it gathers that "
                          "unit from now on", type(module).__name__, self._name[id(p)], u.plan.name)
@@ -376,68 +420,110 @@ class Stage3Runtime:
         self._cursor["backward"] = 0
         for u in self.units:
             u.fired = set()
-            u.reduced = False
+            u.complete = False
+
+    def _plan_reduce_groups(self, bucket_numel: int) -> list[ReduceGroup]:
+        """Consecutive trainable units, up to bucket_numel elements a group; a unit with nothing to train ends a
+        group (its chunk would break the group's contiguous shard range)."""
+        groups: list[list[Unit]] = []
+        current: list[Unit] = []
+        for u in self.units:
+            if not u.trainable:
+                if current:
+                    groups.append(current)
+                current = []
+                continue
+            if current and sum(x.bucket.padded for x in current) + u.bucket.padded > bucket_numel:
+                groups.append(current)
+                current = []
+            current.append(u)
+        if current:
+            groups.append(current)
+        out = []
+        for gi, units in enumerate(groups):
+            offsets, section = {}, 0
+            for u in units:
+                offsets[u.index] = section
+                section += u.bucket.chunk
+            group = ReduceGroup(gi, units, section, offsets, units[0].bucket.shard_offset)
+            for u in units:
+                u.group = group
+            out.append(group)
+        return out
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         u = self._unit_of[id(p)]
         pos = self._position[id(p)]
         self.used[self._trainable_index[id(p)]] = True
-        if u.reduced:
+        if u.complete:
             raise RuntimeError(
-                f"zkern stage 3: '{self._name[id(p)]}' received a second gradient in one "
-                f"backward after its unit was reduced (reentrant activation checkpointing?); use "
+                f"zkern stage 3: '{self._name[id(p)]}' received a second gradient in one backward after its unit "
+                f"was reduced (reentrant activation checkpointing?); use "
                 f"torch.utils.checkpoint(..., use_reentrant=False)")
-        if u.grad_buffer is None:
-            u.grad_buffer = torch.empty(u.bucket.padded, dtype=self.dtype, device=self.param_shard.device)
-        off = self._offset[id(p)]
-        slot = u.grad_buffer[off:off + self._full_shape[id(p)].numel()]
-        if pos in u.fired:
-            slot.add_(p.grad.reshape(-1))
-        else:
-            slot.copy_(p.grad.reshape(-1))
-            u.fired.add(pos)
+        g = u.group
+        if g.buffer is None:  # zeros: padding and parameters without a gradient reduce as zero
+            g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.dtype, device=self.param_shard.device)
+        self._scatter_into(g, u, p, p.grad.reshape(-1), add=pos in u.fired)
+        u.fired.add(pos)
         p.grad = None  # only the shard is kept
         if len(u.fired) == u.trainable:
-            self._reduce(u)
+            self._complete(u)
 
-    def _reduce(self, u: Unit) -> None:
-        """Reduce-scatter u's gradient bucket into this rank's chunk; free u's parameters."""
-        if u.grad_buffer is None:
-            u.grad_buffer = torch.zeros(u.bucket.padded, dtype=self.dtype, device=self.param_shard.device)
-        else:
-            for pos, p in enumerate(u.plan.params):
-                if pos not in u.fired:
-                    off = self._offset[id(p)]
-                    u.grad_buffer[off:off + self._full_shape[id(p)].numel()].zero_()
-            u.grad_buffer[u.bucket.numel:].zero_()
-        b, rank = u.bucket, self.comm.rank
-        out = u.grad_buffer[rank * b.chunk:(rank + 1) * b.chunk]
-        work = self.comm.reduce_scatter(out, u.grad_buffer, f"gradients of unit '{u.plan.name}'",
-                                        async_op=self.overlap)
-        u.reduced = True
-        self._pending.append((u, work))
+    def _scatter_into(self, g: ReduceGroup, u: Unit, p: torch.nn.Parameter, grad: torch.Tensor, add: bool) -> None:
+        """Copy p's flat gradient into the rank sections of g's buffer that its unit chunks map to."""
+        off, n, c = self._offset[id(p)], grad.numel(), u.bucket.chunk
+        for q in range(off // c, (off + n - 1) // c + 1):
+            lo, hi = max(off, q * c), min(off + n, (q + 1) * c)
+            start = q * g.section + g.section_offset[u.index] + lo - q * c
+            dst, src = g.buffer[start:start + hi - lo], grad[lo - off:hi - off]
+            if add:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
+
+    def _complete(self, u: Unit) -> None:
+        """All of u's gradients are in its group's buffer: free u, and reduce the group once it is whole."""
+        u.complete = True
         if u.held_for_backward and u.refs == 0:
             u.held_for_backward = False
             self._free(u)
+        g = u.group
+        g.complete += 1
+        if g.complete == len(g.units):
+            self._launch(g)
+
+    def _launch(self, g: ReduceGroup) -> None:
+        if g.buffer is None:
+            g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.dtype, device=self.param_shard.device)
+        rank = self.comm.rank
+        names = f"'{g.units[0].plan.name}'" + (f"..'{g.units[-1].plan.name}'" if len(g.units) > 1 else "")
+        purpose = f"gradients of units {names}"
+        if self.reduce_scatter:
+            out = g.buffer[rank * g.section:(rank + 1) * g.section]
+            work = self.comm.reduce_scatter(out, g.buffer, purpose, async_op=self.overlap)
+        else:  # reduce_scatter=false: all-reduce, then keep this rank's section
+            work = self.comm.all_reduce(g.buffer, purpose, async_op=self.overlap)
+        g.launched = True
+        self._pending.append((g, work))
         if not self.overlap:
             self._retire()
 
     def _retire(self) -> None:
-        u, work = self._pending.popleft()
+        g, work = self._pending.popleft()
         work.wait()
-        b, rank = u.bucket, self.comm.rank
-        chunk = u.grad_buffer[rank * b.chunk:(rank + 1) * b.chunk]
-        shard = self.grad_shard[b.shard_offset:b.shard_offset + b.chunk]
+        rank = self.comm.rank
+        section = g.buffer[rank * g.section:(rank + 1) * g.section]
+        shard = self.grad_shard[g.shard_offset:g.shard_offset + g.section]
         if self._micro_since_step == 0:
-            shard.copy_(chunk)
+            shard.copy_(section)
         else:
-            shard.add_(chunk)
-        u.grad_buffer = None
+            shard.add_(section)
+        g.buffer = None
 
     def end_backward(self) -> None:
         for u in self.units:  # unit order on every rank: units some parameters of which got no gradient
-            if u.trainable and not u.reduced:
-                self._reduce(u)
+            if u.trainable and not u.complete:
+                self._complete(u)
         while self._pending:
             self._retire()
         for u in self.units:
@@ -445,6 +531,8 @@ class Stage3Runtime:
                 u.held_for_backward = False
                 if u.refs == 0:
                     self._free(u)
+        for g in self.groups:
+            g.complete, g.launched = 0, False
         self._end_pass()
         self._phase = "forward"
         self._micro_since_step += 1
@@ -503,7 +591,7 @@ class Stage3Runtime:
 
         persistent = sum(nbytes(u.buffer) for u in self.units if u.plan.persistent)
         live = sum(nbytes(u.buffer) for u in self.units if not u.plan.persistent)
-        grads = sum(nbytes(u.grad_buffer) for u in self.units)
+        grads = sum(nbytes(g.buffer) for g in self.groups)
         return {"params": nbytes(self.param_shard) + persistent, "grads": nbytes(self.grad_shard),
                 "master": nbytes(self.master), "comm_buffers": live + grads}
 
@@ -514,4 +602,10 @@ class Stage3Runtime:
                 f"per rank; {persistent} elements in small units stay whole on every rank"]
 
     def warnings(self, reduce_bucket_size: int) -> list[str]:
+        if self.comm.world > 1 and len(self.groups) == 1 and len(self.groups[0].units) > 1:
+            n = self.groups[0].section * self.comm.world
+            return [f"stage 3 with one gradient bucket: reduce_bucket_size ({reduce_bucket_size}) covers all {n} "
+                    f"trainable elements, so gradients are reduced only when backward ends, from a buffer as large "
+                    f"as the whole gradient. Set zero_optimization.reduce_bucket_size well below {n} (\"auto\" = "
+                    f"hidden_size**2) to reduce during backward and keep memory at the shard."]
         return []

@@ -1,0 +1,202 @@
+"""ZeRO stage 3 beyond the shared equivalence matrix (tests/test_engine.py runs stage 3 there too): real-model
+shapes, prefetch and its re-recording, memory and communication, eval loops, saving, and diverging ranks."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import zkern
+from zkern.testing import TinyGPT, TrainSpec, assert_params_close, engine_run, reference_run, spawn
+
+
+def engine_runs(rank, world, specs):
+    return [engine_run(rank, world, s) for s in specs]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fetch_units", [(), ("Block",)])
+def test_real_model_shapes_match_single_process_adamw(fetch_units):
+    # tied embedding/head (default TinyGPT), a block run twice per forward, the head computed in the root's own
+    # forward from tok.weight, frozen and sometimes-unused parameters; per-module and per-block fetch units
+    specs = [
+        TrainSpec(stage=3, model=dict(reuse_first_block=True), zero={"stage3_fetch_units": list(fetch_units)},
+                  accumulation=2, clip=0.05),
+        TrainSpec(stage=3, model=dict(functional_head=True, extra_branch=True, freeze_pos=True), extra_every=2,
+                  zero={"stage3_fetch_units": list(fetch_units)}, reduce_bucket_size=5000),
+    ]
+    per_rank = spawn(engine_runs, 2, specs)
+    for i, spec in enumerate(specs):
+        ref_state, ref_losses = reference_run(spec, 2)
+        assert_params_close(per_rank[0][i]["state"], ref_state, lr=spec.lr, steps=spec.steps)
+        # the hooks' own bookkeeping: between forward and backward nothing but the persistent unit stays whole
+        assert all(g == [] for r in per_rank for g in r[i]["gathered_after_forward"])
+    assert any("reads 'tok.weight'" in m for m in per_rank[0][1]["log"])
+
+
+@pytest.mark.dist
+def test_order_change_re_records_says_so_once_and_stays_correct():
+    spec = TrainSpec(stage=3, reverse_at=(3, 6), steps=8, zero={"stage3_prefetch_bucket_size": 6000})
+    results = spawn(engine_runs, 2, [spec])
+    ref_state, _ = reference_run(spec, 2)
+    assert_params_close(results[0][0]["state"], ref_state, lr=spec.lr, steps=spec.steps)
+    said = [m for m in results[0][0]["log"] if "re-recorded" in m]
+    assert len(said) == 1 and "the forward pass gathered unit" in said[0]
+
+
+@pytest.mark.dist
+def test_prefetch_and_live_bounds():
+    # 12608-element blocks as units; prefetch allows ~1.5 blocks ahead, the live bound ~2.5 blocks
+    zero = {"stage3_fetch_units": ["Block"], "stage3_prefetch_bucket_size": 19000,
+            "stage3_max_live_parameters": 32000, "stage3_param_persistence_threshold": 0}
+    spec = TrainSpec(stage=3, steps=4, zero=zero, model=dict(n_layer=4))
+    results = spawn(engine_runs, 2, [spec])
+    ref_state, _ = reference_run(spec, 2)
+    assert_params_close(results[0][0]["state"], ref_state, lr=spec.lr, steps=spec.steps)
+    for r in results:
+        assert r[0]["peak_live"] <= 32000
+        assert all(g == [] for g in r[0]["gathered_after_forward"])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_report_and_comm_stats(world):
+    specs = [TrainSpec(stage=3, precision=p, steps=2, accumulation=2, zero={"stage3_param_persistence_threshold": 200})
+             for p in ("fp32", "bf16")]
+    model = specs[0].make_model()
+    psi = sum(p.numel() for p in model.parameters())
+    seen, unit_sizes = set(), []  # a module's own parameters not owned by an earlier module (the tied head)
+    for m in model.modules():
+        own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if own:
+            unit_sizes.append(sum(p.numel() for p in own))
+    persistent = sum(n for n in unit_sizes if n < 200)
+    units = sum(1 for n in unit_sizes if n >= 200)
+    per_rank = spawn(engine_runs, world, specs)
+    for i, spec in enumerate(specs):
+        results = [r[i] for r in per_rank]
+        mixed = spec.precision != "fp32"
+        want = zkern.estimate_memory(psi, world, 3, precision="mixed" if mixed else "fp32")
+        width = 2 if mixed else 4
+        for r in results:
+            mem = r["memory"]["cpu"]
+            held = mem["params"] + mem["grads"] + mem["optimizer"] + mem["master"]
+            # padding: at most world-1 elements per unit (units + the persistent one), 20 bytes each at most;
+            # plus the persistent parameters' whole working copy
+            slack = (units + 1) * (world - 1) * 20 + (persistent + world) * width
+            assert want["total"] <= held <= want["total"] + slack, (spec.precision, mem, want)
+            sent = {k: r["comm_end"][k] - r["comm_start"][k] for k in ("reduce_scatter", "all_gather", "all_reduce")}
+            # every micro-step reduce-scatters each unit's padded gradient once (one default-size group)
+            padded_units = psi + units * (world - 1) + world  # upper bound of the padded total
+            rs = sent["reduce_scatter"] / (spec.steps * spec.accumulation * width * (world - 1) / world)
+            assert psi <= rs <= padded_units + world
+            # all-gathers: the forward and backward gather every non-persistent unit (the tied tok unit once more
+            # in the forward, for the head); each step refreshes the persistent unit
+            ag = sent["all_gather"] / (width * (world - 1) / world)
+            tok = model.tok.weight.numel()
+            low = spec.steps * spec.accumulation * (2 * (psi - persistent) + tok)
+            assert low <= ag <= low * 1.02 + spec.steps * (persistent + world) + 100 * world, (ag, low)
+            assert sent["all_reduce"] == 0
+
+
+def eval_worker(rank, world, spec):
+    """Train 2 steps, then generate under no_grad + eval (growing lengths), then train again: no hang, the same
+    logits as a plain model holding the engine's weights."""
+    engine = zkern.Engine(spec.make_model(), spec.config(world))
+    batches = spec.batches(world)
+    for step in range(2):
+        idx, tgt = batches[step][0][rank]
+        engine.backward(engine(idx, tgt))
+        engine.step()
+    engine.eval()
+    prompt = batches[0][0][rank][0][:1, :4]
+    with torch.no_grad():
+        seq = prompt
+        for _ in range(6):
+            logits = engine(seq)
+            seq = torch.cat([seq, logits[:, -1:].argmax(-1)], dim=1)
+    gathered_after_eval = engine.runtime.gathered_units()
+    state = engine.full_state_dict()
+    engine.train()
+    idx, tgt = batches[2][0][rank]
+    engine.backward(engine(idx, tgt))
+    engine.step()
+    return {"seq": seq, "logits": logits, "state": state, "gathered": gathered_after_eval,
+            "position_ids": engine.module.position_ids.clone(), "steps": engine.global_steps}
+
+
+@pytest.mark.dist
+def test_generation_under_no_grad_and_eval_then_training_continues():
+    spec = TrainSpec(stage=3, steps=3)
+    results = spawn(eval_worker, 2, spec)
+    for r in results:
+        plain = TinyGPT()
+        plain.load_state_dict(r["state"])
+        plain.eval()
+        with torch.no_grad():
+            expected = plain(r["seq"][:, :-1])
+        torch.testing.assert_close(r["logits"], expected, rtol=1e-5, atol=1e-5)
+        assert r["gathered"] == [] and r["steps"] == 3
+        assert torch.equal(r["position_ids"], torch.arange(16))  # buffers stay whole
+
+
+def save_worker(rank, world, tmp, flag):
+    cfg = TrainSpec(stage=3, precision="bf16").config(world)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = flag
+    engine = zkern.Engine(TinyGPT(), cfg)
+    try:
+        engine.save_16bit_model(tmp)
+    except RuntimeError as e:
+        return str(e)
+    return engine.full_state_dict()
+
+
+@pytest.mark.dist
+def test_save_16bit_model(tmp_path):
+    results = spawn(save_worker, 2, str(tmp_path), True)
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    assert set(saved) == set(results[0]) and all(t.dtype in (torch.bfloat16, torch.int64) for t in saved.values())
+    for name, value in saved.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, results[0][name].bfloat16(), rtol=0, atol=0)
+    errors = spawn(save_worker, 2, str(tmp_path / "off"), False)
+    assert all("stage3_gather_16bit_weights_on_model_save" in e for e in errors)
+    assert not os.path.exists(tmp_path / "off")
+
+
+def diverging_worker(rank, world, timeout_s):
+    """Rank 1 runs a unit that rank 0 skips (the extra branch): both must end with a CommError."""
+    spec = TrainSpec(stage=3, model=dict(extra_branch=True))
+    cfg = spec.config(world)
+    cfg["comm_timeout_s"] = timeout_s
+    engine = zkern.Engine(spec.make_model(), cfg)
+    idx, tgt = spec.batches(world)[0][0][rank]
+    start = time.monotonic()
+    try:
+        for _ in range(2):
+            engine.backward(engine(idx, tgt, use_extra=rank == 1))
+            engine.step()
+    except zkern.CommError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_rank_that_skips_a_unit_ends_the_job_with_an_error():
+    """The ranks issue different collectives. No rank may hang: a rank ends with zkern's CommError naming it,
+    the collective and the unit, or, where gloo receives a buffer of the wrong size, gloo aborts that rank's
+    process with its own "collective mismatch" message (the other rank then gets the CommError)."""
+    timeout_s = 4.0
+    start = time.monotonic()
+    results = spawn(diverging_worker, 2, timeout_s, timeout=90, allow_dead=True)
+    assert time.monotonic() - start < 3 * timeout_s + 30
+    errors = [r["error"] for r in results if "error" in r]
+    assert errors and all(e is not None for e in errors), results
+    for r, e in enumerate(results):
+        if "error" in e:
+            assert f"zkern rank {r} of 2:" in e["error"] and "of unit '" in e["error"], e["error"]
+        else:
+            assert e["died"] != 0

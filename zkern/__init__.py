@@ -11,6 +11,8 @@ from zkern.engine.comm import CommError
 from zkern.engine.engine import Engine
 from zkern.engine.partition import estimate_memory
 from zkern.engine.precision import LossScaleAtMinimum
+from zkern.engine.sharded_init import init_sharded
 
-__all__ = ["Engine", "Config", "ConfigError", "CommError", "LossScaleAtMinimum", "estimate_memory", "ops"]
+__all__ = ["Engine", "Config", "ConfigError", "CommError", "LossScaleAtMinimum", "estimate_memory", "init_sharded",
+           "ops"]
 __version__ = "0.1.0"

@@ -21,6 +21,7 @@ from zkern.engine import build
 from zkern.engine.comm import Comm, init_distributed
 from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
 from zkern.engine.precision import LossScaler, working_dtype
+from zkern.engine.sharded_init import is_sharded
 from zkern.engine.stage3 import Stage3Runtime
 from zkern.engine.stage12 import Stage12Runtime
 
@@ -57,6 +58,9 @@ class Engine:
         if not zero.contiguous_gradients:
             log.warning("zkern: zero_optimization.contiguous_gradients=false has no effect: zkern always reduces "
                         "gradients from contiguous buckets, which costs no extra memory")
+        if zero.stage != 3 and any(is_sharded(p) for p in model.parameters()):
+            raise ValueError("the model was built under zkern.init_sharded, which partitions it for ZeRO stage 3; "
+                             f"the config says stage {zero.stage}: use stage 3, or build the model without it")
         if zero.stage == 3:
             # Partitions from the fp32 values, then casts what is left whole (buffers, empty parameters).
             self.runtime = Stage3Runtime(model, groups, comm=self.comm, dtype=self.dtype, mixed=mixed, zero=zero,

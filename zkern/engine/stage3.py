@@ -36,6 +36,7 @@ from zkern import ops
 from zkern.engine.comm import Comm, Work
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.partition import Bucket, plan_unit_layout
+from zkern.engine.sharded_init import full_shape, is_sharded
 from zkern.engine.units import UnitPlan, plan_units
 
 log = logging.getLogger("zkern")
@@ -116,7 +117,7 @@ class Stage3Runtime:
             order = sorted(range(len(plan.params)), key=lambda i: group_of.get(id(plan.params[i]), frozen))
             plan.params = [plan.params[i] for i in order]
             plan.names = [plan.names[i] for i in order]
-        self.layout = plan_unit_layout([[p.numel() for p in u.params] for u in plans], comm.world)
+        self.layout = plan_unit_layout([[full_shape(p).numel() for p in u.params] for u in plans], comm.world)
         self.units = [Unit(i, plan, b, sum(p.requires_grad for p in plan.params))
                       for i, (plan, b) in enumerate(zip(plans, self.layout.buckets))]
         self.reduce_scatter = reduce_scatter
@@ -130,15 +131,16 @@ class Stage3Runtime:
         self.names = [n for p, n in zip(self.all_params, self.all_names) if p.requires_grad]
         self._trainable_index = {id(p): i for i, p in enumerate(self.params)}
         self.used = [False] * len(self.params)
-        # Shapes and in-unit offsets, recorded while parameters are still whole (at rest .data is empty).
-        self._full_shape = {id(p): p.shape for p in self.all_params}
+        # Shapes and in-unit offsets, recorded while parameters are still whole (at rest .data is empty;
+        # a model built under init_sharded arrives with its parameters already at rest).
+        self._full_shape = {id(p): full_shape(p) for p in self.all_params}
         self._name = {id(p): n for p, n in zip(self.all_params, self.all_names)}
         self._offset: dict[int, int] = {}
         for u in self.units:
             off = 0
             for p in u.plan.params:
                 self._offset[id(p)] = off
-                off += p.numel()
+                off += self._full_shape[id(p)].numel()
 
         device = self.all_params[0].device
         self._empty = torch.empty(0, dtype=dtype, device=device)
@@ -174,19 +176,32 @@ class Stage3Runtime:
 
     # -- layout -----------------------------------------------------------------------------------------------
     def _partition(self) -> None:
-        """Keep this rank's chunk of every unit (fp32 master and working copy); parameters go to rest."""
+        """Keep this rank's chunk of every unit (fp32 master and working copy); parameters go to rest. One unit
+        is whole at a time: parameters partitioned by init_sharded are gathered for it and dropped again."""
         rank = self.comm.rank
+        device = self.param_shard.device
         with torch.no_grad():
             for u in self.units:
                 b = u.bucket
-                full = torch.zeros(b.padded, dtype=torch.float32, device=self.param_shard.device)
-                full[:b.numel].copy_(ops.flatten([p.detach() for p in u.plan.params], torch.float32))
+                full = torch.zeros(b.padded, dtype=torch.float32, device=device)
+                values = [self._gather_built(p).to(device) if is_sharded(p) else p.detach() for p in u.plan.params]
+                full[:b.numel].copy_(ops.flatten(values, torch.float32))
+                del values
                 mine = full[rank * b.chunk:(rank + 1) * b.chunk]
                 self.param_shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
                 if self.master is not None:
                     self.master[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
                 for p in u.plan.params:
                     p.data = self._empty
+                    if is_sharded(p):
+                        del p._zkern_shard, p._zkern_shape
+
+    def _gather_built(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """A parameter partitioned by init_sharded, whole (a collective, in unit order on every rank)."""
+        shard = p._zkern_shard
+        out = torch.empty(shard.numel() * self.comm.world, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(out, shard, "a parameter built under init_sharded, for the stage-3 layout")
+        return out[:p._zkern_shape.numel()].view(p._zkern_shape)
 
     def _make_shard_groups(self, groups: list[list[torch.nn.Parameter]]) -> list[ShardGroup]:
         """Per optimizer group: its pieces, and per unit the contiguous sub-range of its pieces."""

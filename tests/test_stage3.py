@@ -211,17 +211,18 @@ LAYERS, WIDTH = 16, 1024  # 16 x 4 MiB = 64 MiB of fp32 weights
 
 def construction_peak_worker(rank, world):
     """Peak resident-memory growth (MiB) while building a 64 MiB model under init_sharded."""
-    import resource
-
     import torch.distributed as dist
+
+    from zkern.testing import peak_rss_bytes, reset_peak_rss
 
     if world > 1:
         dist.init_process_group("gloo")
     cfg = {"train_batch_size": world, "zero_optimization": {"stage": 3}, "device": "cpu"}
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    reset_peak_rss()
+    before = peak_rss_bytes()
     with zkern.init_sharded(cfg):
         model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    grown = (peak_rss_bytes() - before) / 2**20
     held = sum(p._zkern_shard.numel() * 4 for p in model.parameters()) / 2**20
     return {"grown_mib": grown, "shards_mib": held}
 

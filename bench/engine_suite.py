@@ -1,4 +1,4 @@
-"""Engine suite: zkern stage N against DistributedDataParallel + AdamW, same model, data and seed.
+"""Engine suite: zkern stage N against its stock-PyTorch peer (bench/peers.py) and DDP, same model, data, seed.
 
     python bench/run.py --stage 2 --model tiny
 
@@ -16,6 +16,7 @@ import subprocess
 
 import torch
 
+from bench import peers
 from zkern.testing import TrainSpec, ddp_run, engine_run, mean_losses, spawn
 
 # TinyGPT presets; "steps" is the default number of optimizer steps, the first `warmup` are not timed.
@@ -46,31 +47,40 @@ def _git_sha() -> str:
 def run(stage: int, world: int, model: str, steps: int | None = None) -> dict:
     preset = MODELS[model]
     # Buckets of ~1/8 of the model let gradient reduction overlap backward (DDP's 25 MB buckets do the same).
+    # Stage 3 gathers one transformer block per fetch unit, as FSDP2 is wrapped here.
+    zero = {"stage3_fetch_units": ["Block"]} if stage == 3 else {}
     spec = TrainSpec(stage=stage, steps=steps or preset["steps"], micro_batch=preset["micro_batch"],
-                     model=preset["model"], lr=1e-3, overlap_comm=True, reduce_bucket_size=preset["bucket"])
+                     model=preset["model"], lr=1e-3, overlap_comm=True, reduce_bucket_size=preset["bucket"], zero=zero)
     warmup = min(preset["warmup"], spec.steps - 1)
     tokens_per_step = spec.micro_batch * preset["model"]["seq"] * world
-    ddp = spawn(ddp_run, world, spec, timeout=1800)
-    zk = spawn(engine_run, world, spec, timeout=1800)
-    ddp_losses, zk_losses = mean_losses(ddp), mean_losses(zk)
+    runs = {"ddp": spawn(ddp_run, world, spec, timeout=1800)}
+    for name, fn in peers.PEERS[stage].items():
+        runs[name] = spawn(fn, world, spec, timeout=1800)
+    runs[f"zkern stage {stage}"] = spawn(engine_run, world, spec, timeout=1800)
+    ddp_losses = mean_losses(runs["ddp"])
 
-    def summary(name: str, results: list[dict], state_bytes: list[int], losses: list[float]) -> dict:
+    def summary(name: str, results: list[dict]) -> dict:
         times = _quantiles(results[0]["step_times"][warmup:])
+        losses = mean_losses(results)
+        if "memory" in results[0]:  # zkern: its own report, model states only
+            state = [sum(v for k, v in r["memory"][next(iter(r["memory"]))].items()
+                         if k in ("params", "grads", "optimizer", "master")) for r in results]
+        else:
+            state = [r["model_state_bytes"] for r in results]
         return {
             "system": name,
             **times,
             "tokens_per_s": tokens_per_step / times["median_s"],
-            "model_state_bytes_per_rank": max(state_bytes),
+            "model_state_bytes_per_rank": max(state),
             "peak_rss_bytes_per_rank": max(r["peak_rss"] for r in results),
             "final_loss": losses[-1],
             "max_loss_gap_vs_ddp": max(abs(a - b) / abs(b) for a, b in zip(losses, ddp_losses)),
             "losses": losses,
         }
 
-    zk_state = [sum(v for k, v in r["memory"][next(iter(r["memory"]))].items()
-                    if k in ("params", "grads", "optimizer", "master")) for r in zk]
-    systems = [summary("ddp", ddp, [r["model_state_bytes"] for r in ddp], ddp_losses),
-               summary(f"zkern stage {stage}", zk, zk_state, zk_losses)]
+    systems = [summary(name, results) for name, results in runs.items()]
+    zk = systems[-1]
+    peer = systems[-2]  # the stage's own peer (DDP where the stage has no other)
     return {
         "suite": "engine",
         "stage": stage,
@@ -80,15 +90,17 @@ def run(stage: int, world: int, model: str, steps: int | None = None) -> dict:
         "steps": spec.steps,
         "warmup_steps": warmup,
         "precision": spec.precision,
+        "config": spec.config(world),
         "device": "cpu",
         "device_name": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "git_sha": _git_sha(),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "systems": systems,
-        "ratios": {"step_time_zkern_over_ddp": systems[1]["median_s"] / systems[0]["median_s"],
-                   "model_state_zkern_over_ddp": systems[1]["model_state_bytes_per_rank"]
-                   / systems[0]["model_state_bytes_per_rank"]},
+        "peer": peer["system"],
+        "ratios": {"step_time_zkern_over_peer": zk["median_s"] / peer["median_s"],
+                   "model_state_zkern_over_peer": (zk["model_state_bytes_per_rank"]
+                                                   / peer["model_state_bytes_per_rank"])},
     }
 
 
@@ -105,6 +117,6 @@ def table(record: dict) -> str:
                     f"{s['peak_rss_bytes_per_rank'] / 2**20:.0f} MiB | {s['final_loss']:.4f} | "
                     f"{s['max_loss_gap_vs_ddp']:.2e} |")
     r = record["ratios"]
-    rows.append(f"\nzkern / DDP: step time x{r['step_time_zkern_over_ddp']:.2f}, model states per rank "
-                f"x{r['model_state_zkern_over_ddp']:.2f}")
+    rows.append(f"\nzkern / {record['peer']}: step time x{r['step_time_zkern_over_peer']:.2f}, model states per "
+                f"rank x{r['model_state_zkern_over_peer']:.2f}")
     return head + "\n\n" + "\n".join(rows)

@@ -48,8 +48,9 @@ def client_worker(rank, world, stage, kind, schedule, extra_cfg, init_group_firs
     spec = TrainSpec(stage=stage, steps=6, accumulation=2)
     model = spec.make_model()
     opt = make_client(kind, model)
-    engine = zkern.Engine(model, base_config(gradient_accumulation_steps=2, zero_optimization={"stage": stage},
-                                             **extra_cfg), optimizer=opt, lr_scheduler=make_schedule(schedule))
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 100}  # stage 3: really partition the tiny model
+    engine = zkern.Engine(model, base_config(gradient_accumulation_steps=2, zero_optimization=zero, **extra_cfg),
+                          optimizer=opt, lr_scheduler=make_schedule(schedule))
     assert engine.optimizer is opt
     batches = spec.batches(world)
     lrs = []
@@ -80,9 +81,9 @@ def client_reference(kind, schedule, world):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_client_adamw_with_two_param_groups_and_a_client_scheduler(stage):
-    results = spawn(client_worker, 2, stage, "adamw_groups", "halving", {}, stage == 2)
+    results = spawn(client_worker, 2, stage, "adamw_groups", "halving", {}, stage >= 2)
     assert_params_close(results[0]["state"], client_reference("adamw_groups", "halving", 2), lr=3e-3, steps=6)
     assert results[0]["lrs"][-1] == [3e-3 * 0.5**6] * 2
 

@@ -225,6 +225,7 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
     comm_start = engine.comm_stats()
     batches = spec.batches(world)
     losses, times, gathered_after_forward = [], [], []
+    reset_peak_rss()  # peak RSS of training, as every bench runner measures it
     for step in range(spec.steps):
         start = time.perf_counter()
         total = 0.0
@@ -265,6 +266,7 @@ def ddp_run(rank: int, world: int, spec: TrainSpec) -> dict:
     opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
     batches = spec.batches(world)
     losses, times = [], []
+    reset_peak_rss()
     for step in range(spec.steps):
         start = time.perf_counter()
         opt.zero_grad()

@@ -142,6 +142,19 @@ def test_generation_under_no_grad_and_eval_then_training_continues():
         assert torch.equal(r["position_ids"], torch.arange(16))  # buffers stay whole
 
 
+def test_a_forward_that_raises_leaves_nothing_gathered_and_training_goes_on():
+    spec = TrainSpec(stage=3, steps=2)
+    engine = zkern.Engine(spec.make_model(), spec.config(1))
+    idx, tgt = spec.batches(1)[0][0][0]
+    with pytest.raises(IndexError):
+        engine(idx + 1000, tgt)  # out-of-range token ids: the embedding raises on the first, recording step
+    assert engine.runtime.gathered_units() == [] and torch._C._len_torch_function_stack() == 0
+    for _ in range(2):
+        engine.backward(engine(idx, tgt))
+        engine.step()
+    assert engine.global_steps == 2 and engine.runtime.gathered_units() == []
+
+
 def save_worker(rank, world, tmp, flag):
     cfg = TrainSpec(stage=3, precision="bf16").config(world)
     cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = flag

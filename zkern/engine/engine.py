@@ -97,10 +97,13 @@ class Engine:
 
     # -- the training loop ------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            self.runtime.abort_pass()  # stage 3: release what the failed pass gathered
+            raise
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+    forward = __call__
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)

@@ -349,6 +349,9 @@ class Stage12Runtime:
             start += len(g.params)
         return out
 
+    def abort_pass(self) -> None:
+        """The model raised inside forward: stages 0-2 hold nothing per pass."""
+
     def begin_backward(self, boundary: bool) -> None:
         for g in self.groups:
             g.begin_backward(boundary)

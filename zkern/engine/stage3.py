@@ -385,6 +385,20 @@ class Stage3Runtime:
             self._end_forward()
         return output
 
+    def abort_pass(self) -> None:
+        """The model raised inside forward: drop what the pass held, so the next call starts clean."""
+        if self._watch is not None:
+            self._watch.__exit__(None, None, None)
+            self._watch = None
+        self._stack.clear()
+        self._in_hook = False
+        for u in self.units:
+            u.refs = 0
+            if not u.held_for_backward:
+                self._free(u)
+        self._valid[self._phase] = False
+        self._recording[self._phase] = []
+
     def _begin_forward(self) -> None:
         self._phase = "forward"
         self._stack.clear()
@@ -520,7 +534,8 @@ class Stage3Runtime:
             work = self.comm.all_reduce(g.buffer, purpose, async_op=self.overlap)
         g.launched = True
         self._pending.append((g, work))
-        if not self.overlap:
+        # Overlap keeps at most two reductions in flight, so gradient buffers never pile up during backward.
+        while self._pending and (not self.overlap or len(self._pending) > 2):
             self._retire()
 
     def _retire(self) -> None:

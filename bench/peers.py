@@ -12,14 +12,9 @@ import time
 
 import torch
 
-from zkern.testing import TrainSpec, ddp_run, peak_rss_bytes, reset_peak_rss
+from zkern.testing import TrainSpec, ddp_run, model_state_bytes, peak_rss_bytes, reset_peak_rss
 
 __all__ = ["ddp_run", "fsdp2_run", "PEERS"]
-
-
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this rank's shard
-    return local.numel() * local.element_size()
 
 
 def fsdp2_run(rank: int, world: int, spec: TrainSpec, reshard_after_forward: bool = True) -> dict:
@@ -51,10 +46,8 @@ def fsdp2_run(rank: int, world: int, spec: TrainSpec, reshard_after_forward: boo
         opt.step()
         times.append(time.perf_counter() - start)
         losses.append(total / spec.accumulation)
-    tensors = [*model.parameters(), *(p.grad for p in params if p.grad is not None),
-               *(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.numel() > 1)]
     return {"losses": losses, "step_times": times, "peak_rss": peak_rss_bytes(),
-            "model_state_bytes": sum(_local_bytes(t) for t in tensors)}
+            "model_state_bytes": model_state_bytes(model, opt)}
 
 
 # stage -> the stock peers that do that stage's job (DDP runs for every stage as the loss reference)

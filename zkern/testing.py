@@ -284,10 +284,17 @@ def ddp_run(rank: int, world: int, spec: TrainSpec) -> dict:
         times.append(time.perf_counter() - start)
         losses.append(total / spec.accumulation)
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()} if rank == 0 else None
-    tensors = [*model.parameters(), *(p.grad for p in params if p.grad is not None),
-               *(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.numel() > 1)]
     return {"losses": losses, "state": state, "step_times": times, "peak_rss": peak_rss_bytes(),
-            "model_state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+            "model_state_bytes": model_state_bytes(model, opt)}
+
+
+def model_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer states this rank holds (a DTensor counts its local shard)."""
+    params = list(model.parameters())
+    tensors = [*params, *(p.grad for p in params if p.grad is not None),
+               *(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.numel() > 1)]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def peak_rss_bytes() -> int:

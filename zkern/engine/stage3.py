@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -35,46 +34,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from zkern import ops
 from zkern.engine.comm import Comm, Work
 from zkern.engine.optimizer import Chunk, ShardGroup
-from zkern.engine.partition import Bucket, plan_unit_layout
+from zkern.engine.order import OrderRecord
+from zkern.engine.partition import plan_unit_layout
 from zkern.engine.sharded_init import full_shape, is_sharded
-from zkern.engine.units import UnitPlan, plan_units
+from zkern.engine.units import ReduceGroup, Unit, plan_reduce_groups, plan_units
 
 log = logging.getLogger("zkern")
-
-
-@dataclass
-class Unit:
-    index: int
-    plan: UnitPlan
-    bucket: Bucket
-    trainable: int  # parameters that get gradients
-    state: str = "rest"  # rest | inflight | gathered
-    buffer: torch.Tensor | None = None  # (bucket.padded,) working dtype while gathered
-    work: Work | None = None
-    refs: int = 0  # modules running forward with it
-    held_for_backward: bool = False
-    prefetched: bool = False  # gathered ahead, not used yet
-    fired: set = field(default_factory=set)  # parameter positions in the unit with a gradient this backward
-    complete: bool = False  # every trainable parameter's gradient arrived (or the unit was flushed)
-    group: ReduceGroup | None = None
-
-
-@dataclass
-class ReduceGroup:
-    """Consecutive units whose gradients are reduced by one collective (at most reduce_bucket_size elements).
-
-    The buffer is rank-major, so that one reduce-scatter leaves rank r the contiguous shard range of the group:
-    | rank 0: u1.chunk0 u2.chunk0 | rank 1: u1.chunk1 u2.chunk1 | ...
-    """
-
-    index: int
-    units: list[Unit]
-    section: int  # elements per rank section (sum of the units' chunks)
-    section_offset: dict[int, int]  # unit index -> offset inside a section
-    shard_offset: int
-    buffer: torch.Tensor | None = None
-    complete: int = 0
-    launched: bool = False
 
 
 # Attribute reads an at-rest parameter answers correctly (its empty stand-in has the right dtype and device).
@@ -155,16 +120,13 @@ class Stage3Runtime:
                 self._gather(u, async_op=False)
 
         self._phase = "forward"
-        self._trace: dict[str, list[int] | None] = {"forward": None, "backward": None}
-        self._valid = {"forward": False, "backward": False}
-        self._cursor = {"forward": 0, "backward": 0}
-        self._recording: dict[str, list[int]] = {"forward": [], "backward": []}
+        self.order = OrderRecord()
         self._said_reorder = False
         self._stack: list[torch.nn.Module] = []
         self._watch: _WatchAtRest | None = None
         self._in_hook = False
         self._needs_changed = False
-        self._pending: deque[tuple[Unit, Work]] = deque()
+        self._pending: deque[tuple[ReduceGroup, Work]] = deque()
         self._micro_since_step = 0
         self._hooks = []
         self._hooked: set[int] = set()
@@ -278,32 +240,21 @@ class Stage3Runtime:
 
     # -- order recording and prefetch -------------------------------------------------------------------------
     def _event(self, u: Unit) -> None:
-        """u is needed now and nobody holds it: record, check against the last pass, prefetch what follows."""
-        phase = self._phase
-        self._recording[phase].append(u.index)
-        trace = self._trace[phase]
-        if trace is None or not self._valid[phase]:
+        """u is needed now and nobody holds it: record it, and stop prefetching if the pass left the record."""
+        expected = self.order.see(self._phase, u.index)
+        if expected is None:
             return
-        cursor = self._cursor[phase]
-        if cursor < len(trace) and trace[cursor] == u.index:
-            self._cursor[phase] = cursor + 1
-            return
-        self._valid[phase] = False
         self._drop_prefetched()
         if not self._said_reorder and self.comm.rank == 0:
             self._said_reorder = True
             log.warning("zkern stage 3: the %s pass gathered unit '%s' where the recorded order expected '%s'; "
-                        "prefetch stops for this pass and the order is re-recorded (said once)", phase,
-                        u.plan.name, self.units[trace[cursor]].plan.name if cursor < len(trace) else "nothing")
+                        "prefetch stops for this pass and the order is re-recorded (said once)", self._phase,
+                        u.plan.name, self.units[expected].plan.name if expected >= 0 else "nothing")
 
     def _prefetch(self) -> None:
-        phase = self._phase
-        trace = self._trace[phase]
-        if trace is None or not self._valid[phase]:
-            return
         ahead = sum(u.bucket.padded for u in self.units if u.prefetched)
         live = self.live_elements()
-        for ui in trace[self._cursor[phase]:]:
+        for ui in self.order.upcoming(self._phase):
             u = self.units[ui]
             if u.state != "rest":
                 continue
@@ -332,15 +283,11 @@ class Stage3Runtime:
         self._prefetch()
 
     def _end_pass(self) -> None:
-        phase = self._phase
         self._drop_prefetched()
-        self._trace[phase] = self._recording[phase]
+        self.order.end(self._phase)
         if self._needs_changed:  # a module adopted a unit: the next passes gather in another order
-            self._trace = {"forward": None, "backward": None}
+            self.order.forget()
             self._needs_changed = False
-        self._valid[phase] = True
-        self._cursor[phase] = 0
-        self._recording[phase] = []
 
     # -- forward hooks ----------------------------------------------------------------------------------------
     def _hook_module(self, module: torch.nn.Module) -> None:
@@ -396,13 +343,12 @@ class Stage3Runtime:
             u.refs = 0
             if not u.held_for_backward:
                 self._free(u)
-        self._valid[self._phase] = False
-        self._recording[self._phase] = []
+        self.order.abandon(self._phase)
 
     def _begin_forward(self) -> None:
         self._phase = "forward"
         self._stack.clear()
-        if self._trace["forward"] is None or not self._valid["forward"]:
+        if self.order.recording_only("forward"):
             self._watch = _WatchAtRest(self)
             self._watch.__enter__()
 
@@ -445,31 +391,17 @@ class Stage3Runtime:
 
     def begin_backward(self, boundary: bool) -> None:
         self._phase = "backward"
-        self._recording["backward"] = []
-        self._cursor["backward"] = 0
+        self.order.begin("backward")
         for u in self.units:
             u.fired = set()
             u.complete = False
 
     def _plan_reduce_groups(self, bucket_numel: int) -> list[ReduceGroup]:
-        """Consecutive trainable units, up to bucket_numel elements a group; a unit with nothing to train ends a
-        group (its chunk would break the group's contiguous shard range)."""
-        groups: list[list[Unit]] = []
-        current: list[Unit] = []
-        for u in self.units:
-            if not u.trainable:
-                if current:
-                    groups.append(current)
-                current = []
-                continue
-            if current and sum(x.bucket.padded for x in current) + u.bucket.padded > bucket_numel:
-                groups.append(current)
-                current = []
-            current.append(u)
-        if current:
-            groups.append(current)
         out = []
-        for gi, units in enumerate(groups):
+        spans = plan_reduce_groups([u.bucket.padded for u in self.units], [u.trainable > 0 for u in self.units],
+                                   bucket_numel)
+        for gi, indices in enumerate(spans):
+            units = [self.units[i] for i in indices]
             offsets, section = {}, 0
             for u in units:
                 offsets[u.index] = section
@@ -587,31 +519,28 @@ class Stage3Runtime:
         self.used = [False] * len(self.params)
 
     def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
-        keep = not rank0_only or self.comm.rank == 0
+        """id(parameter) -> fp32 value (collective; None off rank 0 with rank0_only)."""
         source = self.master if self.master is not None else self.param_shard
-        values: dict[int, torch.Tensor] = {}
+        values = self._gather_all(source, torch.float32, "fp32 weights for full_state_dict",
+                                  keep=not rank0_only or self.comm.rank == 0)
+        return values if not rank0_only or self.comm.rank == 0 else None
+
+    def full_working(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> value in the working dtype (collective), for saving 16-bit weights."""
+        return self._gather_all(self.param_shard, self.dtype, "16-bit weights for save_16bit_model", keep=True)
+
+    def _gather_all(self, source: torch.Tensor, dtype: torch.dtype, purpose: str, keep: bool) -> dict:
+        """Every unit whole from `source` shards, one unit at a time; keep=False drops them (other ranks)."""
+        values = {}
         for u in self.units:
             b = u.bucket
-            data = torch.empty(b.padded, dtype=torch.float32, device=source.device)
-            self.comm.all_gather(data, source[b.shard_offset:b.shard_offset + b.chunk].float(),
-                                 f"fp32 weights of unit '{u.plan.name}' for full_state_dict")
+            data = torch.empty(b.padded, dtype=dtype, device=source.device)
+            self.comm.all_gather(data, source[b.shard_offset:b.shard_offset + b.chunk].to(dtype),
+                                 f"{purpose}, unit '{u.plan.name}'")
             if keep:
                 for p in u.plan.params:
                     shape, off = self._full_shape[id(p)], self._offset[id(p)]
                     values[id(p)] = data[off:off + shape.numel()].clone().view(shape)
-        return values if keep else None
-
-    def full_working(self) -> dict[int, torch.Tensor]:
-        """Every parameter in the working dtype (collective), for saving 16-bit weights."""
-        values = {}
-        for u in self.units:
-            b = u.bucket
-            data = torch.empty(b.padded, dtype=self.dtype, device=self.param_shard.device)
-            self.comm.all_gather(data, self.param_shard[b.shard_offset:b.shard_offset + b.chunk],
-                                 f"16-bit weights of unit '{u.plan.name}'")
-            for p in u.plan.params:
-                shape, off = self._full_shape[id(p)], self._offset[id(p)]
-                values[id(p)] = data[off:off + shape.numel()].clone().view(shape)
         return values
 
     # -- accounting -------------------------------------------------------------------------------------------

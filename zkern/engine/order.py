@@ -1,0 +1,58 @@
+"""Stage 3's gather-order record: what the last pass gathered, where this pass is in it, and whether this pass
+still follows it (prefetch is only safe while it does).
+
+    python -m pytest tests/test_order.py -q
+
+Pure bookkeeping over unit indices, one record per phase ("forward", "backward"); no torch.
+"""
+
+from __future__ import annotations
+
+
+class OrderRecord:
+    def __init__(self):
+        self._trace: dict[str, list[int] | None] = {"forward": None, "backward": None}
+        self._valid = {"forward": False, "backward": False}
+        self._cursor = {"forward": 0, "backward": 0}
+        self._recording: dict[str, list[int]] = {"forward": [], "backward": []}
+
+    def recording_only(self, phase: str) -> bool:
+        """No usable record for this phase: the pass only records (and prefetches nothing)."""
+        return self._trace[phase] is None or not self._valid[phase]
+
+    def see(self, phase: str, unit: int) -> int | None:
+        """unit was needed now. Returns None while the pass follows the record (or only records); on the first
+        departure from it, the unit the record expected (-1 past its end), and the pass stops following it."""
+        self._recording[phase].append(unit)
+        if self.recording_only(phase):
+            return None
+        trace, cursor = self._trace[phase], self._cursor[phase]
+        if cursor < len(trace) and trace[cursor] == unit:
+            self._cursor[phase] = cursor + 1
+            return None
+        self._valid[phase] = False
+        return trace[cursor] if cursor < len(trace) else -1
+
+    def upcoming(self, phase: str) -> list[int]:
+        """The units the record says come next (empty when the pass does not follow a record)."""
+        return [] if self.recording_only(phase) else self._trace[phase][self._cursor[phase]:]
+
+    def end(self, phase: str) -> None:
+        """The pass is over: what it gathered becomes the record the next pass follows."""
+        self._trace[phase] = self._recording[phase]
+        self._valid[phase] = True
+        self._cursor[phase] = 0
+        self._recording[phase] = []
+
+    def begin(self, phase: str) -> None:
+        self._recording[phase] = []
+        self._cursor[phase] = 0
+
+    def abandon(self, phase: str) -> None:
+        """The pass failed: neither it nor the current record is trusted."""
+        self._valid[phase] = False
+        self._recording[phase] = []
+
+    def forget(self) -> None:
+        """The modules' needs changed: the next passes record afresh."""
+        self._trace = {"forward": None, "backward": None}

@@ -130,9 +130,9 @@ def test_memory_report_and_comm_stats_match_the_formulas(world):
             assert 0 < control < 0.01 * sum(expect.values())
 
 
-def fp16_overflow_worker(rank, world, inject_step):
-    """fp16 stage 2; at `inject_step`, rank 1 puts +inf into one gradient element of one parameter."""
-    spec = TrainSpec(stage=2, precision="fp16", steps=3, fp16=dict(hysteresis=1, initial_scale_power=8))
+def fp16_overflow_worker(rank, world, inject_step, stage):
+    """fp16; at `inject_step`, rank 1 puts +inf into one gradient element of one parameter."""
+    spec = TrainSpec(stage=stage, precision="fp16", steps=3, fp16=dict(hysteresis=1, initial_scale_power=8))
     model = spec.make_model()
     engine = zkern.Engine(model, spec.config(world))
     batches = spec.batches(world)
@@ -158,8 +158,9 @@ def fp16_overflow_worker(rank, world, inject_step):
 
 
 @pytest.mark.dist
-def test_fp16_inf_on_one_rank_skips_everywhere_and_halves_the_scale():
-    results = spawn(fp16_overflow_worker, 2, 1)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_inf_on_one_rank_skips_everywhere_and_halves_the_scale(stage):
+    results = spawn(fp16_overflow_worker, 2, 1, stage)
     for r in results:
         s = r["snapshots"]
         assert r["skipped"] == 1 and r["global_steps"] == 3

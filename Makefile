@@ -11,7 +11,7 @@ endif
 STAMP := .setup-stamp
 BENCH_ARGS ?=
 
-.PHONY: setup test bench lint clean
+.PHONY: setup test bench gate lint clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test: setup
 
 bench: setup
 	$(PY) bench/run.py --stage 3 $(BENCH_ARGS)
+
+# CI's quick regression gate: ratios measured in one run, checked against bench/gates.toml (about a minute).
+gate: setup
+	$(PY) bench/run.py --stage 0,1,2,3 --model small --steps 8 --gate bench/gates.toml
 
 lint: setup
 	$(PY) -m ruff check .

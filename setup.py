@@ -15,5 +15,5 @@ setup(
     # A range, not a pin: with torch 2.13.0 (CPU) already installed, pip adds nothing. The Makefile installs
     # torch==2.13.0 first where none is present, because an unpinned torch pulls gigabytes of CUDA packages.
     install_requires=["torch>=2.4"],
-    extras_require={"test": ["pytest>=8", "ruff>=0.5", "numpy"]},
+    extras_require={"test": ["pytest>=8", "ruff>=0.5", "numpy", "matplotlib"]},
 )

@@ -1,10 +1,13 @@
-"""Engine suite: zkern stage N against its stock-PyTorch peer (bench/peers.py) and DDP, same model, data, seed.
+"""Engine suite: zkern stage N against that stage's stock peers (bench/peers.py) and DDP, same model, data and
+seed, at world N over gloo.
 
-    python bench/run.py --stage 2 --model tiny
+    python bench/run.py --stage 3                  # the 25M-parameter GPT, world 2, CPU
+    python bench/run.py --stage 0,1,2,3 --model tiny --plot out.png
 
-Per system: step time (median, p20-p80, after warm-up), tokens/s, model-state bytes per rank, peak RSS per
-rank, final loss and the largest loss gap from DDP's curve. On this CPU only ratios between systems measured
-in the same run mean anything; absolute times belong to a GPU.
+Per system and rank: step time (median, p20-p80 after warm-up), tokens/s, model-state bytes, peak RSS, bytes
+sent per step, the loss curve and its largest gap from DDP's. Per stage, the ratios CI gates on: zkern's step
+time over the peer's, zkern's model-state bytes over the ZeRO formula and over the peer's, and the bytes
+zkern sends over what the stage must send. On a CPU only ratios from the same run mean anything.
 """
 
 from __future__ import annotations
@@ -13,18 +16,30 @@ import datetime
 import platform
 import statistics
 import subprocess
+import sys
+import time
 
 import torch
 
+import zkern
 from bench import peers
-from zkern.testing import TrainSpec, ddp_run, engine_run, mean_losses, spawn
+from zkern.env_report import cpu_model
+from zkern.testing import TrainSpec, engine_run, mean_losses, spawn
 
-# TinyGPT presets; "steps" is the default number of optimizer steps, the first `warmup` are not timed.
+# TinyGPT presets. bucket: reduce_bucket_size (about 1/8 of the model, so reduction overlaps backward as DDP's
+# 25 MB buckets do); steps: default optimizer steps, the first `warmup` untimed.
 MODELS = {
     "tiny": dict(model=dict(vocab=67, dim=32, n_layer=2, n_head=2, seq=16), micro_batch=4, steps=8, warmup=2,
                  bucket=4096),
     "small": dict(model=dict(vocab=2053, dim=256, n_layer=4, n_head=4, seq=64), micro_batch=4, steps=12, warmup=3,
                   bucket=1_000_000),
+    "25m": dict(model=dict(vocab=8195, dim=512, n_layer=6, n_head=8, seq=128), micro_batch=4, steps=8, warmup=2,
+                bucket=3_000_000),
+    # GPU presets (bf16): the engine suite runs them only on CUDA machines
+    "1b": dict(model=dict(vocab=32003, dim=2048, n_layer=16, n_head=16, seq=1024), micro_batch=4, steps=20,
+               warmup=5, bucket=100_000_000, gpu=True),
+    "7b": dict(model=dict(vocab=32003, dim=4096, n_layer=32, n_head=32, seq=2048), micro_batch=1, steps=10,
+               warmup=3, bucket=200_000_000, gpu=True),
 }
 
 
@@ -44,79 +59,143 @@ def _git_sha() -> str:
         return "unknown"
 
 
-def run(stage: int, world: int, model: str, steps: int | None = None) -> dict:
+def make_spec(stage: int, model: str, steps: int | None) -> TrainSpec:
     preset = MODELS[model]
-    # Buckets of ~1/8 of the model let gradient reduction overlap backward (DDP's 25 MB buckets do the same).
-    # Stage 3 gathers one transformer block per fetch unit, as FSDP2 is wrapped here.
+    # Stage 3 gathers one transformer block per fetch unit, as the FSDP2 peer is wrapped.
     zero = {"stage3_fetch_units": ["Block"]} if stage == 3 else {}
-    spec = TrainSpec(stage=stage, steps=steps or preset["steps"], micro_batch=preset["micro_batch"],
+    return TrainSpec(stage=stage, steps=steps or preset["steps"], micro_batch=preset["micro_batch"],
                      model=preset["model"], lr=1e-3, overlap_comm=True, reduce_bucket_size=preset["bucket"], zero=zero)
+
+
+def required_bytes_per_step(stage: int, numel: int, world: int, width: int, accumulation: int) -> int:
+    """What a rank must send per optimizer step at this stage (ring volumes, ZeRO paper): stages 0-2 one
+    reduce-scatter and one all-gather of the model (stage 2 reduces every micro-step), stage 3 two all-gathers
+    and one reduce-scatter per micro-step."""
+    passes = {0: 2, 1: 2, 2: accumulation + 1, 3: 3 * accumulation}[stage]
+    return int(passes * (world - 1) * numel * width / world)
+
+
+def _summary(name: str, results: list[dict], warmup: int, tokens_per_step: int, ddp_losses: list[float]) -> dict:
+    times = _quantiles(results[0]["step_times"][warmup:])
+    losses = mean_losses(results)
+    if "memory" in results[0]:  # zkern: its own report (model states only) and its own byte counters
+        state = [sum(v for k, v in r["memory"][next(iter(r["memory"]))].items()
+                     if k in ("params", "grads", "optimizer", "master")) for r in results]
+        sent = max(sum(r["comm_end"][k] - r["comm_start"][k] for k in ("all_reduce", "reduce_scatter", "all_gather",
+                                                                       "control")) for r in results)
+        comm = sent / len(results[0]["step_times"])
+    else:
+        state = [r["model_state_bytes"] for r in results]
+        comm = results[0].get("comm_bytes_per_step")
+    return {
+        "system": name,
+        **times,
+        "tokens_per_s": tokens_per_step / times["median_s"],
+        "model_state_bytes_per_rank": max(state),
+        "peak_rss_bytes_per_rank": max(r["peak_rss"] for r in results),
+        "comm_bytes_per_step": comm,
+        "comm_measured": "memory" in results[0],
+        "final_loss": losses[-1],
+        "max_loss_gap_vs_ddp": max(abs(a - b) / abs(b) for a, b in zip(losses, ddp_losses)),
+        "losses": losses,
+    }
+
+
+def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peers: list[str] | None,
+              progress) -> dict:
+    spec = make_spec(stage, model, steps)
+    preset = MODELS[model]
     warmup = min(preset["warmup"], spec.steps - 1)
     tokens_per_step = spec.micro_batch * preset["model"]["seq"] * world
-    runs = {"ddp": spawn(ddp_run, world, spec, timeout=1800)}
+    numel = sum(p.numel() for p in spec.make_model().parameters())
+    runners = {"ddp": peers.ddp_peer}
+    skipped = {}
     for name, fn in peers.PEERS[stage].items():
-        runs[name] = spawn(fn, world, spec, timeout=1800)
-    runs[f"zkern stage {stage}"] = spawn(engine_run, world, spec, timeout=1800)
+        if wanted_peers is not None and name not in wanted_peers:
+            continue
+        if not peers.installed(name):
+            skipped[name] = "not installed"
+            continue
+        runners[name] = fn
+    runners[f"zkern stage {stage}"] = engine_run
+    runs = {}
+    for name, fn in runners.items():
+        start = time.monotonic()
+        progress(f"stage {stage}: {name} ({spec.steps} steps, world {world})")
+        runs[name] = spawn(fn, world, spec, timeout=3600)
+        progress(f"stage {stage}: {name} done in {time.monotonic() - start:.1f}s")
     ddp_losses = mean_losses(runs["ddp"])
+    systems = [_summary(name, results, warmup, tokens_per_step, ddp_losses) for name, results in runs.items()]
+    zk, peer = systems[-1], systems[-2]  # the stage's own peer (DDP where none other ran)
+    width = 4 if spec.precision == "fp32" else 2
+    formula = zkern.estimate_memory(numel, world, stage, precision="fp32" if width == 4 else "mixed")["total"]
+    required = required_bytes_per_step(stage, numel, world, width, spec.accumulation)
+    return {
+        "stage": stage,
+        "config": spec.config(world),
+        "systems": systems,
+        "peer": peer["system"],
+        "peers_skipped": skipped,
+        "ratios": {
+            "step_time_zkern_over_peer": zk["median_s"] / peer["median_s"],
+            "model_state_zkern_over_peer": zk["model_state_bytes_per_rank"] / peer["model_state_bytes_per_rank"],
+            "model_state_over_formula": zk["model_state_bytes_per_rank"] / formula,
+            "comm_over_required": zk["comm_bytes_per_step"] / required if required else 1.0,
+            "loss_gap_vs_ddp": zk["max_loss_gap_vs_ddp"],
+        },
+        "formula_model_state_bytes": formula,
+        "required_comm_bytes_per_step": required,
+    }
 
-    def summary(name: str, results: list[dict]) -> dict:
-        times = _quantiles(results[0]["step_times"][warmup:])
-        losses = mean_losses(results)
-        if "memory" in results[0]:  # zkern: its own report, model states only
-            state = [sum(v for k, v in r["memory"][next(iter(r["memory"]))].items()
-                         if k in ("params", "grads", "optimizer", "master")) for r in results]
-        else:
-            state = [r["model_state_bytes"] for r in results]
-        return {
-            "system": name,
-            **times,
-            "tokens_per_s": tokens_per_step / times["median_s"],
-            "model_state_bytes_per_rank": max(state),
-            "peak_rss_bytes_per_rank": max(r["peak_rss"] for r in results),
-            "final_loss": losses[-1],
-            "max_loss_gap_vs_ddp": max(abs(a - b) / abs(b) for a, b in zip(losses, ddp_losses)),
-            "losses": losses,
-        }
 
-    systems = [summary(name, results) for name, results in runs.items()]
-    zk = systems[-1]
-    peer = systems[-2]  # the stage's own peer (DDP where the stage has no other)
+def run(stages: list[int], world: int, model: str, steps: int | None = None, wanted_peers: list[str] | None = None,
+        progress=None) -> dict:
+    if MODELS[model].get("gpu") and not torch.cuda.is_available():
+        raise SystemExit(f"bench: model preset {model!r} is for GPUs and this machine has none; use tiny, small or "
+                         f"25m")
+    if torch.cuda.is_available():
+        raise SystemExit("bench: the engine suite runs its ranks on the CPU over gloo; its CUDA path (nccl, "
+                         "TFLOPS and MFU) is not wired yet")
+    progress = progress or (lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
+    spec = make_spec(stages[0], model, steps)
     return {
         "suite": "engine",
-        "stage": stage,
         "world": world,
         "model": model,
         "num_params": sum(p.numel() for p in spec.make_model().parameters()),
         "steps": spec.steps,
-        "warmup_steps": warmup,
+        "warmup_steps": min(MODELS[model]["warmup"], spec.steps - 1),
         "precision": spec.precision,
-        "config": spec.config(world),
         "device": "cpu",
-        "device_name": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
+        "device_name": cpu_model(),
+        "versions": {"zkern": zkern.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "git_sha": _git_sha(),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "systems": systems,
-        "peer": peer["system"],
-        "ratios": {"step_time_zkern_over_peer": zk["median_s"] / peer["median_s"],
-                   "model_state_zkern_over_peer": (zk["model_state_bytes_per_rank"]
-                                                   / peer["model_state_bytes_per_rank"])},
+        "stages": [run_stage(s, world, model, steps, wanted_peers, progress) for s in stages],
     }
 
 
 def table(record: dict) -> str:
-    head = (f"engine suite: stage {record['stage']}, world {record['world']}, model {record['model']} "
-            f"({record['num_params'] / 1e6:.2f}M params), {record['steps']} steps ({record['warmup_steps']} warm-up), "
-            f"{record['precision']}, {record['device']}")
-    rows = ["| system | step time median [p20-p80] | tokens/s | model states / rank | peak RSS / rank | "
-            "final loss | max loss gap vs DDP |",
-            "|---|---|---|---|---|---|---|"]
-    for s in record["systems"]:
-        rows.append(f"| {s['system']} | {s['median_s'] * 1e3:.1f} ms [{s['p20_s'] * 1e3:.1f}-{s['p80_s'] * 1e3:.1f}] | "
-                    f"{s['tokens_per_s']:.0f} | {s['model_state_bytes_per_rank'] / 2**20:.2f} MiB | "
-                    f"{s['peak_rss_bytes_per_rank'] / 2**20:.0f} MiB | {s['final_loss']:.4f} | "
-                    f"{s['max_loss_gap_vs_ddp']:.2e} |")
-    r = record["ratios"]
-    rows.append(f"\nzkern / {record['peer']}: step time x{r['step_time_zkern_over_peer']:.2f}, model states per "
-                f"rank x{r['model_state_zkern_over_peer']:.2f}")
-    return head + "\n\n" + "\n".join(rows)
+    out = [f"engine suite: world {record['world']}, model {record['model']} ({record['num_params'] / 1e6:.2f}M "
+           f"params), {record['steps']} steps ({record['warmup_steps']} warm-up), {record['precision']}, "
+           f"{record['device']} ({record['device_name']})", ""]
+    out.append("| stage | system | step time median [p20-p80] | tokens/s | model states / rank | peak RSS / rank | "
+               "sent / step / rank | final loss | max loss gap vs DDP |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
+    for st in record["stages"]:
+        for s in st["systems"]:
+            comm = "—" if s["comm_bytes_per_step"] is None else (
+                f"{s['comm_bytes_per_step'] / 2**20:.2f} MiB{'' if s['comm_measured'] else ' (alg.)'}")
+            out.append(f"| {st['stage']} | {s['system']} | {s['median_s'] * 1e3:.1f} ms [{s['p20_s'] * 1e3:.1f}-"
+                       f"{s['p80_s'] * 1e3:.1f}] | {s['tokens_per_s']:.0f} | "
+                       f"{s['model_state_bytes_per_rank'] / 2**20:.2f} MiB | "
+                       f"{s['peak_rss_bytes_per_rank'] / 2**20:.0f} MiB | {comm} | {s['final_loss']:.4f} | "
+                       f"{s['max_loss_gap_vs_ddp']:.2e} |")
+    out.append("")
+    for st in record["stages"]:
+        r = st["ratios"]
+        skipped = "".join(f"; {k}: {v}" for k, v in st["peers_skipped"].items())
+        out.append(f"stage {st['stage']}: zkern / {st['peer']}: step time x{r['step_time_zkern_over_peer']:.2f}, "
+                   f"model states x{r['model_state_zkern_over_peer']:.2f}; model states / ZeRO formula "
+                   f"x{r['model_state_over_formula']:.3f}; sent / required x{r['comm_over_required']:.3f}{skipped}")
+    return "\n".join(out)

@@ -1,23 +1,46 @@
-"""Stock-PyTorch peers for the engine suite, each training TrainSpec's model, data and seed on one rank.
+"""The peers zkern is measured against, each training TrainSpec's model, data and seed on one rank.
 
-    python bench/run.py --stage 3      # zkern stage 3 against FSDP2 fully_shard (and DDP for the loss curve)
+    python bench/run.py --stage 1 --peers zero1        # one peer by name
 
-Peers by stage: DDP is the reference curve for every stage; FSDP2 fully_shard (each Block, then the root) is
-stage 3's peer. Each returns losses, step times, the model-state bytes this rank holds and its peak RSS.
+Peers by stage (DDP runs for every stage: it is the loss-curve reference):
+    0: ddp        DistributedDataParallel + torch.optim.AdamW
+    1: zero1      DDP + torch's ZeroRedundancyOptimizer(AdamW)
+    2: fsdp2      FSDP2 fully_shard(reshard_after_forward=False) on each block and the root (ZeRO-2's traffic)
+    3: fsdp2      FSDP2 fully_shard on each block and the root
+    any: deepspeed  deepspeed.initialize with the same stage over gloo, when the deepspeed package imports
+Each returns losses, step times, the model-state bytes this rank holds, its peak RSS, and the bytes per step
+its algorithm sends per rank (ring volumes, from the algorithm: torch does not count them).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import torch
 
 from zkern.testing import TrainSpec, ddp_run, model_state_bytes, peak_rss_bytes, reset_peak_rss
 
-__all__ = ["ddp_run", "fsdp2_run", "PEERS"]
+
+def _ring(world: int, nbytes: float, collectives: float) -> int:
+    """Bytes one rank sends for `collectives` reduce-scatters/all-gathers of nbytes under a ring."""
+    return int(collectives * (world - 1) * nbytes / world)
 
 
-def fsdp2_run(rank: int, world: int, spec: TrainSpec, reshard_after_forward: bool = True) -> dict:
+def ddp_peer(rank: int, world: int, spec: TrainSpec) -> dict:
+    out = ddp_run(rank, world, spec)
+    out["comm_bytes_per_step"] = _ring(world, 4 * _numel(spec), 2)  # one all-reduce = 2 ring passes
+    return out
+
+
+def zero1_peer(rank: int, world: int, spec: TrainSpec) -> dict:
+    out = ddp_run(rank, world, spec, zero1=True)
+    # DDP's all-reduce, then each rank broadcasts its updated partition: about one more ring pass
+    out["comm_bytes_per_step"] = _ring(world, 4 * _numel(spec), 3)
+    return out
+
+
+def fsdp2_peer(rank: int, world: int, spec: TrainSpec, reshard_after_forward: bool = True) -> dict:
     """FSDP2: fully_shard each transformer block and the root, torch AdamW on the sharded parameters."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -46,9 +69,56 @@ def fsdp2_run(rank: int, world: int, spec: TrainSpec, reshard_after_forward: boo
         opt.step()
         times.append(time.perf_counter() - start)
         losses.append(total / spec.accumulation)
+    gathers = 2 if reshard_after_forward else 1  # forward (+ backward when resharded), plus one reduce-scatter
     return {"losses": losses, "step_times": times, "peak_rss": peak_rss_bytes(),
-            "model_state_bytes": model_state_bytes(model, opt)}
+            "model_state_bytes": model_state_bytes(model, opt),
+            "comm_bytes_per_step": _ring(world, 4 * _numel(spec), gathers + 1)}
 
 
-# stage -> the stock peers that do that stage's job (DDP runs for every stage as the loss reference)
-PEERS = {0: {}, 1: {}, 2: {}, 3: {"fsdp2": fsdp2_run}}
+def fsdp2_zero2_peer(rank: int, world: int, spec: TrainSpec) -> dict:
+    return fsdp2_peer(rank, world, spec, reshard_after_forward=False)
+
+
+def deepspeed_peer(rank: int, world: int, spec: TrainSpec) -> dict:
+    """DeepSpeed at the same stage (optional: runs only where the deepspeed package is installed)."""
+    import deepspeed
+
+    cfg = spec.config(world)
+    for key in ("device", "comm_timeout_s"):  # zkern's own keys
+        cfg.pop(key)
+    cfg["zero_optimization"].pop("stage3_fetch_units", None)
+    model = spec.make_model()
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    batches = spec.batches(world)
+    reset_peak_rss()
+    losses, times = [], []
+    for step in range(spec.steps):
+        start = time.perf_counter()
+        total = 0.0
+        for micro in range(spec.accumulation):
+            idx, tgt = batches[step][micro][rank]
+            loss = engine(idx.to(engine.device), tgt.to(engine.device), **spec.forward_kwargs(step))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        times.append(time.perf_counter() - start)
+        losses.append(total / spec.accumulation)
+    return {"losses": losses, "step_times": times, "peak_rss": peak_rss_bytes(),
+            "model_state_bytes": model_state_bytes(model, optimizer), "comm_bytes_per_step": None}
+
+
+def _numel(spec: TrainSpec) -> int:
+    return sum(p.numel() for p in spec.make_model().parameters())
+
+
+def installed(name: str) -> bool:
+    return name != "deepspeed" or importlib.util.find_spec("deepspeed") is not None
+
+
+# stage -> the peers that do that stage's job, by name; DDP is added to every run as the loss reference.
+PEERS = {
+    0: {"deepspeed": deepspeed_peer},
+    1: {"zero1": zero1_peer, "deepspeed": deepspeed_peer},
+    2: {"fsdp2": fsdp2_zero2_peer, "deepspeed": deepspeed_peer},
+    3: {"fsdp2": fsdp2_peer, "deepspeed": deepspeed_peer},
+}

@@ -253,9 +253,11 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
             "spec": asdict(spec)}
 
 
-def ddp_run(rank: int, world: int, spec: TrainSpec) -> dict:
-    """The same training under torch's DistributedDataParallel + AdamW (the stock peer of stage 0)."""
+def ddp_run(rank: int, world: int, spec: TrainSpec, zero1: bool = False) -> dict:
+    """The same training under torch's DistributedDataParallel + AdamW (the stock peer of stage 0), or with
+    zero1=True, torch's ZeroRedundancyOptimizer around AdamW (the stock peer of stage 1)."""
     import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     if world > 1 and not dist.is_initialized():
@@ -263,7 +265,11 @@ def ddp_run(rank: int, world: int, spec: TrainSpec) -> dict:
     model = spec.make_model()
     ddp = DistributedDataParallel(model, find_unused_parameters=spec.extra_every > 0) if world > 1 else model
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    if zero1:
+        opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=spec.lr,
+                                      weight_decay=spec.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
     batches = spec.batches(world)
     losses, times = [], []
     reset_peak_rss()
@@ -291,8 +297,9 @@ def ddp_run(rank: int, world: int, spec: TrainSpec) -> dict:
 def model_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     """Bytes of parameters, gradients and optimizer states this rank holds (a DTensor counts its local shard)."""
     params = list(model.parameters())
+    state = getattr(opt, "optim", opt).state  # ZeroRedundancyOptimizer: the local optimizer holds this rank's shard
     tensors = [*params, *(p.grad for p in params if p.grad is not None),
-               *(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.numel() > 1)]
+               *(t for st in state.values() for t in st.values() if torch.is_tensor(t) and t.numel() > 1)]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)
 

@@ -4,16 +4,16 @@ from zkern.engine.units import plan_reduce_groups
 
 def test_order_record_follows_then_stops_at_a_departure():
     r = OrderRecord()
-    assert r.recording_only("forward") and r.upcoming("forward") == []
+    assert r.recording_only("forward") and list(r.upcoming("forward")) == []
     for u in (0, 1, 2):
         assert r.see("forward", u) is None  # first pass: records only
     r.end("forward")
-    assert r.upcoming("forward") == [0, 1, 2]
-    assert r.see("forward", 0) is None and r.upcoming("forward") == [1, 2]
+    assert list(r.upcoming("forward")) == [0, 1, 2]
+    assert r.see("forward", 0) is None and list(r.upcoming("forward")) == [1, 2]
     assert r.see("forward", 2) == 1  # departure: names what the record expected
-    assert r.upcoming("forward") == [] and r.see("forward", 1) is None  # no longer followed
+    assert list(r.upcoming("forward")) == [] and r.see("forward", 1) is None  # no longer followed
     r.end("forward")
-    assert r.upcoming("forward") == [0, 2, 1]  # re-recorded
+    assert list(r.upcoming("forward")) == [0, 2, 1]  # re-recorded
     r.forget()
     assert r.recording_only("forward") and r.recording_only("backward")
 

@@ -153,6 +153,8 @@ def test_a_forward_that_raises_leaves_nothing_gathered_and_training_goes_on():
         engine.backward(engine(idx, tgt))
         engine.step()
     assert engine.global_steps == 2 and engine.runtime.gathered_units() == []
+    rt = engine.runtime  # the running count of gathered elements agrees with the units' own states
+    assert rt.live_elements() == sum(u.bucket.padded for u in rt.units if u.state != "rest")
 
 
 def save_worker(rank, world, tmp, flag):

@@ -8,6 +8,9 @@ Pure bookkeeping over unit indices, one record per phase ("forward", "backward")
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 
 class OrderRecord:
     def __init__(self):
@@ -33,9 +36,12 @@ class OrderRecord:
         self._valid[phase] = False
         return trace[cursor] if cursor < len(trace) else -1
 
-    def upcoming(self, phase: str) -> list[int]:
-        """The units the record says come next (empty when the pass does not follow a record)."""
-        return [] if self.recording_only(phase) else self._trace[phase][self._cursor[phase]:]
+    def upcoming(self, phase: str) -> Iterator[int]:
+        """The units the record says come next, lazily (nothing when the pass does not follow a record): the
+        caller stops at its prefetch budget, so a call costs what it prefetches, not the rest of the pass."""
+        if self.recording_only(phase):
+            return iter(())
+        return itertools.islice(self._trace[phase], self._cursor[phase], None)
 
     def end(self, phase: str) -> None:
         """The pass is over: what it gathered becomes the record the next pass follows."""

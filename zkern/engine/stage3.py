@@ -114,6 +114,9 @@ class Stage3Runtime:
         self.master = torch.zeros(shard, dtype=torch.float32, device=device) if mixed else None
         self.grad_shard = torch.zeros(shard, dtype=dtype, device=device)
         self.peak_live = 0  # largest number of gathered elements seen (bookkeeping for tests and reports)
+        self._live = 0  # elements gathered or in flight
+        self._ahead = 0  # of which prefetched and not used yet
+        self._prefetched: set[int] = set()
         self._partition()
         for u in self.units:
             if u.plan.persistent:
@@ -200,7 +203,9 @@ class Stage3Runtime:
 
     # -- gather / free ----------------------------------------------------------------------------------------
     def live_elements(self) -> int:
-        return sum(u.bucket.padded for u in self.units if u.state != "rest")
+        """Elements gathered or in flight now (kept as a running count: scanning every unit on every gather
+        would cost O(units^2) per pass, about 640k visits for an 800-unit model)."""
+        return self._live
 
     def gathered_units(self) -> list[str]:
         """Names of the non-persistent units gathered (or in flight) now."""
@@ -212,7 +217,8 @@ class Stage3Runtime:
         own = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
         u.work = self.comm.all_gather(u.buffer, own, f"parameters of unit '{u.plan.name}'", async_op=async_op)
         u.state = "inflight"
-        self.peak_live = max(self.peak_live, self.live_elements())
+        self._live += b.padded
+        self.peak_live = max(self.peak_live, self._live)
         if not async_op:
             self._finish(u)
 
@@ -236,7 +242,8 @@ class Stage3Runtime:
             p.data = self._empty
         u.buffer = None
         u.state = "rest"
-        u.prefetched = False
+        self._live -= u.bucket.padded
+        self._consume_prefetch(u)
 
     # -- order recording and prefetch -------------------------------------------------------------------------
     def _event(self, u: Unit) -> None:
@@ -252,23 +259,27 @@ class Stage3Runtime:
                         u.plan.name, self.units[expected].plan.name if expected >= 0 else "nothing")
 
     def _prefetch(self) -> None:
-        ahead = sum(u.bucket.padded for u in self.units if u.prefetched)
-        live = self.live_elements()
         for ui in self.order.upcoming(self._phase):
             u = self.units[ui]
             if u.state != "rest":
                 continue
-            if ahead + u.bucket.padded > self.prefetch_numel or live + u.bucket.padded > self.max_live:
+            size = u.bucket.padded
+            if self._ahead + size > self.prefetch_numel or self._live + size > self.max_live:
                 break
             self._gather(u, async_op=True)
             u.prefetched = True
-            ahead += u.bucket.padded
-            live += u.bucket.padded
+            self._ahead += size
+            self._prefetched.add(u.index)
+
+    def _consume_prefetch(self, u: Unit) -> None:
+        if u.prefetched:
+            u.prefetched = False
+            self._ahead -= u.bucket.padded
+            self._prefetched.discard(u.index)
 
     def _drop_prefetched(self) -> None:
-        for u in self.units:
-            if u.prefetched:
-                self._free(u)
+        for ui in sorted(self._prefetched):
+            self._free(self.units[ui])
 
     def _use(self, u: Unit) -> None:
         """Make u's parameters whole for the running module."""
@@ -279,7 +290,7 @@ class Stage3Runtime:
         if u.state == "rest":
             self._gather(u, async_op=False)
         self._finish(u)
-        u.prefetched = False
+        self._consume_prefetch(u)
         self._prefetch()
 
     def _end_pass(self) -> None:

@@ -21,7 +21,7 @@ def nccl_engine_run(rank, world, spec):
     return engine_run(rank, world, spec)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp32_on_cuda_equals_single_process_adamw(stage):
     spec = TrainSpec(stage=stage, accumulation=2, clip=0.05, device="cuda")
     result = spawn(nccl_engine_run, 1, spec, subprocess=True)[0]
@@ -30,7 +30,7 @@ def test_fp32_on_cuda_equals_single_process_adamw(stage):
 
 
 @pytest.mark.parametrize("precision, tolerance", [("bf16", 4 * 2**-8), ("fp16", 4 * 2**-11)])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_16_bit_on_cuda_follows_the_fp32_curve(stage, precision, tolerance):
     spec = TrainSpec(stage=stage, precision=precision, accumulation=2, lr=1e-2, device="cuda")
     result = spawn(nccl_engine_run, 1, spec, subprocess=True)

@@ -157,6 +157,52 @@ def test_a_forward_that_raises_leaves_nothing_gathered_and_training_goes_on():
     assert rt.live_elements() == sum(u.bucket.padded for u in rt.units if u.state != "rest")
 
 
+class LateReader(torch.nn.Module):
+    """From step 3 on, `mix` reads `other.weight`, which `other` owns: a read zkern's first step cannot see."""
+
+    def __init__(self):
+        super().__init__()
+        self.other = torch.nn.Linear(16, 16)
+        self.mix = torch.nn.Linear(16, 16)
+        self.mix.late = False
+        self.mix.forward = self._mix_forward
+
+    def _mix_forward(self, x):
+        y = torch.nn.functional.linear(x, self.mix.weight, self.mix.bias)
+        return y + torch.nn.functional.linear(x, self.other.weight) if self.mix.late else y
+
+    def forward(self, x):
+        return self.mix(self.other(x)).square().mean()
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_late_external_read_works_when_declared(declared):
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "device": "cpu",
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    torch.manual_seed(0)
+    model, ref = LateReader(), LateReader()
+    ref.load_state_dict(model.state_dict())
+    if declared:
+        zkern.register_external_parameter(model.mix, model.other.weight)
+    engine = zkern.Engine(model, cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    for step in range(4):
+        model.mix.late = ref.mix.late = step >= 2
+        if not declared and step == 2:
+            with pytest.raises(RuntimeError) as error:  # other.weight is at rest (empty) when mix reads it
+                engine(x)
+            assert "zkern.register_external_parameter(reading_module, parameter)" in "".join(error.value.__notes__)
+            return
+        engine.backward(engine(x))
+        engine.step()
+        opt.zero_grad()
+        ref(x).backward()
+        opt.step()
+    assert_params_close(engine.full_state_dict(), {k: v.detach() for k, v in ref.state_dict().items()}, lr=1e-2,
+                        steps=4)
+
+
 def save_worker(rank, world, tmp, flag):
     cfg = TrainSpec(stage=3, precision="bf16").config(world)
     cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = flag

@@ -12,7 +12,8 @@ from zkern.engine.engine import Engine
 from zkern.engine.partition import estimate_memory
 from zkern.engine.precision import LossScaleAtMinimum
 from zkern.engine.sharded_init import init_sharded
+from zkern.engine.units import register_external_parameter
 
 __all__ = ["Engine", "Config", "ConfigError", "CommError", "LossScaleAtMinimum", "estimate_memory", "init_sharded",
-           "ops"]
+           "register_external_parameter", "ops"]
 __version__ = "0.1.0"

@@ -99,8 +99,8 @@ class Engine:
     def __call__(self, *args, **kwargs):
         try:
             return self.module(*args, **kwargs)
-        except BaseException:
-            self.runtime.abort_pass()  # stage 3: release what the failed pass gathered
+        except BaseException as e:
+            self.runtime.abort_pass(e)  # stage 3: release what the failed pass gathered
             raise
 
     forward = __call__

@@ -349,7 +349,7 @@ class Stage12Runtime:
             start += len(g.params)
         return out
 
-    def abort_pass(self) -> None:
+    def abort_pass(self, error: BaseException) -> None:
         """The model raised inside forward: stages 0-2 hold nothing per pass."""
 
     def begin_backward(self, boundary: bool) -> None:

@@ -343,8 +343,14 @@ class Stage3Runtime:
             self._end_forward()
         return output
 
-    def abort_pass(self) -> None:
-        """The model raised inside forward: drop what the pass held, so the next call starts clean."""
+    def abort_pass(self, error: BaseException) -> None:
+        """The model raised inside forward: drop what the pass held, so the next call starts clean, and tell the
+        user the likely stage-3 cause of a shape error."""
+        if isinstance(error, RuntimeError) and not self.order.recording_only("forward"):
+            error.add_note("zkern stage 3: parameters of modules that are not running are empty at rest. If this "
+                           "forward read another module's parameter in a way the first step did not (a branch "
+                           "taken only now), declare it before creating the engine: "
+                           "zkern.register_external_parameter(reading_module, parameter)")
         if self._watch is not None:
             self._watch.__exit__(None, None, None)
             self._watch = None

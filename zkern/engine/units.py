@@ -73,6 +73,18 @@ class ReduceGroup:
 
 
 
+def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+    """Declare that `module`'s forward reads `param`, which another module owns (DeepSpeed's function of the
+    same name). Stage 3 then gathers param's unit whenever module runs. zkern detects such reads by itself in
+    its first step; declare the ones that first happen later (a branch taken in some steps only). Call it
+    before creating the zkern.Engine."""
+    if not isinstance(param, torch.nn.Parameter):
+        raise TypeError(f"register_external_parameter takes a torch.nn.Parameter, got {type(param).__name__}")
+    external = module.__dict__.setdefault("_zkern_external_params", [])
+    if all(p is not param for p in external):
+        external.append(param)
+
+
 def plan_units(model: torch.nn.Module, fetch_classes: tuple[str, ...], persistence_threshold: int
                ) -> tuple[list[UnitPlan], dict[torch.nn.Module, list[int]]]:
     """(units, needs): the fetch units in first-owner order (the persistent unit, if any, last), and for every
@@ -112,7 +124,12 @@ def plan_units(model: torch.nn.Module, fetch_classes: tuple[str, ...], persisten
     unit_of = {id(p): i for i, u in enumerate(units) for p in u.params}
     needs: dict[torch.nn.Module, list[int]] = {}
     for mname, m in modules.items():
-        wanted = [unit_of[id(p)] for p in m.parameters(recurse=False)]
+        own = [*m.parameters(recurse=False), *m.__dict__.get("_zkern_external_params", ())]
+        missing = [p for p in own if id(p) not in unit_of]
+        if missing:
+            raise ValueError(f"register_external_parameter: module '{mname}' names a parameter of shape "
+                             f"{tuple(missing[0].shape)} that is not in the model")
+        wanted = [unit_of[id(p)] for p in own]
         if mname in roots:
             wanted += [unit_of[id(p)] for p in m.parameters()]
         wanted = sorted({u for u in wanted if not units[u].persistent})

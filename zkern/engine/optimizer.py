@@ -54,15 +54,49 @@ class ShardAdam(torch.optim.Optimizer):
         self.exp_avg_sq = [torch.zeros(g.shard_numel, dtype=torch.float32, device=_device(g)) for g in groups]
         # Per-piece step counts as Python ints: reading a device tensor here would sync the host every step.
         self.steps = [[0] * len(g.pieces) for g in groups]
+        # Per-piece state as views into the flat buffers, shaped like the piece (as torch's AdamW keeps it).
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for gi, g in enumerate(groups):
             for chunk in g.chunks:
                 for index, start, numel in chunk.pieces:
-                    lo = chunk.shard_start + start
-                    self.state[g.pieces[index]] = {"exp_avg": self.exp_avg[gi][lo:lo + numel],
-                                                   "exp_avg_sq": self.exp_avg_sq[gi][lo:lo + numel]}
+                    lo, piece = chunk.shard_start + start, g.pieces[index]
+                    views = (self.exp_avg[gi][lo:lo + numel].view(piece.shape),
+                             self.exp_avg_sq[gi][lo:lo + numel].view(piece.shape))
+                    self._views[id(piece)] = views
+                    self.state[piece] = {"exp_avg": views[0], "exp_avg_sq": views[1]}
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.exp_avg, *self.exp_avg_sq))
+
+    def state_dict(self) -> dict:
+        """torch's format: per piece 'step', 'exp_avg', 'exp_avg_sq' (this rank's shard pieces)."""
+        for gi, g in enumerate(self.shard_groups):
+            for i, piece in enumerate(g.pieces):
+                self.state[piece]["step"] = torch.tensor(float(self.steps[gi][i]))
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into zkern's flat buffers. torch's loader replaces the state tensors, which would leave the fused
+        step reading the old buffers; here the loaded values are copied into them and the views kept."""
+        super().load_state_dict(state_dict)
+        for gi, g in enumerate(self.shard_groups):
+            for i, piece in enumerate(g.pieces):
+                loaded = self.state[piece]
+                exp_avg, exp_avg_sq = self._views[id(piece)]
+                if loaded:
+                    if loaded["exp_avg"].shape != exp_avg.shape:
+                        raise ValueError(f"optimizer state for piece {i} of group {gi} has shape "
+                                         f"{tuple(loaded['exp_avg'].shape)}, this engine's shard piece "
+                                         f"{tuple(exp_avg.shape)}: the state comes from another layout (world "
+                                         f"size, stage or bucket size)")
+                    exp_avg.copy_(loaded["exp_avg"])
+                    exp_avg_sq.copy_(loaded["exp_avg_sq"])
+                    self.steps[gi][i] = int(loaded["step"])
+                else:
+                    exp_avg.zero_()
+                    exp_avg_sq.zero_()
+                    self.steps[gi][i] = 0
+                self.state[piece] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, active: list[list[bool]] | None = None):

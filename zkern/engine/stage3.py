@@ -481,7 +481,6 @@ class Stage3Runtime:
             work = self.comm.reduce_scatter(out, g.buffer, purpose, async_op=self.overlap)
         else:  # reduce_scatter=false: all-reduce, then keep this rank's section
             work = self.comm.all_reduce(g.buffer, purpose, async_op=self.overlap)
-        g.launched = True
         self._pending.append((g, work))
         # Overlap keeps at most two reductions in flight, so gradient buffers never pile up during backward.
         while self._pending and (not self.overlap or len(self._pending) > 2):
@@ -511,7 +510,7 @@ class Stage3Runtime:
                 if u.refs == 0:
                     self._free(u)
         for g in self.groups:
-            g.complete, g.launched = 0, False
+            g.complete = 0
         self._end_pass()
         self._phase = "forward"
         self._micro_since_step += 1

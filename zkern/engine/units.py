@@ -68,8 +68,7 @@ class ReduceGroup:
     section_offset: dict[int, int]  # unit index -> offset inside a section
     shard_offset: int
     buffer: torch.Tensor | None = None
-    complete: int = 0
-    launched: bool = False
+    complete: int = 0  # units of the group whose gradients are all in
 
 
 

@@ -14,12 +14,13 @@ its algorithm sends per rank (ring volumes, from the algorithm: torch does not c
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 
 import torch
 
-from zkern.testing import TrainSpec, ddp_run, model_state_bytes, peak_rss_bytes, reset_peak_rss
+from zkern.testing import TrainSpec, ddp_run, model_state_bytes, peak_rss_bytes, reset_peak_rss, torch_training_loop
 
 
 def _ring(world: int, nbytes: float, collectives: float) -> int:
@@ -53,22 +54,13 @@ def fsdp2_peer(rank: int, world: int, spec: TrainSpec, reshard_after_forward: bo
     fully_shard(model, reshard_after_forward=reshard_after_forward)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
-    batches = spec.batches(world)
-    reset_peak_rss()
-    losses, times = [], []
-    for step in range(spec.steps):
-        start = time.perf_counter()
-        opt.zero_grad()
-        total = 0.0
-        for micro in range(spec.accumulation):
-            idx, tgt = batches[step][micro][rank]
-            model.set_requires_gradient_sync(micro == spec.accumulation - 1)
-            loss = model(idx, tgt, **spec.forward_kwargs(step))
-            (loss / spec.accumulation).backward()
-            total += loss.item()
-        opt.step()
-        times.append(time.perf_counter() - start)
-        losses.append(total / spec.accumulation)
+
+    @contextlib.contextmanager
+    def sync(last: bool):  # FSDP2 reduce-scatters only on the accumulation step's last micro-batch
+        model.set_requires_gradient_sync(last)
+        yield
+
+    losses, times = torch_training_loop(spec, rank, world, model, opt, params, sync)
     gathers = 2 if reshard_after_forward else 1  # forward (+ backward when resharded), plus one reduce-scatter
     return {"losses": losses, "step_times": times, "peak_rss": peak_rss_bytes(),
             "model_state_bytes": model_state_bytes(model, opt),

@@ -270,6 +270,18 @@ def ddp_run(rank: int, world: int, spec: TrainSpec, zero1: bool = False) -> dict
                                       weight_decay=spec.weight_decay)
     else:
         opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    def sync(last: bool):  # DDP all-reduces only on the accumulation step's last micro-batch
+        return contextlib.nullcontext() if last or world == 1 else ddp.no_sync()
+
+    losses, times = torch_training_loop(spec, rank, world, ddp, opt, params, sync)
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()} if rank == 0 else None
+    return {"losses": losses, "state": state, "step_times": times, "peak_rss": peak_rss_bytes(),
+            "model_state_bytes": model_state_bytes(model, opt)}
+
+
+def torch_training_loop(spec: TrainSpec, rank: int, world: int, model, opt, params, sync) -> tuple[list, list]:
+    """The plain torch loop every stock peer runs: zero_grad, accumulate the micro-batches (each backward under
+    sync(is_last_micro_batch)), clip, step. Returns (loss per step, seconds per step); resets the peak RSS."""
     batches = spec.batches(world)
     losses, times = [], []
     reset_peak_rss()
@@ -279,9 +291,8 @@ def ddp_run(rank: int, world: int, spec: TrainSpec, zero1: bool = False) -> dict
         total = 0.0
         for micro in range(spec.accumulation):
             idx, tgt = batches[step][micro][rank]
-            last = micro == spec.accumulation - 1
-            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
-                loss = ddp(idx, tgt, **spec.forward_kwargs(step))
+            with sync(micro == spec.accumulation - 1):
+                loss = model(idx, tgt, **spec.forward_kwargs(step))
                 (loss / spec.accumulation).backward()
             total += loss.item()
         if spec.clip > 0:
@@ -289,9 +300,7 @@ def ddp_run(rank: int, world: int, spec: TrainSpec, zero1: bool = False) -> dict
         opt.step()
         times.append(time.perf_counter() - start)
         losses.append(total / spec.accumulation)
-    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()} if rank == 0 else None
-    return {"losses": losses, "state": state, "step_times": times, "peak_rss": peak_rss_bytes(),
-            "model_state_bytes": model_state_bytes(model, opt)}
+    return losses, times
 
 
 def model_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:

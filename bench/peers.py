@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import time
 
 import torch
 
-from zkern.testing import TrainSpec, ddp_run, model_state_bytes, peak_rss_bytes, reset_peak_rss, torch_training_loop
+from zkern.testing import (
+    TrainSpec,
+    ddp_run,
+    engine_training_loop,
+    model_state_bytes,
+    peak_rss_bytes,
+    torch_training_loop,
+)
 
 
 def _ring(world: int, nbytes: float, collectives: float) -> int:
@@ -81,20 +87,7 @@ def deepspeed_peer(rank: int, world: int, spec: TrainSpec) -> dict:
     cfg["zero_optimization"].pop("stage3_fetch_units", None)
     model = spec.make_model()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    batches = spec.batches(world)
-    reset_peak_rss()
-    losses, times = [], []
-    for step in range(spec.steps):
-        start = time.perf_counter()
-        total = 0.0
-        for micro in range(spec.accumulation):
-            idx, tgt = batches[step][micro][rank]
-            loss = engine(idx.to(engine.device), tgt.to(engine.device), **spec.forward_kwargs(step))
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        times.append(time.perf_counter() - start)
-        losses.append(total / spec.accumulation)
+    losses, times = engine_training_loop(spec, rank, world, engine)
     return {"losses": losses, "step_times": times, "peak_rss": peak_rss_bytes(),
             "model_state_bytes": model_state_bytes(model, optimizer), "comm_bytes_per_step": None}
 

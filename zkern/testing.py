@@ -223,22 +223,13 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
     model = spec.make_model()
     engine = zkern.Engine(model, spec.config(world))
     comm_start = engine.comm_stats()
-    batches = spec.batches(world)
-    losses, times, gathered_after_forward = [], [], []
-    reset_peak_rss()  # peak RSS of training, as every bench runner measures it
-    for step in range(spec.steps):
-        start = time.perf_counter()
-        total = 0.0
-        for micro in range(spec.accumulation):
-            idx, tgt = batches[step][micro][rank]
-            loss = engine(idx.to(engine.device), tgt.to(engine.device), **spec.forward_kwargs(step))
-            if hasattr(engine.runtime, "gathered_units"):  # stage 3: what the hooks hold between fwd and bwd
-                gathered_after_forward.append(engine.runtime.gathered_units())
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        times.append(time.perf_counter() - start)
-        losses.append(total / spec.accumulation)
+    gathered_after_forward = []
+
+    def after_forward() -> None:
+        if hasattr(engine.runtime, "gathered_units"):  # stage 3: what the hooks hold between fwd and bwd
+            gathered_after_forward.append(engine.runtime.gathered_units())
+
+    losses, times = engine_training_loop(spec, rank, world, engine, after_forward)
     comm_end = engine.comm_stats()  # before full_state_dict's own gather
     state = engine.full_state_dict(rank0_only=True)
     state = None if state is None else {k: v.cpu() for k, v in state.items()}
@@ -251,6 +242,29 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
             "peak_live": getattr(engine.runtime, "peak_live", None),
             "loss_scale": engine.loss_scale, "grad_norm": engine.last_grad_norm, "step_times": times,
             "spec": asdict(spec)}
+
+
+def engine_training_loop(spec: TrainSpec, rank: int, world: int, engine, after_forward=None) -> tuple[list, list]:
+    """The DeepSpeed-style loop (zkern and DeepSpeed engines alike): per micro-batch forward, backward, step; the
+    engine accumulates and steps at the boundary. Returns (loss per step, seconds per step); resets the peak
+    RSS first."""
+    batches = spec.batches(world)
+    losses, times = [], []
+    reset_peak_rss()
+    for step in range(spec.steps):
+        start = time.perf_counter()
+        total = 0.0
+        for micro in range(spec.accumulation):
+            idx, tgt = batches[step][micro][rank]
+            loss = engine(idx.to(engine.device), tgt.to(engine.device), **spec.forward_kwargs(step))
+            if after_forward is not None:
+                after_forward()
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        times.append(time.perf_counter() - start)
+        losses.append(total / spec.accumulation)
+    return losses, times
 
 
 def ddp_run(rank: int, world: int, spec: TrainSpec, zero1: bool = False) -> dict:

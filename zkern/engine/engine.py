@@ -154,8 +154,6 @@ class Engine:
             f, s = ops.unscale_and_check_(segment, 1.0)  # check and norm only; unscaling is folded into Adam
             found += f
             sq_norm += s
-        if self.config.zero_optimization.stage == 0 and self.rank != 0:
-            sq_norm.zero_()  # stage 0: every rank holds the whole reduced gradient; count its norm once
         used = torch.tensor([float(u) for u in self.runtime.used], device=self.device)
         control = torch.cat([found.view(1), sq_norm.view(1), used])
         self.comm.all_reduce(control, "step control: overflow flag, squared gradient norm, parameters with "

@@ -38,6 +38,14 @@ def full_shape(p: torch.Tensor) -> torch.Size:
     return p._zkern_shape if is_sharded(p) else p.shape
 
 
+def gather_built(p: torch.nn.Parameter, comm: Comm, purpose: str) -> torch.Tensor:
+    """A parameter partitioned by init_sharded, whole (a collective: every rank calls it in the same order)."""
+    shard, shape = p._zkern_shard, p._zkern_shape
+    out = torch.empty(shard.numel() * comm.world, dtype=shard.dtype, device=shard.device)
+    comm.all_gather(out, shard, purpose)
+    return out[:shape.numel()].view(shape)
+
+
 class _Sharder:
     def __init__(self, comm: Comm):
         self.comm = comm
@@ -56,15 +64,8 @@ class _Sharder:
             p._zkern_shard = mine
             p._zkern_shape = data.shape
 
-    def gather(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """The whole parameter from every rank's chunk (a collective)."""
-        shard, shape = p._zkern_shard, p._zkern_shape
-        out = torch.empty(shard.numel() * self.comm.world, dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(out, shard, "init_sharded: a partitioned parameter, whole for one call")
-        return out[:shape.numel()].view(shape)
-
     def materialize(self, p: torch.nn.Parameter) -> None:
-        full = self.gather(p)
+        full = gather_built(p, self.comm, "init_sharded: a partitioned parameter, whole for one call")
         del p._zkern_shard, p._zkern_shape
         p.data = full
 

@@ -73,6 +73,7 @@ class FlatGroup:
             self._attach_grad_views()
         else:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self._bucket_capacity = max(b.padded for b in layout.buckets)  # every stage-2 bucket buffer's size
         self._free_buffers: list[torch.Tensor] = []  # stage 2 bucket buffers not in use
         self._buffer_count = 0
         self._open: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> buffer being filled
@@ -95,8 +96,9 @@ class FlatGroup:
         return flat[off:off + n].view(self.params[i].shape)
 
     def _attach_grad_views(self) -> None:
-        for i, p in enumerate(self.params):
-            p.grad = self._param_view(self.grad_flat, i)
+        self._grad_views = [self._param_view(self.grad_flat, i) for i in range(len(self.params))]
+        for p, view in zip(self.params, self._grad_views):
+            p.grad = view
 
     def _own_chunk(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
         lo, size = self.layout.chunk_range(b, self.shard_rank)
@@ -109,11 +111,15 @@ class FlatGroup:
         return self._own_chunk(self.grad_flat, b)
 
     def grad_segments(self) -> list[torch.Tensor]:
-        """Contiguous buffers that together hold this rank's reduced gradient shard."""
+        """Contiguous buffers of the reduced gradient this rank accounts for (overflow check, norm): its shard,
+        so that summed over ranks every element counts once. Stage 0 holds the whole gradient on every rank and
+        splits the work: rank r takes every world-th bucket."""
         if self.grad_shard is not None:
             return [self.grad_shard]
         if self.stage == 0:
-            return [self.grad_flat]
+            comm = self.comm
+            return [self.grad_flat[b.offset:b.offset + b.padded] for b in self.layout.buckets
+                    if b.index % comm.world == comm.rank]
         return [self.grad_chunk(b) for b in self.layout.buckets]
 
     def _make_shard_group(self) -> ShardGroup:
@@ -148,9 +154,9 @@ class FlatGroup:
         self.fired = [False] * len(self.params)
         self._ready = [0] * len(self.layout.buckets)
         self._next_launch = 0
-        if self.grad_flat is not None:
+        if self.grad_flat is not None:  # autograd accumulates into p.grad in place, keeping the view object
             for i, p in enumerate(self.params):
-                if p.grad is None or p.grad.data_ptr() != self._param_view(self.grad_flat, i).data_ptr():
+                if p.grad is not self._grad_views[i]:
                     raise RuntimeError(
                         f"zkern: the gradient of '{self.names[i]}' was replaced or set to None outside the engine "
                         f"(e.g. model.zero_grad() or optimizer.zero_grad()); the engine zeroes gradients itself "
@@ -235,13 +241,12 @@ class FlatGroup:
 
     def _take_buffer(self, b: Bucket) -> torch.Tensor:
         """A stage-2 bucket buffer; reuses one whose collective has finished before allocating another."""
-        need = max(x.padded for x in self.layout.buckets)
         if not self._free_buffers and self._in_flight:
             self._retire_oldest()
         if self._free_buffers:
             return self._free_buffers.pop()
         self._buffer_count += 1
-        return torch.empty(need, dtype=self.dtype, device=self.param_flat.device)
+        return torch.empty(self._bucket_capacity, dtype=self.dtype, device=self.param_flat.device)
 
     def _retire_oldest(self) -> None:
         b, work, buf = self._in_flight.popleft()
@@ -310,7 +315,7 @@ class FlatGroup:
             return 0 if t is None else t.numel() * t.element_size()
 
         grads = nbytes(self.grad_flat) + nbytes(self.grad_shard)
-        buffers = self._buffer_count * max(b.padded for b in self.layout.buckets) * self.param_flat.element_size()
+        buffers = self._buffer_count * self._bucket_capacity * self.param_flat.element_size()
         return {"params": nbytes(self.param_flat), "grads": grads, "master": nbytes(self.master),
                 "comm_buffers": buffers}
 

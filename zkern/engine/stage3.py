@@ -36,7 +36,7 @@ from zkern.engine.comm import Comm, Work
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.order import OrderRecord
 from zkern.engine.partition import plan_unit_layout
-from zkern.engine.sharded_init import full_shape, is_sharded
+from zkern.engine.sharded_init import full_shape, gather_built, is_sharded
 from zkern.engine.units import ReduceGroup, Unit, plan_reduce_groups, plan_units
 
 log = logging.getLogger("zkern")
@@ -149,7 +149,8 @@ class Stage3Runtime:
             for u in self.units:
                 b = u.bucket
                 full = torch.zeros(b.padded, dtype=torch.float32, device=device)
-                values = [self._gather_built(p).to(device) if is_sharded(p) else p.detach() for p in u.plan.params]
+                values = [gather_built(p, self.comm, "a parameter built under init_sharded, for the stage-3 layout")
+                          .to(device) if is_sharded(p) else p.detach() for p in u.plan.params]
                 full[:b.numel].copy_(ops.flatten(values, torch.float32))
                 del values
                 mine = full[rank * b.chunk:(rank + 1) * b.chunk]
@@ -160,13 +161,6 @@ class Stage3Runtime:
                     p.data = self._empty
                     if is_sharded(p):
                         del p._zkern_shard, p._zkern_shape
-
-    def _gather_built(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """A parameter partitioned by init_sharded, whole (a collective, in unit order on every rank)."""
-        shard = p._zkern_shard
-        out = torch.empty(shard.numel() * self.comm.world, dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(out, shard, "a parameter built under init_sharded, for the stage-3 layout")
-        return out[:p._zkern_shape.numel()].view(p._zkern_shape)
 
     def _make_shard_groups(self, groups: list[list[torch.nn.Parameter]]) -> list[ShardGroup]:
         """Per optimizer group: its pieces, and per unit the contiguous sub-range of its pieces."""

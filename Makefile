@@ -15,7 +15,8 @@ BENCH_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): setup.py pyproject.toml
+# The stamp also follows the CPU Adam's C++ sources: `pip install -e .` rebuilds the extension when they change.
+$(STAMP): setup.py pyproject.toml $(wildcard zkern/cpu/csrc/*)
 	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[test]"
@@ -35,4 +36,4 @@ lint: setup
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(STAMP) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(STAMP) build *.egg-info .pytest_cache .ruff_cache zkern/cpu/_adam_ext*.so

@@ -1,10 +1,54 @@
 """zkern's build: `pip install -e ".[test]"` (what `make test` runs).
 
-The package is pure Python today; the CPU Adam extension (pybind11, no libtorch) joins here as an
-ext_module when it lands.
+Builds one extension, zkern.cpu._adam_ext: the fused CPU Adam (pybind11, OpenMP, no libtorch). Each kernel
+file gets its own instruction-set flags (never -march=native: the wheel must run on any x86-64 CPU, which
+picks its path at run time), so the build works on a machine without AVX-512 and the AVX-512 path still
+exists for the machine that has it. On a CPU other than x86-64 only the scalar path is compiled.
 """
 
+import platform
+
+from pybind11.setup_helpers import Pybind11Extension
 from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+CSRC = "zkern/cpu/csrc"
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+# Per-file flags: the file name says which instruction set it may use.
+ISA_FLAGS = {
+    # GCC 12 warns inside its own avx512fintrin.h (an intrinsic's undefined source operand); not ours.
+    "adam_avx512.cpp": ["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-Wno-maybe-uninitialized"],
+    "adam_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+    "adam_scalar.cpp": [],
+    "module.cpp": [],
+}
+KERNELS = ["adam_avx512.cpp", "adam_avx2.cpp"] if X86 else []
+
+
+class BuildWithIsaFlags(build_ext):
+    """build_ext that adds each source's ISA flags to that source's compile line only."""
+
+    def build_extensions(self):
+        compile_one = self.compiler._compile
+
+        def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            name = src.replace("\\", "/").rsplit("/", 1)[-1]
+            flags = ISA_FLAGS.get(name, [])
+            return compile_one(obj, src, ext, cc_args, list(extra_postargs) + flags, pp_opts)
+
+        self.compiler._compile = _compile
+        super().build_extensions()
+
+
+adam_ext = Pybind11Extension(
+    "zkern.cpu._adam_ext",
+    sources=[f"{CSRC}/module.cpp", f"{CSRC}/adam_scalar.cpp"] + [f"{CSRC}/{k}" for k in KERNELS],
+    depends=[f"{CSRC}/{h}" for h in ("adam.h", "adam_kernel.h", "simd.h")],
+    define_macros=[("ZK_HAVE_X86_KERNELS", "1" if X86 else "0")],
+    cxx_std=17,
+    extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
+    extra_link_args=["-fopenmp"],
+)
 
 setup(
     name="zkern",
@@ -16,4 +60,6 @@ setup(
     # torch==2.13.0 first where none is present, because an unpinned torch pulls gigabytes of CUDA packages.
     install_requires=["torch>=2.4"],
     extras_require={"test": ["pytest>=8", "ruff>=0.5", "numpy", "matplotlib"]},
+    ext_modules=[adam_ext],
+    cmdclass={"build_ext": BuildWithIsaFlags},
 )

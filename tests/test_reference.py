@@ -68,8 +68,8 @@ def test_adam_matches_torch_over_5_steps(adamw, grad_dtype, grad_scale):
         grad = torch.randn(1000, generator=g).to(grad_dtype)
         ref.grad = grad.float() * grad_scale
         opt.step()
-        ops.adam_step_(p, grad, m, v, step=step, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
-                       adamw=adamw, grad_scale=grad_scale, param_out=out)
+        reference.adam_step_(p, grad, m, v, step=step, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                             adamw=adamw, grad_scale=grad_scale, param_out=out)
         torch.testing.assert_close(p, ref.detach(), atol=0 if exact else 1e-6, rtol=0 if exact else 1e-6)
         torch.testing.assert_close(out, p.to(torch.bfloat16), atol=0, rtol=0)
 

@@ -15,6 +15,7 @@ import platform
 import torch
 
 import zkern
+import zkern.cpu
 from zkern import ops
 
 
@@ -36,6 +37,13 @@ def cpu_model() -> str:
                         platform.machine())
     except OSError:
         return platform.machine()
+
+
+def _backend_or_error() -> str:
+    try:
+        return ops.backend_for(torch.empty(0), "adam_step_")
+    except (ValueError, RuntimeError) as e:
+        return f"error: {e}"
 
 
 def report() -> dict:
@@ -69,10 +77,10 @@ def report() -> dict:
             "available": sorted(ops.AVAILABLE),
             "ZKERN_BACKEND": os.environ.get("ZKERN_BACKEND") or "unset",
             "forced": forced,
-            "ops on CPU tensors": ops.backend_for(torch.empty(0)) if not str(forced).startswith("invalid") else forced,
-            "why": "zkern's Triton, CUDA and CPU-extension kernels are not part of this build yet; every op runs "
-                   "zkern.reference (pure torch)",
+            "adam_step_ on CPU tensors": _backend_or_error(),
+            "other ops": "zkern.reference (pure torch): zkern's Triton and CUDA kernels are not part of this build yet",
         },
+        "cpu_adam": zkern.cpu.status(),
     }
 
 

@@ -1,0 +1,103 @@
+"""The fused CPU Adam extension (zkern.cpu._adam_ext) seen from Python: loading, ISA choice, checked calls.
+
+    python -m zkern.env_report                       # which path is active, and why
+    ZKERN_CPU_ISA=avx2 python -m pytest tests/test_cpu_adam.py -q
+
+The extension takes raw data pointers, so every check a torch op would make happens here first: device,
+dtype, contiguity, sizes. The ISA path is the fastest this CPU supports, or the one ZKERN_CPU_ISA forces
+(forcing one this CPU or build lacks is an error, never a quiet fallback).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BUILD_HINT = ("build it with `pip install -e .` in the zkern checkout (or `make setup`); it needs g++ with OpenMP, "
+              "and pip fetches pybind11 for the build")
+
+try:
+    from zkern.cpu import _adam_ext as EXT
+
+    LOAD_ERROR: str | None = None
+except ImportError as error:  # a source tree used without building, or a failed build
+    EXT = None
+    LOAD_ERROR = f"zkern.cpu._adam_ext is not importable ({error})"
+
+ISAS = ("avx512", "avx2", "scalar")
+SUPPORTED: tuple[str, ...] = tuple(i for i in EXT.compiled_isas() if EXT.cpu_supports(i)) if EXT else ()
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def available() -> bool:
+    return EXT is not None
+
+
+def active_isa() -> str:
+    """The ISA path calls take: ZKERN_CPU_ISA if set (checked), else the fastest this CPU supports."""
+    if EXT is None:
+        raise RuntimeError(f"the zkern CPU Adam extension is missing: {LOAD_ERROR}; {BUILD_HINT}")
+    forced = os.environ.get("ZKERN_CPU_ISA", "").strip().lower()
+    if not forced:
+        return SUPPORTED[0]
+    if forced not in ISAS:
+        raise ValueError(f"ZKERN_CPU_ISA={forced!r} is not a path; choose one of {', '.join(ISAS)} or unset it")
+    if forced not in SUPPORTED:
+        raise RuntimeError(f"ZKERN_CPU_ISA={forced}: this CPU or build cannot run it (paths here: "
+                           f"{', '.join(SUPPORTED)}); unset ZKERN_CPU_ISA or choose one of those")
+    return forced
+
+
+def status() -> dict:
+    """What env_report shows: whether the extension loaded, which path is active and why."""
+    if EXT is None:
+        return {"extension": False, "reason": LOAD_ERROR, "hint": BUILD_HINT, "active": "torch fallback"}
+    try:
+        active = active_isa()
+        why = "forced by ZKERN_CPU_ISA" if os.environ.get("ZKERN_CPU_ISA") else "the fastest path this CPU supports"
+    except (ValueError, RuntimeError) as error:
+        active, why = None, str(error)
+    return {"extension": True, "active": active, "why": why, "supported": list(SUPPORTED),
+            "compiled": list(EXT.compiled_isas()), "threads": torch.get_num_threads()}
+
+
+def _check(name: str, t: torch.Tensor, numel: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"CPU Adam: {name} is on {t.device}; the CPU kernel steps host tensors (offload the "
+                         f"optimizer, or use a GPU optimizer there)")
+    if t.dtype not in dtypes:
+        raise TypeError(f"CPU Adam: {name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"CPU Adam: {name} is not contiguous; the kernel streams flat buffers (pass "
+                         f"{name}.contiguous(), or flat shards as zkern's engine does)")
+    if t.numel() != numel:
+        raise ValueError(f"CPU Adam: {name} has {t.numel()} elements, param has {numel}")
+
+
+def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, adamw: bool,
+               grad_scale: float = 1.0, param_out: torch.Tensor | None = None, isa: str | None = None,
+               threads: int | None = None) -> None:
+    """zkern.reference.adam_step_'s semantics in one fused pass (to float32 rounding; see csrc/adam_kernel.h).
+
+    isa: a path to use instead of active_isa() (tests step every path); threads: default torch's thread count
+    (which honours OMP_NUM_THREADS and torch.set_num_threads).
+    """
+    n = param.numel()
+    _check("param", param, n, (torch.float32,))
+    _check("grad", grad, n, tuple(DTYPE_CODES))
+    _check("exp_avg", exp_avg, n, (torch.float32,))
+    _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
+    if param_out is not None:
+        _check("param_out", param_out, n, tuple(DTYPE_CODES))
+    if step < 1:
+        raise ValueError(f"CPU Adam: step counts from 1, got {step}")
+    chosen = active_isa() if isa is None else isa
+    if chosen not in SUPPORTED:
+        raise ValueError(f"CPU Adam: path {chosen!r} is not available here (paths: {', '.join(SUPPORTED)})")
+    EXT.adam_step(chosen, param.data_ptr(), grad.data_ptr(), DTYPE_CODES[grad.dtype], exp_avg.data_ptr(),
+                  exp_avg_sq.data_ptr(), 0 if param_out is None else param_out.data_ptr(),
+                  -1 if param_out is None else DTYPE_CODES[param_out.dtype], n, int(step), float(lr),
+                  float(betas[0]), float(betas[1]), float(eps), float(weight_decay), bool(adamw),
+                  float(grad_scale), threads or torch.get_num_threads())

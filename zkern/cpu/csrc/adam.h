@@ -1,0 +1,32 @@
+// zkern/cpu/csrc/adam.h: the CPU Adam's interface between the pybind11 module (compiled with no ISA flags)
+// and the three kernel translation units (adam_avx512.cpp, adam_avx2.cpp, adam_scalar.cpp).
+#pragma once
+
+#include <cstdint>
+
+// The dtype codes the Python side passes (zkern/cpu/_ext.py keeps the same table).
+enum ZkDtype : int { ZK_F32 = 0, ZK_F16 = 1, ZK_BF16 = 2, ZK_NONE = -1 };
+
+struct AdamArgs {
+  float* param;          // fp32 master, updated in place
+  const void* grad;      // grad_dtype elements, read only
+  int grad_dtype;        // ZK_F32 / ZK_F16 / ZK_BF16
+  float* exp_avg;        // fp32, in place
+  float* exp_avg_sq;     // fp32, in place
+  void* out;             // optional copy of the updated param: fp16/bf16, or fp32 for an offloaded fp32 run
+  int out_dtype;         // ZK_F32 / ZK_F16 / ZK_BF16 / ZK_NONE
+  int64_t n;             // elements
+  float beta2;
+  float one_minus_beta1, one_minus_beta2;  // computed in double, as torch does, then rounded once
+  float lr_decay;        // AdamW: param *= lr_decay (1 - lr * weight_decay) before the update
+  float l2;              // Adam: grad += l2 * param (weight_decay), 0 for AdamW
+  float neg_step_size;   // -lr / (1 - beta1^step)
+  float inv_bc2_sqrt;    // 1 / sqrt(1 - beta2^step)
+  float eps;
+  float grad_scale;      // multiplies the upcast gradient first (unscale, clip and average folded in)
+  int threads;           // OpenMP threads for this call
+};
+
+namespace zk_avx512 { void adam_step(const AdamArgs& a); }
+namespace zk_avx2 { void adam_step(const AdamArgs& a); }
+namespace zk_scalar { void adam_step(const AdamArgs& a); }

@@ -1,0 +1,93 @@
+// zkern/cpu/csrc/module.cpp: the pybind11 module zkern.cpu._adam_ext. Not linked against libtorch: the Python
+// side (zkern/cpu/_ext.py) checks tensors and passes data pointers, sizes and dtype codes. This file is
+// compiled with no ISA flags and picks a kernel at run time with __builtin_cpu_supports.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "adam.h"
+
+namespace py = pybind11;
+
+namespace {
+
+bool cpu_supports(const std::string& isa) {
+#if ZK_HAVE_X86_KERNELS
+  __builtin_cpu_init();
+  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  if (isa == "avx2")
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  if (isa == "avx512" || isa == "avx2") return false;  // not compiled off x86-64
+#endif
+  if (isa == "scalar") return true;
+  throw std::invalid_argument("unknown ISA '" + isa + "': expected avx512, avx2 or scalar");
+}
+
+using Kernel = void (*)(const AdamArgs&);
+
+Kernel kernel_for(const std::string& isa) {
+  if (!cpu_supports(isa)) throw std::invalid_argument("this CPU does not support the " + isa + " path");
+#if ZK_HAVE_X86_KERNELS
+  if (isa == "avx512") return zk_avx512::adam_step;
+  if (isa == "avx2") return zk_avx2::adam_step;
+#endif
+  return zk_scalar::adam_step;
+}
+
+void adam_step(const std::string& isa, uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
+               uintptr_t exp_avg_sq, uintptr_t out, int out_dtype, int64_t n, int64_t step, double lr,
+               double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
+               int threads) {
+  Kernel kernel = kernel_for(isa);
+  if (step < 1) throw std::invalid_argument("step counts from 1");
+  AdamArgs a{};
+  a.param = reinterpret_cast<float*>(param);
+  a.grad = reinterpret_cast<const void*>(grad);
+  a.grad_dtype = grad_dtype;
+  a.exp_avg = reinterpret_cast<float*>(exp_avg);
+  a.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+  a.out = out ? reinterpret_cast<void*>(out) : nullptr;
+  a.out_dtype = out ? out_dtype : ZK_NONE;
+  a.n = n;
+  // Scalars in double, rounded once to fp32, as torch's tensor ops receive them.
+  a.beta2 = static_cast<float>(beta2);
+  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  a.lr_decay = static_cast<float>(adamw ? 1.0 - lr * weight_decay : 1.0);
+  a.l2 = static_cast<float>(adamw ? 0.0 : weight_decay);
+  a.neg_step_size = static_cast<float>(-lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
+  a.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  a.eps = static_cast<float>(eps);
+  a.grad_scale = static_cast<float>(grad_scale);
+  a.threads = threads < 1 ? 1 : threads;
+  if (n > 0) {
+    py::gil_scoped_release release;
+    kernel(a);
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_adam_ext, m) {
+  m.doc() = "zkern's fused CPU Adam (AVX-512 / AVX2 / scalar, OpenMP); called through zkern.cpu";
+  m.def("compiled_isas", [] {
+#if ZK_HAVE_X86_KERNELS
+    return std::vector<std::string>{"avx512", "avx2", "scalar"};
+#else
+    return std::vector<std::string>{"scalar"};
+#endif
+  },
+        "the ISA paths in this build, fastest first");
+  m.def("cpu_supports", &cpu_supports, py::arg("isa"), "whether this CPU can run the given path");
+  m.def("adam_step", &adam_step, "one fused Adam/AdamW step over raw buffers (see zkern/cpu/_ext.py)",
+        py::arg("isa"), py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("out"), py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+        py::arg("grad_scale"), py::arg("threads"));
+}

@@ -1,0 +1,163 @@
+// zkern/cpu/csrc/simd.h: the few vector operations the CPU Adam needs, for one instruction set per
+// translation unit. The including file defines exactly one of ZK_ISA_AVX512, ZK_ISA_AVX2 or ZK_ISA_SCALAR and
+// is compiled with that set's flags (setup.py gives each file its own; never -march=native), so every type
+// and function here is instantiated once per ISA inside that file's own namespace (no ODR clash between files).
+//
+// Conversions follow torch bit for bit, because the engine compares its low-precision parameter copies with
+// torch's param.to(dtype): fp16 rounds to nearest even as the F16C instructions do (NaN quieted, payload kept
+// in its top 10 bits); bf16 rounds to nearest even and writes every NaN as 0xFFFF, as torch's vectorised cast
+// does. Loads of fp16/bf16 are exact.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "adam.h"
+
+#if defined(ZK_ISA_AVX512) || defined(ZK_ISA_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace zk_scalar_bits {
+
+inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline float bf16_to_f32(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t x = bits_of(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return 0xffff;  // NaN, as torch writes it
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return float_of(sign | 0x7f800000u | (m << 13));
+  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
+    float v = static_cast<float>(m) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return float_of(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+inline uint16_t f32_to_f16(float f) {
+  uint32_t x = bits_of(f);
+  uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  uint32_t a = x & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00u | ((a >> 13) & 0x3ffu);  // NaN: quiet, payload truncated
+  if (a >= 0x477ff000u) return sign | 0x7c00u;                       // 65520 and up (ties to even) -> inf
+  if (a >= 0x38800000u) {                                           // normal in fp16
+    uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u;       // round at bit 13, rebias 127 -> 15
+    return sign | static_cast<uint16_t>(r >> 13);
+  }
+  uint32_t e = a >> 23;
+  if (e < 102) return sign;  // below 2^-25 (or exactly it: a tie, to even) -> signed zero
+  uint32_t mant = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;  // subnormal: units of 2^-24
+  uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return sign | static_cast<uint16_t>(q);
+}
+
+}  // namespace zk_scalar_bits
+
+#if defined(ZK_ISA_AVX512)
+
+struct Vec {
+  static constexpr int W = 16;
+  __m512 v;
+};
+inline Vec vset(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+inline Vec vload_f16(const uint16_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline Vec vload_bf16(const uint16_t* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+inline void vstore_f16(uint16_t* p, Vec a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void vstore_bf16(uint16_t* p, Vec a) {
+  __m512i x = _mm512_castps_si512(a.v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+inline Vec vadd(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec vsub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec vdiv(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c, one rounding
+inline Vec vsqrt(Vec a) { return {_mm512_sqrt_ps(a.v)}; }
+
+#elif defined(ZK_ISA_AVX2)
+
+struct Vec {
+  static constexpr int W = 8;
+  __m256 v;
+};
+inline Vec vset(float x) { return {_mm256_set1_ps(x)}; }
+inline Vec vload(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
+inline Vec vload_f16(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+inline Vec vload_bf16(const uint16_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+}
+inline void vstore_f16(uint16_t* p, Vec a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void vstore_bf16(uint16_t* p, Vec a) {
+  __m256i x = _mm256_castps_si256(a.v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), nan);
+  // Every lane is <= 0xffff, so the unsigned-saturating pack is exact; it packs within 128-bit halves.
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec vsub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec vdiv(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec vsqrt(Vec a) { return {_mm256_sqrt_ps(a.v)}; }
+
+#elif defined(ZK_ISA_SCALAR)
+
+struct Vec {
+  static constexpr int W = 1;
+  float v;
+};
+inline Vec vset(float x) { return {x}; }
+inline Vec vload(const float* p) { return {*p}; }
+inline void vstore(float* p, Vec a) { *p = a.v; }
+inline Vec vload_f16(const uint16_t* p) { return {zk_scalar_bits::f16_to_f32(*p)}; }
+inline Vec vload_bf16(const uint16_t* p) { return {zk_scalar_bits::bf16_to_f32(*p)}; }
+inline void vstore_f16(uint16_t* p, Vec a) { *p = zk_scalar_bits::f32_to_f16(a.v); }
+inline void vstore_bf16(uint16_t* p, Vec a) { *p = zk_scalar_bits::f32_to_bf16(a.v); }
+inline Vec vadd(Vec a, Vec b) { return {a.v + b.v}; }
+inline Vec vsub(Vec a, Vec b) { return {a.v - b.v}; }
+inline Vec vmul(Vec a, Vec b) { return {a.v * b.v}; }
+inline Vec vdiv(Vec a, Vec b) { return {a.v / b.v}; }
+// No FMA instruction is assumed on this path. The product of two floats is exact in double, so one double
+// sum rounded to float is within an ulp of a true fused multiply-add, where a float product and sum would lose
+// the low bits that a cancelling sum (grad + weight_decay * param, the lerp) exposes.
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  return {static_cast<float>(static_cast<double>(a.v) * static_cast<double>(b.v) + static_cast<double>(c.v))};
+}
+inline Vec vsqrt(Vec a) { return {std::sqrt(a.v)}; }
+
+#else
+#error "define one of ZK_ISA_AVX512, ZK_ISA_AVX2, ZK_ISA_SCALAR before including simd.h"
+#endif

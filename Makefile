@@ -30,7 +30,7 @@ bench: setup
 
 # CI's quick regression gate: ratios measured in one run, checked against bench/gates.toml (about a minute).
 gate: setup
-	$(PY) bench/run.py --stage 0,1,2,3 --model small --steps 8 --gate bench/gates.toml
+	$(PY) bench/run.py --suite all --stage 0,1,2,3 --model small --steps 8 --gate bench/gates.toml
 
 lint: setup
 	$(PY) -m ruff check .

@@ -2,8 +2,10 @@
 
     python bench/run.py --stage 0,1,2,3 --model small --steps 6 --gate bench/gates.toml
 
-A gate names a ratio of a stage's record (engine_suite.run_stage's "ratios") and its bound; a failing gate
-prints the figure, its value and its bound, and run.py exits non-zero.
+A gate names a suite (default "engine"), a ratio of that suite's record and its bound: the engine suite's
+ratios are per stage (engine_suite.run_stage's "ratios"), the adam suite's are the record's own "ratios". A
+failing gate prints the figure, its value and its bound, and run.py exits non-zero. Gates of a suite that did
+not run are not checked (run.py says which).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import tomllib
 
 @dataclass(frozen=True)
 class Gate:
-    figure: str  # a key of a stage's "ratios"
+    figure: str  # a key of the suite's "ratios" (per stage for the engine suite)
     stages: tuple[int, ...]
+    suite: str = "engine"
+    optional: bool = False  # a figure only some runs have (an optional peer's): absent is not a failure
     max: float | None = None
     min: float | None = None
     why: str = ""
@@ -27,28 +31,38 @@ def load(path: str) -> list[Gate]:
         data = tomllib.load(f)
     gates = []
     for i, g in enumerate(data.get("gate", [])):
-        unknown = set(g) - {"figure", "stages", "max", "min", "why"}
+        unknown = set(g) - {"figure", "stages", "max", "min", "why", "suite", "optional"}
         if unknown or "figure" not in g or ("max" not in g and "min" not in g):
             raise ValueError(f"{path}: gate {i} needs 'figure' and 'max' and/or 'min' (unknown keys: "
                              f"{sorted(unknown)})")
         gates.append(Gate(figure=g["figure"], stages=tuple(g.get("stages", (0, 1, 2, 3))), max=g.get("max"),
-                          min=g.get("min"), why=g.get("why", "")))
+                          min=g.get("min"), why=g.get("why", ""), suite=g.get("suite", "engine"),
+                          optional=bool(g.get("optional", False))))
     return gates
 
 
+def _bound_failure(where: str, value: float | None, gate: Gate) -> str | None:
+    if value is None:
+        return None if gate.optional else f"{where}: not in the record"
+    if gate.max is not None and value > gate.max:
+        return f"{where} = {value:.4g}, above its bound {gate.max:g} ({gate.why})"
+    if gate.min is not None and value < gate.min:
+        return f"{where} = {value:.4g}, below its bound {gate.min:g} ({gate.why})"
+    return None
+
+
 def check(record: dict, gates: list[Gate]) -> list[str]:
-    """Failures, one line each (empty: every gate holds). A gate whose figure the record lacks fails."""
+    """Failures of the gates of record's suite, one line each (empty: all hold). A missing figure fails."""
+    suite = record.get("suite", "engine")
     failures = []
-    for stage in record["stages"]:
-        for gate in gates:
-            if stage["stage"] not in gate.stages:
-                continue
-            value = stage["ratios"].get(gate.figure)
-            where = f"stage {stage['stage']}: {gate.figure}"
-            if value is None:
-                failures.append(f"{where}: not in the record")
-            elif gate.max is not None and value > gate.max:
-                failures.append(f"{where} = {value:.4g}, above its bound {gate.max:g} ({gate.why})")
-            elif gate.min is not None and value < gate.min:
-                failures.append(f"{where} = {value:.4g}, below its bound {gate.min:g} ({gate.why})")
-    return failures
+    for gate in gates:
+        if gate.suite != suite:
+            continue
+        if suite == "engine":
+            for stage in record["stages"]:
+                if stage["stage"] in gate.stages:
+                    failures.append(_bound_failure(f"stage {stage['stage']}: {gate.figure}",
+                                                   stage["ratios"].get(gate.figure), gate))
+        else:
+            failures.append(_bound_failure(f"{suite}: {gate.figure}", record["ratios"].get(gate.figure), gate))
+    return [f for f in failures if f is not None]

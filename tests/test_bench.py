@@ -16,7 +16,7 @@ GATES = Path(__file__).resolve().parents[1] / "bench" / "gates.toml"
 def record(**ratios):
     base = {"step_time_zkern_over_peer": 1.0, "model_state_zkern_over_peer": 1.0, "model_state_over_formula": 1.0,
             "comm_over_required": 1.0, "loss_gap_vs_ddp": 0.0}
-    return {"stages": [{"stage": s, "ratios": {**base, **ratios}} for s in (0, 1, 2, 3)]}
+    return {"suite": "engine", "stages": [{"stage": s, "ratios": {**base, **ratios}} for s in (0, 1, 2, 3)]}
 
 
 def test_the_committed_gates_pass_a_good_record_and_fail_regressions():
@@ -48,3 +48,33 @@ def test_required_bytes_are_the_zero_paper_volumes():
     assert required_bytes_per_step(1, 1000, 4, 4, 1) == 6000  # reduce-scatter + all-gather
     assert required_bytes_per_step(2, 1000, 4, 4, 3) == 12000  # a reduce-scatter per micro-step + all-gather
     assert required_bytes_per_step(3, 1000, 4, 4, 2) == 18000  # per micro-step: two all-gathers, one reduce-scatter
+
+
+def adam_record(**ratios):
+    base = {"offload_over_stock": 3.2, "offload_of_roofline": 0.97, "fp32_over_torch_fused": 1.3,
+            "thread_speedup": 1.8}
+    return {"suite": "adam", "ratios": {**base, **ratios}}
+
+
+def test_adam_gates_fail_a_slow_step_and_skip_an_absent_optional_peer():
+    committed = gates.load(str(GATES))
+    assert gates.check(adam_record(), committed) == []  # no deepspeed figure: that gate is optional
+    assert "offload_over_stock = 2, below its bound 2.7" in gates.check(adam_record(offload_over_stock=2.0),
+                                                                          committed)[0]
+    assert "offload_of_roofline" in gates.check(adam_record(offload_of_roofline=0.6), committed)[0]
+    assert "offload_over_deepspeed" in gates.check(adam_record(offload_over_deepspeed=1.1), committed)[0]
+    rec = adam_record()
+    del rec["ratios"]["fp32_over_torch_fused"]
+    assert gates.check(rec, committed) == ["adam: fp32_over_torch_fused: not in the record"]
+
+
+def test_adam_suite_measures_every_candidate_on_a_small_buffer():
+    from bench import adam_suite
+
+    rec = adam_suite.run(numel=200_003, reps=2, progress=lambda line: None)
+    assert set(rec["figures"]) >= {"zkern offload", "stock offload", "zkern fp32", "torch fused fp32",
+                                   "zkern offload 1t", "in-place bandwidth"}
+    assert all(f["median_s"] > 0 for f in rec["figures"].values())
+    assert set(rec["ratios"]) >= {"offload_over_stock", "offload_of_roofline", "fp32_over_torch_fused",
+                                  "thread_speedup"}
+    assert "| zkern offload |" in adam_suite.table(rec)

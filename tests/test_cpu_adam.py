@@ -99,11 +99,14 @@ def _special_values(n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("isa", _ext.SUPPORTED)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("out_offset", [0, 1], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("n", [17, 1000, 2**16 + 5])
-def test_low_precision_copy_is_torch_cast_bit_for_bit(n, out_dtype, isa):
+def test_low_precision_copy_is_torch_cast_bit_for_bit(n, out_offset, out_dtype, isa):
+    """Aligned outputs take the streaming stores, an output one element off alignment the plain ones."""
     p = _special_values(n)
     for grad_dtype in GRAD_DTYPES:
-        out = torch.full((n,), float("nan")).to(out_dtype)  # poisoned: every element must be written
+        # poisoned: every element must be written
+        out = torch.full((n + out_offset,), float("nan")).to(out_dtype)[out_offset:]
         # A zero gradient with lr 0 leaves every value in place (NaN quieted), so the copy sees them all.
         _ext.adam_step_(p, torch.zeros(n, dtype=grad_dtype), torch.zeros(n), torch.zeros(n), step=1, lr=0.0,
                         betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True, param_out=out, isa=isa)

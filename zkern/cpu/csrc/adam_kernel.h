@@ -23,15 +23,21 @@ inline Vec load_grad(const void* g, int64_t i) {
   else return vload_bf16(static_cast<const uint16_t*>(g) + i);
 }
 
-template <int OutDtype>
+template <int OutDtype, bool Stream>
 inline void store_out(void* o, int64_t i, Vec p) {
-  if constexpr (OutDtype == ZK_F32) vstore(static_cast<float*>(o) + i, p);
-  else if constexpr (OutDtype == ZK_F16) vstore_f16(static_cast<uint16_t*>(o) + i, p);
-  else if constexpr (OutDtype == ZK_BF16) vstore_bf16(static_cast<uint16_t*>(o) + i, p);
+  if constexpr (Stream) {
+    if constexpr (OutDtype == ZK_F32) vstream(static_cast<float*>(o) + i, p);
+    else if constexpr (OutDtype == ZK_F16) vstream_f16(static_cast<uint16_t*>(o) + i, p);
+    else if constexpr (OutDtype == ZK_BF16) vstream_bf16(static_cast<uint16_t*>(o) + i, p);
+  } else {
+    if constexpr (OutDtype == ZK_F32) vstore(static_cast<float*>(o) + i, p);
+    else if constexpr (OutDtype == ZK_F16) vstore_f16(static_cast<uint16_t*>(o) + i, p);
+    else if constexpr (OutDtype == ZK_BF16) vstore_bf16(static_cast<uint16_t*>(o) + i, p);
+  }
 }
 
 // One vector of W elements at offset i of the given buffers.
-template <int GradDtype, int OutDtype, bool AdamW>
+template <int GradDtype, int OutDtype, bool AdamW, bool Stream = false>
 inline void step_vec(float* param, const void* grad, float* m, float* v, void* out, int64_t i, const AdamArgs& a) {
   Vec g = vmul(load_grad<GradDtype>(grad, i), vset(a.grad_scale));
   Vec p = vload(param + i);
@@ -45,7 +51,7 @@ inline void step_vec(float* param, const void* grad, float* m, float* v, void* o
   vstore(m + i, mv);
   vstore(v + i, vv);
   vstore(param + i, p);
-  store_out<OutDtype>(out, i, p);
+  store_out<OutDtype, Stream>(out, i, p);
 }
 
 constexpr int elem_size(int dtype) { return dtype == ZK_F32 ? 4 : 2; }
@@ -55,17 +61,32 @@ constexpr int elem_size(int dtype) { return dtype == ZK_F32 ? 4 : 2; }
 // 50M-parameter step went from ~1,600 to ~1,900 M params/s on two cores (bench/run.py --suite adam).
 constexpr int64_t kPrefetchElems = 512;
 
-template <int GradDtype, int OutDtype, bool AdamW>
-void run_range(const AdamArgs& a, int64_t lo, int64_t hi) {
+// The whole vectors of [i, hi); returns where they end.
+template <int GradDtype, int OutDtype, bool AdamW, bool Stream>
+int64_t run_body(const AdamArgs& a, int64_t i, int64_t hi) {
   constexpr int W = Vec::W;
-  int64_t i = lo;
   for (; i + W <= hi; i += W) {
     __builtin_prefetch(a.param + i + kPrefetchElems);
     __builtin_prefetch(a.exp_avg + i + kPrefetchElems);
     __builtin_prefetch(a.exp_avg_sq + i + kPrefetchElems);
     __builtin_prefetch(static_cast<const char*>(a.grad) + (i + kPrefetchElems) * elem_size(GradDtype));
-    step_vec<GradDtype, OutDtype, AdamW>(a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.out, i, a);
+    step_vec<GradDtype, OutDtype, AdamW, Stream>(a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.out, i, a);
   }
+  if constexpr (Stream) vstream_fence();  // order the weakly-ordered stores before the caller reads the copy
+  return i;
+}
+
+template <int GradDtype, int OutDtype, bool AdamW>
+void run_range(const AdamArgs& a, int64_t lo, int64_t hi) {
+  constexpr int W = Vec::W;
+  // The output copy is write-only: stream it past the cache when its vectors are aligned (torch's buffers
+  // are 64-byte aligned and thread ranges start at multiples of 16 elements, so they usually are).
+  constexpr int64_t kOutVecBytes = OutDtype == ZK_NONE ? 1 : W * elem_size(OutDtype);
+  bool stream = kHasStream && OutDtype != ZK_NONE &&
+                (reinterpret_cast<uintptr_t>(a.out) + lo * (OutDtype == ZK_NONE ? 0 : elem_size(OutDtype))) %
+                        kOutVecBytes == 0;
+  int64_t i = stream ? run_body<GradDtype, OutDtype, AdamW, true>(a, lo, hi)
+                     : run_body<GradDtype, OutDtype, AdamW, false>(a, lo, hi);
   if (i == hi) return;
   // The tail (< W elements) goes through the same vector code on zero-padded copies, so its numerics are the
   // body's exactly; zeros are harmless (sqrt(0) + eps > 0).

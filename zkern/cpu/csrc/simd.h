@@ -79,17 +79,23 @@ inline Vec vload_bf16(const uint16_t* p) {
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
 }
-inline void vstore_f16(uint16_t* p, Vec a) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
-}
-inline void vstore_bf16(uint16_t* p, Vec a) {
+inline __m256i to_f16(Vec a) { return _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT); }
+inline __m256i to_bf16(Vec a) {
   __m512i x = _mm512_castps_si512(a.v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff)));
 }
+inline void vstore_f16(uint16_t* p, Vec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_f16(a)); }
+inline void vstore_bf16(uint16_t* p, Vec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(a)); }
+// Non-temporal stores for the write-only output: its lines are not read for ownership first. The address
+// must be aligned to the stored width (the caller checks).
+constexpr bool kHasStream = true;
+inline void vstream(float* p, Vec a) { _mm512_stream_ps(p, a.v); }
+inline void vstream_f16(uint16_t* p, Vec a) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_f16(a)); }
+inline void vstream_bf16(uint16_t* p, Vec a) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(a)); }
+inline void vstream_fence() { _mm_sfence(); }
 inline Vec vadd(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec vsub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -113,19 +119,23 @@ inline Vec vload_bf16(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
 }
-inline void vstore_f16(uint16_t* p, Vec a) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
-}
-inline void vstore_bf16(uint16_t* p, Vec a) {
+inline __m128i to_f16(Vec a) { return _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT); }
+inline __m128i to_bf16(Vec a) {
   __m256i x = _mm256_castps_si256(a.v);
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
   __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), nan);
   // Every lane is <= 0xffff, so the unsigned-saturating pack is exact; it packs within 128-bit halves.
-  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
 }
+inline void vstore_f16(uint16_t* p, Vec a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_f16(a)); }
+inline void vstore_bf16(uint16_t* p, Vec a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(a)); }
+constexpr bool kHasStream = true;
+inline void vstream(float* p, Vec a) { _mm256_stream_ps(p, a.v); }
+inline void vstream_f16(uint16_t* p, Vec a) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(a)); }
+inline void vstream_bf16(uint16_t* p, Vec a) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(a)); }
+inline void vstream_fence() { _mm_sfence(); }
 inline Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec vsub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
@@ -146,6 +156,11 @@ inline Vec vload_f16(const uint16_t* p) { return {zk_scalar_bits::f16_to_f32(*p)
 inline Vec vload_bf16(const uint16_t* p) { return {zk_scalar_bits::bf16_to_f32(*p)}; }
 inline void vstore_f16(uint16_t* p, Vec a) { *p = zk_scalar_bits::f32_to_f16(a.v); }
 inline void vstore_bf16(uint16_t* p, Vec a) { *p = zk_scalar_bits::f32_to_bf16(a.v); }
+constexpr bool kHasStream = false;  // plain stores only on this path
+inline void vstream(float* p, Vec a) { vstore(p, a); }
+inline void vstream_f16(uint16_t* p, Vec a) { vstore_f16(p, a); }
+inline void vstream_bf16(uint16_t* p, Vec a) { vstore_bf16(p, a); }
+inline void vstream_fence() {}
 inline Vec vadd(Vec a, Vec b) { return {a.v + b.v}; }
 inline Vec vsub(Vec a, Vec b) { return {a.v - b.v}; }
 inline Vec vmul(Vec a, Vec b) { return {a.v * b.v}; }

@@ -38,3 +38,17 @@ def test_16_bit_on_cuda_follows_the_fp32_curve(stage, precision, tolerance):
     gaps = [abs(a - b) / b for a, b in zip(mean_losses(result), ref_losses)]
     assert max(gaps) <= tolerance, gaps
     assert result[0]["skipped"] == 0
+
+
+@pytest.mark.parametrize("stage, zero", [
+    (2, {"offload_optimizer": {"device": "cpu", "pin_memory": True}}),
+    (3, {"offload_optimizer": {"device": "cpu", "pin_memory": True},
+         "offload_param": {"device": "cpu", "pin_memory": True}}),
+])
+def test_offload_on_cuda_matches_no_offload(stage, zero):
+    """The side-stream copies (gradients down, parameters up, stage-3 shards up per gather) on a real GPU."""
+    spec = TrainSpec(stage=stage, precision="bf16", accumulation=2, device="cuda", zero=zero)
+    off = spawn(nccl_engine_run, 1, spec, subprocess=True)[0]
+    plain = spawn(nccl_engine_run, 1, dataclasses.replace(spec, zero={}), subprocess=True)[0]
+    assert_params_close(off["state"], plain["state"], lr=spec.lr, steps=spec.steps)
+    assert off["memory"]["host"]["optimizer"] > 0 and off["memory"]["cuda"]["optimizer"] == 0

@@ -87,6 +87,12 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = False
     stage3_gather_fp16_weights_on_model_save: bool = False
     stage3_fetch_units: tuple[str, ...] = ()  # module class names: each instance is one fetch unit
+    # ZeRO-Offload: "none" or "cpu" (fp32 master and Adam moments on the host; stages 1-3), and for stage 3 the
+    # parameter shards at rest on the host. pin_memory: page-locked host buffers (CUDA only).
+    offload_optimizer_device: str = "none"
+    offload_optimizer_pin_memory: bool = False
+    offload_param_device: str = "none"
+    offload_param_pin_memory: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,15 @@ _ZERO_KEYS = {
     "stage3_gather_16bit_weights_on_model_save": ("bool", False),
     "stage3_gather_fp16_weights_on_model_save": ("bool", False),  # DeepSpeed's older name of the key above
     "stage3_fetch_units": ("str_list", ()),  # zkern's own: module class names gathered as one unit each
+    "offload_optimizer": ("section", None),  # parsed by _parse_offload
+    "offload_param": ("section", None),
+}
+_OFFLOAD_KEYS = {"device": ("str", "none"), "pin_memory": ("bool", False)}
+# Offload keys for NVMe and DeepSpeed's partial offload: accepted at their defaults only.
+_NOT_IMPLEMENTED_OFFLOAD = {
+    "offload_optimizer": {"nvme_path": None, "buffer_count": 4, "ratio": 1.0, "fast_init": False,
+                          "pipeline": False, "pipeline_read": False, "pipeline_write": False},
+    "offload_param": {"nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
 }
 _ADAM_PARAMS = {
     "lr": ("float", 1e-3),
@@ -251,9 +266,7 @@ _NOT_IMPLEMENTED_BF16 = {
     "bf16_optimizer_states": False,
 }
 _NOT_IMPLEMENTED_ZERO = {
-    # Later zkern issues implement these (offload, ZeRO++); until then only their defaults pass.
-    "offload_optimizer": _SECTION_OFF,
-    "offload_param": _SECTION_OFF,
+    # Later zkern issues implement these (ZeRO++); until then only their defaults pass.
     "sub_group_size": 1_000_000_000,
     "stage3_max_reuse_distance": 1_000_000_000,
     "stage3_module_granularity_threshold": 0,
@@ -379,6 +392,19 @@ def _section(path: str, raw: Any, specs: dict, not_implemented: dict) -> dict:
     return out
 
 
+def _parse_offload(name: str, raw: Any) -> tuple[str, bool]:
+    """(device, pin_memory) of zero_optimization.offload_optimizer / offload_param."""
+    path = f"zero_optimization.{name}."
+    values = _section(path, raw, _OFFLOAD_KEYS, _NOT_IMPLEMENTED_OFFLOAD[name])
+    device = values.get("device", "none")
+    if device == "nvme":
+        raise ConfigError(f"'{path}device' \"nvme\" is not implemented in zkern yet; use \"cpu\" (host memory) or "
+                          f"\"none\"")
+    if device not in ("none", "cpu"):
+        raise ConfigError(f"'{path}device' must be \"none\" or \"cpu\", got {device!r}")
+    return device, values.get("pin_memory", False)
+
+
 def _parse_optimizer(raw: Any) -> OptimizerConfig | None:
     if raw is None:
         return None
@@ -454,6 +480,9 @@ def _parse(raw: dict) -> Config:
     fp16 = FP16Config(**_section("fp16.", raw.get("fp16"), _FP16_KEYS, _NOT_IMPLEMENTED_FP16))
     bf16 = BF16Config(**_section("bf16.", raw.get("bf16", raw.get("bfloat16")), _BF16_KEYS, _NOT_IMPLEMENTED_BF16))
     zero = _section("zero_optimization.", raw.get("zero_optimization"), _ZERO_KEYS, _NOT_IMPLEMENTED_ZERO)
+    for name in ("offload_optimizer", "offload_param"):
+        device, pin = _parse_offload(name, zero.pop(name, None))
+        zero[f"{name}_device"], zero[f"{name}_pin_memory"] = device, pin
     zero_cfg = ZeroConfig(**zero)
     _check_values(top, fp16, bf16, zero_cfg)
     return Config(
@@ -492,6 +521,12 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
         value = getattr(zero, key)
         if value != AUTO and value <= 0:
             raise ConfigError(f"'zero_optimization.{key}' must be > 0 elements, got {value}")
+    if zero.offload_optimizer_device != "none" and zero.stage == 0:
+        raise ConfigError("'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (each rank offloads "
+                          "its optimizer shard); set 'zero_optimization.stage'")
+    if zero.offload_param_device != "none" and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.offload_param' partitions parameters and so needs ZeRO stage 3, "
+                          f"the config says stage {zero.stage}; use offload_optimizer at stages 1-2")
     if zero.stage3_param_persistence_threshold != AUTO and zero.stage3_param_persistence_threshold < 0:
         raise ConfigError("'zero_optimization.stage3_param_persistence_threshold' must be >= 0 (0: nothing stays "
                           "whole)")

@@ -138,7 +138,8 @@ class TrainSpec:
     optimizer: str = "AdamW"
     seed: int = 1234
     model: dict = field(default_factory=dict)  # TinyGPT kwargs
-    extra_every: int = 0  # > 0: forward uses the extra branch on steps where step % extra_every == 0
+    extra_every: int = 0  # > 0: forward uses the extra branch on steps where step % extra_every == extra_phase
+    extra_phase: int = 0  # 1 or more: the extra branch's parameters get no gradient in the first step
     reverse_at: tuple[int, ...] = ()  # steps whose forward runs the blocks in reverse order
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = True
@@ -178,7 +179,7 @@ class TrainSpec:
         return make_batches(self.seed + 1, self.steps, self.accumulation, world, self.micro_batch, seq, vocab)
 
     def uses_extra(self, step: int) -> bool:
-        return self.extra_every > 0 and step % self.extra_every == 0
+        return self.extra_every > 0 and step % self.extra_every == self.extra_phase
 
     def forward_kwargs(self, step: int) -> dict:
         return {"use_extra": self.uses_extra(step), "reverse_blocks": step in self.reverse_at}

@@ -19,6 +19,7 @@ from zkern import ops
 from zkern.config import Config
 from zkern.engine import build
 from zkern.engine.comm import Comm, init_distributed
+from zkern.engine.offload import HostStep
 from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
 from zkern.engine.precision import LossScaler, working_dtype
 from zkern.engine.sharded_init import is_sharded
@@ -61,6 +62,12 @@ class Engine:
         if zero.stage != 3 and any(is_sharded(p) for p in model.parameters()):
             raise ValueError("the model was built under zkern.init_sharded, which partitions it for ZeRO stage 3; "
                              f"the config says stage {zero.stage}: use stage 3, or build the model without it")
+        self.offload = zero.offload_optimizer_device == "cpu"
+        # Page-locked host buffers speed up the copies to and from a GPU; without CUDA there is nothing to pin for.
+        pin = self.device.type == "cuda"
+        self.offload = zero.offload_optimizer_device == "cpu"
+        # Page-locked host buffers speed up the copies to and from a GPU; without CUDA there is nothing to pin for.
+        pin = self.device.type == "cuda"
         if zero.stage == 3:
             # Partitions from the fp32 values, then casts what is left whole (buffers, empty parameters).
             self.runtime = Stage3Runtime(model, groups, comm=self.comm, dtype=self.dtype, mixed=mixed, zero=zero,
@@ -73,10 +80,17 @@ class Engine:
             bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
             self.runtime = Stage12Runtime(groups, build.param_names(model), master_from, stage=zero.stage,
                                           comm=self.comm, dtype=self.dtype, mixed=mixed, bucket_numel=bucket,
-                                          overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter)
+                                          overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
+                                          offload=self.offload, pin_memory=pin and zero.offload_optimizer_pin_memory)
             del master_from
         self._log_layout()
         shard_groups = self.runtime.shard_groups
+        self.host_step = None
+        if self.offload:
+            # The optimizer sees host shard groups: host master, host gradient and parameter staging buffers.
+            self.host_step = HostStep(shard_groups, pin=pin and zero.offload_optimizer_pin_memory,
+                                      out_on_host=zero.offload_param_device == "cpu")
+            shard_groups = self.host_step.host_groups
         self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups)
         self.lr_scheduler = build.build_scheduler_for(cfg, lr_scheduler, self.optimizer)
         self.scaler = LossScaler.from_config(cfg)
@@ -174,7 +188,9 @@ class Engine:
             flags = [v > 0 for v in values[2:]]
             self._check_unused(flags)
             active = self.runtime.active(flags)
-            if isinstance(self.optimizer, ShardAdam):
+            if self.host_step is not None:
+                self.host_step.step(self.optimizer, grad_scale=inv * coef, active=active)
+            elif isinstance(self.optimizer, ShardAdam):
                 self.optimizer.step(grad_scale=inv * coef, active=active)
             else:
                 step_torch_optimizer(self.optimizer, self.runtime.shard_groups, grad_scale=inv * coef, active=active)
@@ -207,17 +223,31 @@ class Engine:
 
     # -- reports ----------------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank holds, by device type: params, grads, optimizer (states), master (fp32 weights),
-        comm_buffers (stage 2 gradient buckets), total."""
-        report = {"params": 0, "grads": 0, "optimizer": 0, "master": 0, "comm_buffers": 0}
+        """Bytes this rank holds, by where they live: params, grads, optimizer (states), master (fp32 weights),
+        comm_buffers (gradient buckets, gathered stage-3 units), offload_buffers (host staging), total.
+        With offload the master, the optimizer states and the staging buffers are under "host" (and the
+        stage-3 parameter shards too with offload_param); on a CPU-only run both places are one memory, but
+        they are still reported apart."""
+        device = {"params": 0, "grads": 0, "optimizer": 0, "master": 0, "comm_buffers": 0}
+        host = {"params": 0, "optimizer": 0, "master": 0, "offload_buffers": 0}
         for key, value in self.runtime.memory().items():
-            report[key] += value
+            device[key] += value
         trainable = {id(p) for p in self.runtime.params}
-        report["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters()
+        device["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters()
                                 if id(p) not in trainable)
-        report["optimizer"] += _optimizer_state_bytes(self.optimizer)
-        report["total"] = sum(report.values())
-        return {self.device.type: report}
+        optimizer = _optimizer_state_bytes(self.optimizer)
+        if self.offload:
+            host["master"], device["master"] = device["master"], 0
+            host["optimizer"] = optimizer
+            host["offload_buffers"] = self.host_step.staging_bytes
+        else:
+            device["optimizer"] = optimizer
+        if getattr(self.runtime, "params_on_host", False):
+            shard = self.runtime.param_shard
+            moved = shard.numel() * shard.element_size()
+            host["params"], device["params"] = moved, device["params"] - moved
+        device["total"], host["total"] = sum(device.values()), sum(host.values())
+        return {self.device.type: device, "host": host} if self.offload or host["total"] else {self.device.type: device}
 
     def comm_stats(self) -> dict:
         """Bytes this rank sent per collective kind since the start (ring-algorithm volumes)."""

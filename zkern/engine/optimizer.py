@@ -99,8 +99,12 @@ class ShardAdam(torch.optim.Optimizer):
                 self.state[piece] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: float = 1.0, active: list[list[bool]] | None = None):
-        """One step; active[g][i] says whether piece i of group g got a gradient (default: all did)."""
+    def step(self, closure=None, *, grad_scale: float = 1.0, active: list[list[bool]] | None = None,
+             before_chunk=None, after_chunk=None):
+        """One step; active[g][i] says whether piece i of group g got a gradient (default: all did).
+
+        before_chunk(g, c) / after_chunk(g, c): called around chunk c of group g (the offload pipeline waits
+        for that chunk's gradient and sends its parameters back there)."""
         if closure is not None:
             raise ValueError("ShardAdam.step does not take a closure; zkern runs forward/backward itself")
         for gi, (g, options) in enumerate(zip(self.shard_groups, self.param_groups)):
@@ -108,12 +112,16 @@ class ShardAdam(torch.optim.Optimizer):
             on = active[gi] if active is not None else [True] * len(g.pieces)
             hyper = dict(lr=options["lr"], betas=tuple(options["betas"]), eps=options["eps"],
                          weight_decay=options["weight_decay"], adamw=options["adamw"], grad_scale=grad_scale)
-            for chunk in g.chunks:
+            for ci, chunk in enumerate(g.chunks):
+                if before_chunk is not None:
+                    before_chunk(gi, ci)
                 for lo, hi, step in _runs(chunk, on, steps):
                     s = chunk.shard_start
                     ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], self.exp_avg[gi][s + lo:s + hi],
                                    self.exp_avg_sq[gi][s + lo:s + hi], step=step + 1,
                                    param_out=None if chunk.out is None else chunk.out[lo:hi], **hyper)
+                if after_chunk is not None:
+                    after_chunk(gi, ci)
             for i, is_on in enumerate(on):
                 if is_on:
                     steps[i] += 1

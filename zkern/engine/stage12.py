@@ -27,6 +27,7 @@ import torch
 
 from zkern import ops
 from zkern.engine.comm import Comm, Work
+from zkern.engine.offload import host_tensor
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.partition import Bucket, Layout, plan_layout
 
@@ -38,7 +39,7 @@ class FlatGroup:
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, stage: int, comm: Comm,
                  dtype: torch.dtype, master_from: list[torch.Tensor], mixed: bool, bucket_numel: int,
-                 overlap: bool, reduce_scatter: bool):
+                 overlap: bool, reduce_scatter: bool, offload: bool = False, pin_memory: bool = False):
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
         self.dtype, self.mixed, self.overlap, self.reduce_scatter = dtype, mixed, overlap, reduce_scatter
         self.shard_world = 1 if stage == 0 else comm.world
@@ -55,16 +56,20 @@ class FlatGroup:
         for i, p in enumerate(params):
             p.data = self._param_view(self.param_flat, i)
 
-        # fp32 master shard (mixed precision) from the caller's fp32 values, before any rounding to 16 bits.
+        # fp32 master shard (mixed precision, or offloaded: then on the host even in fp32) from the caller's fp32
+        # values, before any rounding to 16 bits.
         self.master = None
-        if mixed:
-            self.master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-            full = torch.zeros(layout.total, dtype=torch.float32, device=device)
+        if mixed or offload:
+            self.master = host_tensor(layout.shard_numel, torch.float32, pin=pin_memory) if offload else \
+                torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
             for b in layout.buckets:
-                full[b.offset:b.offset + b.numel].copy_(ops.flatten(master_from[b.first:b.last], torch.float32))
                 lo, size = layout.chunk_range(b, self.shard_rank)
-                self.master[b.shard_offset:b.shard_offset + size].copy_(full[lo:lo + size])
-            del full
+                if mixed:
+                    full = ops.flatten(master_from[b.first:b.last], torch.float32)
+                    mine = full[lo - b.offset:lo - b.offset + size]
+                    self.master[b.shard_offset:b.shard_offset + size].narrow(0, 0, mine.numel()).copy_(mine)
+                else:
+                    self.master[b.shard_offset:b.shard_offset + size].copy_(self.param_flat[lo:lo + size])
 
         # Gradients: a full flat buffer whose views are the params' .grad (stages 0, 1), or a shard (stage 2).
         self.grad_flat = self.grad_shard = None
@@ -297,8 +302,8 @@ class FlatGroup:
             if self.master is None:
                 data = self.param_flat[b.offset:b.offset + b.padded]
             else:
-                data = torch.empty(b.padded, dtype=torch.float32, device=self.master.device)
-                mine = self.master[b.shard_offset:b.shard_offset + b.chunk]
+                data = torch.empty(b.padded, dtype=torch.float32, device=self.param_flat.device)
+                mine = self.master[b.shard_offset:b.shard_offset + b.chunk].to(data.device)  # offloaded: on the host
                 if self.shard_world == 1:
                     data.copy_(mine)
                 else:

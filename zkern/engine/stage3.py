@@ -3,8 +3,9 @@
     python -m pytest tests/test_stage3.py -q
 
 At rest every parameter's .data is an empty tensor; each rank holds its chunk of every fetch unit (units.py)
-in `param_shard` (working dtype), `master` (fp32, mixed precision) and `grad_shard`. The layout is
-partition.plan_unit_layout: one bucket per unit, padded to the world size, rank r owning chunk r.
+in `param_shard` (working dtype; on the host with offload_param), `master` (fp32: mixed precision, or on the
+host with offload_optimizer) and `grad_shard`. The layout is partition.plan_unit_layout: one bucket per
+unit, padded to the world size, rank r owning chunk r.
 
   forward   pre-hook of a module: gather the units it needs (or finish their prefetch) -> run -> post-hook:
             release; the last user frees the unit. Outputs get a tensor hook that gathers again in backward.
@@ -33,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from zkern import ops
 from zkern.engine.comm import Comm, Work
+from zkern.engine.offload import host_tensor
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.order import OrderRecord
 from zkern.engine.partition import plan_unit_layout
@@ -71,6 +73,8 @@ class Stage3Runtime:
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], *, comm: Comm,
                  dtype: torch.dtype, mixed: bool, zero, overlap: bool, reduce_scatter: bool, bucket_numel: int):
+        offload = zero.offload_optimizer_device == "cpu"
+        self.params_on_host = zero.offload_param_device == "cpu"
         self.comm, self.dtype, self.mixed, self.overlap = comm, dtype, mixed, overlap
         self.root = model
         self.prefetch_numel = zero.stage3_prefetch_bucket_size
@@ -110,8 +114,19 @@ class Stage3Runtime:
         device = self.all_params[0].device
         self._empty = torch.empty(0, dtype=dtype, device=device)
         shard = self.layout.shard_numel
-        self.param_shard = torch.zeros(shard, dtype=dtype, device=device)
-        self.master = torch.zeros(shard, dtype=torch.float32, device=device) if mixed else None
+        # offload_param: the working-dtype shard rests on the host and is copied up for each gather.
+        cuda = device.type == "cuda"  # page-locked host memory only helps (and only exists) with a GPU
+        if self.params_on_host:
+            self.param_shard = host_tensor(shard, dtype, pin=zero.offload_param_pin_memory and cuda)
+        else:
+            self.param_shard = torch.zeros(shard, dtype=dtype, device=device)
+        # offload_optimizer: the fp32 master shard lives on the host, in fp32 runs too (the optimizer's copy).
+        self.master = None
+        if offload:
+            self.master = host_tensor(shard, torch.float32,
+                                      pin=zero.offload_optimizer_pin_memory and cuda)
+        elif mixed:
+            self.master = torch.zeros(shard, dtype=torch.float32, device=device)
         self.grad_shard = torch.zeros(shard, dtype=dtype, device=device)
         self.peak_live = 0  # largest number of gathered elements seen (bookkeeping for tests and reports)
         self._live = 0  # elements gathered or in flight
@@ -144,7 +159,7 @@ class Stage3Runtime:
         """Keep this rank's chunk of every unit (fp32 master and working copy); parameters go to rest. One unit
         is whole at a time: parameters partitioned by init_sharded are gathered for it and dropped again."""
         rank = self.comm.rank
-        device = self.param_shard.device
+        device = self._empty.device
         with torch.no_grad():
             for u in self.units:
                 b = u.bucket
@@ -207,8 +222,10 @@ class Stage3Runtime:
 
     def _gather(self, u: Unit, async_op: bool) -> None:
         b = u.bucket
-        u.buffer = torch.empty(b.padded, dtype=self.dtype, device=self.param_shard.device)
+        u.buffer = torch.empty(b.padded, dtype=self.dtype, device=self._empty.device)
         own = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
+        if self.params_on_host:  # a copy up to the device (on a CPU-only run, into a separate buffer as well)
+            own = own.to(u.buffer.device, copy=True, non_blocking=own.is_pinned())
         u.work = self.comm.all_gather(u.buffer, own, f"parameters of unit '{u.plan.name}'", async_op=async_op)
         u.state = "inflight"
         self._live += b.padded
@@ -434,7 +451,7 @@ class Stage3Runtime:
                 f"torch.utils.checkpoint(..., use_reentrant=False)")
         g = u.group
         if g.buffer is None:  # zeros: padding and parameters without a gradient reduce as zero
-            g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.dtype, device=self.param_shard.device)
+            g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.dtype, device=self._empty.device)
         self._scatter_into(g, u, p, p.grad.reshape(-1), add=pos in u.fired)
         u.fired.add(pos)
         p.grad = None  # only the shard is kept
@@ -466,7 +483,7 @@ class Stage3Runtime:
 
     def _launch(self, g: ReduceGroup) -> None:
         if g.buffer is None:
-            g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.dtype, device=self.param_shard.device)
+            g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.dtype, device=self._empty.device)
         rank = self.comm.rank
         names = f"'{g.units[0].plan.name}'" + (f"..'{g.units[-1].plan.name}'" if len(g.units) > 1 else "")
         purpose = f"gradients of units {names}"
@@ -521,8 +538,8 @@ class Stage3Runtime:
         for u in self.units:
             if u.plan.persistent:
                 b = u.bucket
-                self.comm.all_gather(u.buffer, self.param_shard[b.shard_offset:b.shard_offset + b.chunk],
-                                     "updated persistent parameters")
+                own = self.param_shard[b.shard_offset:b.shard_offset + b.chunk].to(u.buffer.device)
+                self.comm.all_gather(u.buffer, own, "updated persistent parameters")
 
     def zero_grad(self) -> None:
         self._micro_since_step = 0
@@ -544,8 +561,8 @@ class Stage3Runtime:
         values = {}
         for u in self.units:
             b = u.bucket
-            data = torch.empty(b.padded, dtype=dtype, device=source.device)
-            self.comm.all_gather(data, source[b.shard_offset:b.shard_offset + b.chunk].to(dtype),
+            data = torch.empty(b.padded, dtype=dtype, device=self._empty.device)  # offloaded sources: copied up
+            self.comm.all_gather(data, source[b.shard_offset:b.shard_offset + b.chunk].to(data.device, dtype),
                                  f"{purpose}, unit '{u.plan.name}'")
             if keep:
                 for p in u.plan.params:

@@ -24,7 +24,6 @@ CASES = {
     "stage2-accum-clip": TrainSpec(stage=2, zero=OPT, accumulation=2, clip=0.05, reduce_bucket_size=5000),
     "stage3-optimizer": TrainSpec(stage=3, zero=OPT, model=dict(reuse_first_block=True)),
     "stage3-optimizer-param": TrainSpec(stage=3, zero={**OPT, **PARAM}, model=dict(reuse_first_block=True)),
-    "stage3-param-only": TrainSpec(stage=3, zero=PARAM),
 }
 
 
@@ -74,6 +73,7 @@ def test_offload_in_bf16_matches_bf16_without_it():
     ({"stage": 2, "offload_param": {"device": "cpu"}}, "needs ZeRO stage 3"),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs ZeRO stage 1, 2 or 3"),
     ({"stage": 3, "offload_optimizer": {"device": "gpu"}}, "must be \"none\" or \"cpu\""),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, "needs 'zero_optimization.offload_optimizer'"),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "ratio"),
 ])
 def test_offload_config_errors_say_what_to_do(zero, match):

@@ -527,6 +527,9 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
     if zero.offload_param_device != "none" and zero.stage != 3:
         raise ConfigError(f"'zero_optimization.offload_param' partitions parameters and so needs ZeRO stage 3, "
                           f"the config says stage {zero.stage}; use offload_optimizer at stages 1-2")
+    if zero.offload_param_device != "none" and zero.offload_optimizer_device == "none":
+        raise ConfigError("'zero_optimization.offload_param' needs 'zero_optimization.offload_optimizer' with device "
+                          "\"cpu\" too: the optimizer writes the updated parameter shards where they rest, on the host")
     if zero.stage3_param_persistence_threshold != AUTO and zero.stage3_param_persistence_threshold < 0:
         raise ConfigError("'zero_optimization.stage3_param_persistence_threshold' must be >= 0 (0: nothing stays "
                           "whole)")

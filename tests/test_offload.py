@@ -57,6 +57,13 @@ def test_offload_matches_the_same_engine_without_it_and_torch():
                 assert mem["host"]["offload_buffers"] > 0, name
             if "offload_param" in spec.zero:
                 assert mem["host"]["params"] > 0, name
+        # the host's bytes are the formula's (fp32: moments plus the host's own copy of the shard), to padding
+        trainable = sum(p.numel() for p in spec.make_model().parameters() if p.requires_grad)
+        formula = zkern.estimate_memory(trainable, 2, spec.stage,
+                                        offload_optimizer=True, offload_param="offload_param" in spec.zero,
+                                        precision="fp32")
+        host = per_rank[0][i]["memory"]["host"]
+        assert host["master"] + host["optimizer"] + host["params"] == pytest.approx(formula["host"], rel=0.02), name
 
 
 @pytest.mark.dist

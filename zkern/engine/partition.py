@@ -161,8 +161,9 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
     precision "mixed": 2-byte parameters and gradients, K = optimizer_bytes_per_param (default 12: fp32 master,
     exp_avg, exp_avg_sq): baseline (2+2+K)Psi, stage 1 4Psi+K*Psi/N, stage 2 2Psi+(2+K)Psi/N, stage 3 (4+K)Psi/N.
     precision "fp32": 4-byte parameters and gradients, no master copy (default K = 8, Adam's two moments).
-    offload_optimizer (stages 1-3) moves the K*Psi/N optimizer bytes to "host"; offload_param (stage 3) moves
-    the parameter shard there too. Returns {"params", "grads", "optimizer_states", "total", "host"}.
+    offload_optimizer (stages 1-3) moves the K*Psi/N optimizer bytes to "host" (in fp32 plus the host's own 4*Psi/N
+    copy of the shard, which the optimizer steps); offload_param (stage 3) moves the parameter shard there too.
+    Returns {"params", "grads", "optimizer_states", "total", "host"}.
     """
     match precision:
         case "mixed":
@@ -192,6 +193,8 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
     host = 0.0
     if offload_optimizer:
         host, opt = host + opt, 0.0
+        if precision == "fp32":  # the host steps its own fp32 copy of the shard; the device keeps its parameters
+            host += 4 * num_params / n
     if offload_param:
         host, params = host + params, 0.0
     out = {"params": params, "grads": grads, "optimizer_states": opt}

@@ -13,6 +13,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 CSRC = "zkern/cpu/csrc"
+TRITON = "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Per-file flags: the file name says which instruction set it may use.
 ISA_FLAGS = {
@@ -59,7 +60,8 @@ setup(
     # A range, not a pin: with torch 2.13.0 (CPU) already installed, pip adds nothing. The Makefile installs
     # torch==2.13.0 first where none is present, because an unpinned torch pulls gigabytes of CUDA packages.
     install_requires=["torch>=2.4"],
-    extras_require={"test": ["pytest>=8", "ruff>=0.5", "numpy", "matplotlib"]},
+    # Triton: zkern's GPU kernels; the tests run them on a CPU under TRITON_INTERPRET=1, so the test extra has it.
+    extras_require={"triton": [TRITON], "test": ["pytest>=8", "ruff>=0.5", "numpy", "matplotlib", TRITON]},
     ext_modules=[adam_ext],
     cmdclass={"build_ext": BuildWithIsaFlags},
 )

@@ -22,6 +22,7 @@ import zkern
 import zkern.cpu
 from zkern import reference
 from zkern.cpu import _ext
+from zkern.testing import assert_f32_rounding
 
 
 def test_the_extension_is_built_and_has_a_vector_path():
@@ -31,14 +32,6 @@ def test_the_extension_is_built_and_has_a_vector_path():
 
 SIZES = [1, 15, 16, 17, 1000, 2**20 + 3]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-EPS32 = torch.finfo(torch.float32).eps
-
-
-def assert_f32_rounding(actual: torch.Tensor, expected: torch.Tensor, scale: float, what: str, ulps: int = 8) -> None:
-    a, e = actual.double(), expected.double()
-    bound = ulps * EPS32 * (e.abs() + scale)
-    excess = ((a - e).abs() - bound).max().item()
-    assert excess <= 0, f"{what}: an element is off by {excess:.3g} beyond {ulps} ulps"
 
 
 def run_both(n: int, grad_dtype: torch.dtype, adamw: bool, isa: str, *, steps: int = 10, grad_scale: float = 1.0,

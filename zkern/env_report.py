@@ -39,9 +39,9 @@ def cpu_model() -> str:
         return platform.machine()
 
 
-def _backend_or_error() -> str:
+def _backend_or_error(op: str) -> str:
     try:
-        return ops.backend_for(torch.empty(0), "adam_step_")
+        return ops.backend_for(torch.empty(0), op)
     except (ValueError, RuntimeError) as e:
         return f"error: {e}"
 
@@ -77,8 +77,10 @@ def report() -> dict:
             "available": sorted(ops.AVAILABLE),
             "ZKERN_BACKEND": os.environ.get("ZKERN_BACKEND") or "unset",
             "forced": forced,
-            "adam_step_ on CPU tensors": _backend_or_error(),
-            "other ops": "zkern.reference (pure torch): zkern's Triton and CUDA kernels are not part of this build yet",
+            "adam_step_ on CPU tensors": _backend_or_error("adam_step_"),
+            "flatten / unscale_and_check_ / quantize on CPU tensors": _backend_or_error("flatten"),
+            "on CUDA tensors": "triton" if "triton" in ops.AVAILABLE and torch.cuda.is_available() else
+                               "reference (no CUDA device or no Triton)",
         },
         "cpu_adam": zkern.cpu.status(),
     }

@@ -3,15 +3,18 @@
     ZKERN_BACKEND=reference python -m zkern.env_report     # force a backend and see what is active
 
 Backends: "reference" (zkern.reference, pure torch, always there); "cpu" (zkern.cpu, the fused CPU Adam
-extension: adam_step_ on host tensors when the extension is built); "triton" (CUDA tensors, Triton importable)
-and "cuda" plug in here as they land. Every op keeps the signature and semantics documented in zkern.reference.
-A backend that lacks an op (the CPU backend has only adam_step_; flatten and the overflow check on host tensors
-are torch's own vectorised loops) serves it from zkern.reference. ZKERN_BACKEND=reference|cpu|triton|cuda
-forces one; forcing one that is not available is an error, never a silent fallback.
+extension: adam_step_ on host tensors when the extension is built); "triton" (zkern.triton: CUDA tensors when
+Triton imports, or any tensors under TRITON_INTERPRET=1 when forced); "cuda" is reserved for CUDA C++ kernels.
+Every op keeps the signature and semantics documented in zkern.reference. A backend that lacks an op (the CPU
+backend has only adam_step_; flatten and the overflow check on host tensors are torch's own vectorised loops)
+serves it from zkern.reference. ZKERN_BACKEND=reference|cpu|triton|cuda forces one; forcing one that is not
+available is an error, never a silent fallback.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 
 import torch
@@ -28,10 +31,43 @@ class _CpuBackend:
     adam_step_ = staticmethod(cpu_ext.adam_step_)
 
 
-# Backends that exist in this build; the Triton and CUDA kernels register here when they land.
+# Each Triton op and the file (zkern/triton/<file>.py) that holds it.
+TRITON_OPS = {"flatten": "flatten", "unflatten": "flatten", "unflatten_into_": "flatten",
+              "unscale_and_check_": "overflow", "adam_step_": "adam", "quantize": "quant", "dequantize": "quant",
+              "dequant_sum": "quant"}
+
+
+class _LazyTriton:
+    """zkern.triton's ops, each file imported on first use (importing Triton costs about a second)."""
+
+    def __getattr__(self, op: str):
+        if op not in TRITON_OPS:
+            raise AttributeError(op)
+        return getattr(importlib.import_module(f"zkern.triton.{TRITON_OPS[op]}"), op)
+
+
+def _triton_usable() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Backends that exist in this build and on this machine.
 AVAILABLE: dict[str, object] = {"reference": reference}
 if cpu_ext.available():
     AVAILABLE["cpu"] = _CpuBackend
+if _triton_usable():
+    AVAILABLE["triton"] = _LazyTriton()
+
+
+def _why_missing(name: str) -> str:
+    if name == "cpu":
+        return f" ({cpu_ext.LOAD_ERROR}; {cpu_ext.BUILD_HINT})"
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            return " (Triton is not installed: pip install triton)"
+        return " (no CUDA device; on a CPU the kernels run only under TRITON_INTERPRET=1)"
+    return " in this build yet"
 
 
 def forced_backend() -> str | None:
@@ -42,10 +78,15 @@ def forced_backend() -> str | None:
     if name not in BACKENDS:
         raise ValueError(f"ZKERN_BACKEND={name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
     if name not in AVAILABLE:
-        why = f" ({cpu_ext.LOAD_ERROR}; {cpu_ext.BUILD_HINT})" if name == "cpu" else " in this build yet"
-        raise RuntimeError(f"ZKERN_BACKEND={name}: zkern has no {name} kernels{why}; unset ZKERN_BACKEND or use "
-                           f"ZKERN_BACKEND=reference")
+        raise RuntimeError(f"ZKERN_BACKEND={name}: zkern has no {name} kernels here{_why_missing(name)}; unset "
+                           f"ZKERN_BACKEND or use ZKERN_BACKEND=reference")
     return name
+
+
+def _has(backend: str, op: str) -> bool:
+    if backend == "triton":
+        return op in TRITON_OPS
+    return hasattr(AVAILABLE[backend], op)
 
 
 def backend_for(t: torch.Tensor | None = None, op: str = "adam_step_") -> str:
@@ -54,8 +95,11 @@ def backend_for(t: torch.Tensor | None = None, op: str = "adam_step_") -> str:
     if forced is not None:
         if forced == "cpu" and t is not None and t.device.type != "cpu":
             raise RuntimeError(f"ZKERN_BACKEND=cpu: the CPU kernels take host tensors, got one on {t.device}")
-        return forced if hasattr(AVAILABLE[forced], op) else "reference"
-    if "cpu" in AVAILABLE and op == "adam_step_" and (t is None or t.device.type == "cpu"):
+        return forced if _has(forced, op) else "reference"
+    on_cpu = t is None or t.device.type == "cpu"
+    if not on_cpu and "triton" in AVAILABLE and _has("triton", op):
+        return "triton"
+    if on_cpu and "cpu" in AVAILABLE and _has("cpu", op):
         return "cpu"
     return "reference"
 
@@ -64,12 +108,23 @@ def _impl(t: torch.Tensor | None, op: str):
     return getattr(AVAILABLE[backend_for(t, op)], op)
 
 
-def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    return _impl(tensors[0] if tensors else None, "flatten")(tensors, dtype)
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None, *, align: int = 1,
+            pad_to: int = 1) -> torch.Tensor:
+    # The kernels take floating-point data; integer buffers (a step counter, token ids) are torch.cat's job.
+    if any(t.dtype not in _KERNEL_DTYPES for t in tensors) or (dtype is not None and dtype not in _KERNEL_DTYPES):
+        return reference.flatten(tensors, dtype, align=align, pad_to=pad_to)
+    return _impl(tensors[0] if tensors else None, "flatten")(tensors, dtype, align=align, pad_to=pad_to)
 
 
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return _impl(flat, "unflatten")(flat, like)
+
+
+def unflatten_into_(flat: torch.Tensor, tensors: list[torch.Tensor], *, align: int = 1) -> None:
+    _impl(flat, "unflatten_into_")(flat, tensors, align=align)
 
 
 def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,3 +136,16 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                grad_scale: float = 1.0, param_out: torch.Tensor | None = None) -> None:
     _impl(param, "adam_step_")(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,
                                weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, param_out=param_out)
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(x, "quantize")(x, bits, group_size)
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return _impl(q, "dequantize")(q, scales, bits, group_size, numel, dtype)
+
+
+def dequant_sum(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
+    return _impl(q, "dequant_sum")(q, scales, bits, group_size, numel)

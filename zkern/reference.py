@@ -17,18 +17,29 @@ def _check_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
-def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None, *, align: int = 1,
+            pad_to: int = 1) -> torch.Tensor:
     """Concatenate the tensors' elements (row-major) into one new 1-D buffer, cast to dtype if given.
 
-    An empty list gives an empty float32 buffer (or dtype). Mixed input dtypes need an explicit dtype.
+    Each tensor starts at a multiple of `align` elements and the total is padded to a multiple of `pad_to`;
+    the gaps are zero. An empty list gives an empty float32 buffer (or dtype). Mixed input dtypes need an
+    explicit dtype.
     """
+    if align < 1 or pad_to < 1:
+        raise ValueError(f"flatten: align and pad_to must be >= 1, got {align} and {pad_to}")
     if not tensors:
         return torch.empty(0, dtype=dtype or torch.float32)
     dtypes = {t.dtype for t in tensors}
     if dtype is None and len(dtypes) > 1:
         raise TypeError(f"flatten got mixed dtypes {sorted(map(str, dtypes))}; pass dtype= to cast them")
     out_dtype = dtype or tensors[0].dtype
-    return torch.cat([t.reshape(-1).to(out_dtype) for t in tensors])
+    if align == 1 and pad_to == 1:
+        return torch.cat([t.reshape(-1).to(out_dtype) for t in tensors])
+    parts = []
+    for t in tensors:
+        parts += [t.reshape(-1).to(out_dtype), torch.zeros((-t.numel()) % align, dtype=out_dtype, device=t.device)]
+    flat = torch.cat(parts)
+    return torch.cat([flat, torch.zeros((-flat.numel()) % pad_to, dtype=out_dtype, device=flat.device)])
 
 
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -114,3 +125,82 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
             raise ValueError(f"adam_step_: param_out has shape {tuple(param_out.shape)}, param has "
                              f"{tuple(param.shape)}")
         param_out.copy_(param)
+
+
+def unflatten_into_(flat: torch.Tensor, tensors: list[torch.Tensor], *, align: int = 1) -> None:
+    """Copy flat's elements back into each tensor in place (cast to its dtype), laid out as flatten(align=) did."""
+    offsets, offset = [], 0
+    for t in tensors:
+        offsets.append(offset)
+        offset += t.numel() + (-t.numel()) % align
+    if flat.dim() != 1 or flat.numel() < offset:
+        raise ValueError(f"unflatten_into_ needs a 1-D buffer of at least {offset} elements, got {tuple(flat.shape)}")
+    for t, start in zip(tensors, offsets):
+        t.copy_(flat[start:start + t.numel()].view(t.shape))
+
+
+# Blockwise symmetric quantization (ZeRO++: int8 weights for the all-gather, int4 gradients for the reduce).
+#   scale  per group of group_size consecutive elements (the last group may be shorter): absmax / qmax, qmax =
+#          127 (int8) or 7 (int4). An all-zero group has scale 0 and codes 0. A group holding a NaN or an
+#          infinity has scale NaN and codes 0, so that its dequantized values are NaN and an overflow check
+#          after the collective still sees it.
+#   code   round-half-away-from-zero(x * (1 / scale)), both products in fp32, clamped to [-qmax, qmax].
+#   int8   one int8 per element. int4: two per uint8, element 2i in the low nibble, each stored as code + 8.
+QMAX = {8: 127, 4: 7}
+
+
+def _check_quant(bits: int, group_size: int) -> None:
+    if bits not in QMAX:
+        raise ValueError(f"quantization bits must be 8 or 4, got {bits}")
+    if group_size < 2 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two >= 2 (kernel tiles are), got {group_size}")
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of a 1-D float tensor; see the block comment above for the exact rules."""
+    _check_float("x", x)
+    _check_quant(bits, group_size)
+    if x.dim() != 1:
+        raise ValueError(f"quantize takes a 1-D tensor (flatten it first), got shape {tuple(x.shape)}")
+    n, qmax = x.numel(), QMAX[bits]
+    groups = (n + group_size - 1) // group_size
+    padded = torch.zeros(groups * group_size, dtype=torch.float32, device=x.device)
+    padded[:n] = x.float()
+    g = padded.view(groups, group_size)
+    bad = (~torch.isfinite(g)).any(dim=1)
+    absmax = torch.where(bad, torch.zeros_like(bad, dtype=torch.float32), g.abs().amax(dim=1))
+    scales = absmax / qmax
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    y = torch.where(bad[:, None], torch.zeros_like(g), g * inv[:, None])
+    codes = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-qmax, qmax).reshape(-1)[:n]
+    scales = torch.where(bad, torch.full_like(scales, float("nan")), scales)
+    if bits == 8:
+        return codes.to(torch.int8), scales
+    stored = (codes + 8).to(torch.uint8)
+    if n % 2:
+        stored = torch.cat([stored, torch.full((1,), 8, dtype=torch.uint8, device=x.device)])
+    return stored[0::2] | (stored[1::2] << 4), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The numel values that quantize encoded: code * scale in fp32, cast to dtype."""
+    _check_quant(bits, group_size)
+    if bits == 8:
+        codes = q.float()[:numel]
+    else:
+        codes = torch.stack([(q & 0xF).float(), (q >> 4).float()], dim=1).reshape(-1)[:numel] - 8.0
+    groups = torch.arange(numel, device=q.device) // group_size
+    return (codes * scales.float()[groups]).to(dtype)
+
+
+def dequant_sum(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
+    """Sum over the first dimension (ranks, in order) of quantized chunks, in fp32: the receive side of a quantized
+    reduce-scatter. q: (world, codes per chunk), scales: (world, groups per chunk)."""
+    if q.dim() != 2 or scales.dim() != 2 or q.shape[0] != scales.shape[0]:
+        raise ValueError(f"dequant_sum takes q (world, codes) and scales (world, groups), got {tuple(q.shape)} and "
+                         f"{tuple(scales.shape)}")
+    total = torch.zeros(numel, dtype=torch.float32, device=q.device)
+    for r in range(q.shape[0]):
+        total += dequantize(q[r], scales[r], bits, group_size, numel)
+    return total

@@ -397,6 +397,17 @@ def compare_params(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
     return failures
 
 
+def assert_f32_rounding(actual: torch.Tensor, expected: torch.Tensor, scale: float, what: str, ulps: int = 8) -> None:
+    """Element-wise agreement to float32 rounding: each element within `ulps` units in the last place of the
+    larger of |expected| and `scale`, the size of the terms that formed it (lr times the steps for an Adam
+    parameter, whose updates are about lr each; the gradient's magnitude for exp_avg, whose lerp can cancel).
+    Fused multiply-adds and a different order of operations move results by a few such units, nothing more."""
+    a, e = actual.double(), expected.double()
+    bound = ulps * torch.finfo(torch.float32).eps * (e.abs() + scale)
+    excess = ((a - e).abs() - bound).max().item() if a.numel() else 0.0
+    assert excess <= 0, f"{what}: an element is off by {excess:.3g} beyond {ulps} ulps"
+
+
 def assert_params_close(actual: dict, expected: dict, *, lr: float, steps: int, **kwargs) -> None:
     failures = compare_params(actual, expected, lr=lr, steps=steps, **kwargs)
     if failures:

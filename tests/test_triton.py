@@ -1,0 +1,242 @@
+"""zkern's Triton kernels against zkern.reference. Without a GPU they run under TRITON_INTERPRET=1 (set in
+conftest.py before Triton is imported): the same kernels, executed by Triton's interpreter on the CPU.
+
+    python -m pytest tests/test_triton.py -q
+"""
+
+import os
+
+import pytest
+import torch
+
+import zkern.triton.adam as tadam
+import zkern.triton.flatten as tflat
+import zkern.triton.overflow as tover
+import zkern.triton.quant as tquant
+from zkern import reference
+from zkern.testing import TrainSpec, assert_f32_rounding, assert_params_close, engine_run, spawn
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 15, 17, 1000, 2**20 + 3]
+BITS_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns, so that equality covers NaN and signed zero."""
+    return t.view(BITS_OF[t.dtype]) if t.dtype in BITS_OF else t
+
+
+def poisoned(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((n,), float("nan"), device=DEVICE).to(dtype)
+
+
+def with_specials(x: torch.Tensor) -> torch.Tensor:
+    """NaN at the first element, +inf in the middle, -inf at the last (as far as x has room)."""
+    x = x.clone()
+    x[0] = float("nan")
+    if x.numel() > 2:
+        x[x.numel() // 2] = float("inf")
+        x[-1] = float("-inf")
+    return x
+
+
+def randn(n: int, dtype=torch.float32, scale=1.0, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + n)
+    return (torch.randn(n, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+# -- flatten ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+def test_flatten_mixed_dtypes_equals_reference_bit_for_bit(n, out_dtype):
+    tensors = [with_specials(randn(n, torch.float32)), randn(n, torch.float16, seed=1),
+               randn(n, torch.bfloat16, seed=2)]
+    expected = reference.flatten(tensors, out_dtype)
+    out = poisoned(expected.numel(), out_dtype)
+    got = tflat.flatten(tensors, out_dtype, out=out)
+    assert got is out and torch.equal(bits(got), bits(expected))
+
+
+def test_flatten_of_many_tensors_with_alignment_and_padding():
+    g = torch.Generator().manual_seed(3)
+    sizes = torch.randint(1, 300, (300,), generator=g).tolist()
+    tensors = [randn(s, DTYPES[i % 3], seed=i).view(-1) for i, s in enumerate(sizes)]
+    for align, pad_to in ((1, 1), (8, 1), (16, 1024)):
+        expected = reference.flatten(tensors, torch.bfloat16, align=align, pad_to=pad_to)
+        got = tflat.flatten(tensors, torch.bfloat16, align=align, pad_to=pad_to,
+                            out=poisoned(expected.numel(), torch.bfloat16))
+        assert torch.equal(bits(got), bits(expected)), (align, pad_to)
+        # and back: every tensor in its own dtype, from poisoned destinations
+        back = [torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEVICE) for t in tensors]
+        back_ref = [b.clone() for b in back]
+        tflat.unflatten_into_(got, back, align=align)
+        reference.unflatten_into_(got, back_ref, align=align)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back, back_ref))
+
+
+def test_flatten_edges_empty_list_shapes_and_bad_input():
+    assert tflat.flatten([]).numel() == 0
+    mats = [randn(12).view(3, 4), randn(5)]
+    assert torch.equal(tflat.flatten(mats), reference.flatten(mats))
+    assert [t.shape for t in tflat.unflatten(tflat.flatten(mats), mats)] == [(3, 4), (5,)]
+    with pytest.raises(ValueError, match="not contiguous"):
+        tflat.flatten([randn(12).view(3, 4).t()])
+    with pytest.raises(TypeError, match="mixed dtypes"):
+        tflat.flatten([randn(2), randn(2, torch.float16)])
+    with pytest.raises(TypeError, match="must be"):
+        tflat.flatten([torch.zeros(3, dtype=torch.int32, device=DEVICE)])
+    with pytest.raises(ValueError, match="at least 17 elements"):
+        tflat.unflatten_into_(randn(10), [randn(17)])
+
+
+# -- unscale_and_check_ -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inv_scale", [0.125, 1.0])
+def test_unscale_and_check_equals_reference(n, dtype, inv_scale):
+    x = randn(n, dtype, scale=100.0)
+    a, b = x.clone(), x.clone()
+    found, sq = tover.unscale_and_check_(a, inv_scale)
+    found_ref, sq_ref = reference.unscale_and_check_(b, inv_scale)
+    assert torch.equal(bits(a), bits(b))  # the unscaled buffer, bit for bit
+    assert found.item() == found_ref.item() == 0.0
+    assert sq.item() == pytest.approx(sq_ref.item(), rel=1e-5)  # the same sum in another order
+    assert found.device == x.device and sq.device == x.device  # stays on the device: no host sync
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_unscale_and_check_finds_every_non_finite_position(dtype, where, value):
+    n = 2**13 + 5  # three programs: the positions fall in the first, second and last
+    x = randn(n, dtype)
+    x[{"first": 0, "middle": n // 2, "last": n - 1}[where]] = value
+    found, _ = tover.unscale_and_check_(x, 0.5)
+    assert found.item() == 1.0
+
+
+def test_unscale_and_check_edges():
+    found, sq = tover.unscale_and_check_(torch.empty(0, device=DEVICE), 0.5)
+    assert found.item() == 0.0 and sq.item() == 0.0
+    with pytest.raises(ValueError, match="not contiguous"):
+        tover.unscale_and_check_(randn(20)[::2], 1.0)
+
+
+# -- quantization -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bits_", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_equals_reference_and_rounds_to_nearest(n, bits_, dtype):
+    group = 64
+    x = randn(n, dtype, scale=3.0)
+    q, s = tquant.quantize(x, bits_, group)
+    q_ref, s_ref = reference.quantize(x, bits_, group)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    out = tquant.dequantize(q, s, bits_, group, n, out=poisoned(n, torch.float32))
+    assert torch.equal(out, reference.dequantize(q_ref, s_ref, bits_, group, n))
+    # every element within half a step of its group's scale (round to nearest), plus the fp32 rounding of x * (1 /
+    # scale) and of code * scale: a few units in the last place of x
+    step = s.repeat_interleave(group)[:n]
+    slack = 4 * torch.finfo(torch.float32).eps * x.float().abs()
+    assert ((out - x.float()).abs() <= step / 2 + slack).all()
+
+
+@pytest.mark.parametrize("bits_", [8, 4])
+def test_quantize_codes_round_trip_exactly(bits_):
+    """Values that are exact multiples of their group's step come back exactly: the int4 nibble packing and
+    unpacking (low nibble first, code + 8) loses nothing."""
+    qmax, group, n = reference.QMAX[bits_], 32, 32 * 5 + 7
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(-qmax, qmax + 1, (n,), generator=g).float()
+    codes[::group] = qmax  # each group's absmax is exactly qmax steps
+    step = torch.rand(n // group + 1, generator=g).repeat_interleave(group)[:n] + 0.5
+    x = (codes * step).to(DEVICE)
+    q, s = tquant.quantize(x, bits_, group)
+    assert torch.equal(tquant.dequantize(q, s, bits_, group, n), x)
+
+
+def test_quantize_zero_groups_short_tails_and_non_finite_groups():
+    x = randn(100, scale=2.0)
+    x[32:64] = 0.0  # an all-zero group
+    x[70] = float("inf")  # group 2 (64..95) is bad
+    for bits_ in (8, 4):
+        q, s = tquant.quantize(x, bits_, 32)
+        q_ref, s_ref = reference.quantize(x, bits_, 32)
+        assert torch.equal(q, q_ref) and torch.equal(bits(s), bits(s_ref))
+        assert s[1].item() == 0.0 and torch.isnan(s[2]) and s.numel() == 4  # the 4-element tail is a group
+        d = tquant.dequantize(q, s, bits_, 32, 100)
+        assert (d[32:64] == 0).all() and d[64:96].isnan().all() and torch.isfinite(d[:32]).all()
+        assert torch.isfinite(d[96:]).all()
+    with pytest.raises(ValueError, match="power of two"):
+        tquant.quantize(x, 8, 48)
+    with pytest.raises(ValueError, match="8 or 4"):
+        tquant.quantize(x, 2, 32)
+
+
+@pytest.mark.parametrize("bits_", [8, 4])
+@pytest.mark.parametrize("n", [17, 1000, 2**16 + 3])
+def test_dequant_sum_equals_the_sum_of_dequantized_chunks(bits_, n):
+    world, group = 3, 128
+    chunks = [tquant.quantize(randn(n, seed=r), bits_, group) for r in range(world)]
+    q = torch.stack([c[0] for c in chunks])
+    s = torch.stack([c[1] for c in chunks])
+    got = tquant.dequant_sum(q, s, bits_, group, n, out=poisoned(n, torch.float32))
+    expected = sum(reference.dequantize(c[0], c[1], bits_, group, n) for c in chunks)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+# -- Adam ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+def test_adam_matches_torch_over_5_steps_and_writes_the_copy(n, grad_dtype, adamw):
+    lr, wd = 1e-2, 0.1
+    p0 = randn(n)
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    ref = torch.nn.Parameter(p0.clone())
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([ref], lr=lr, weight_decay=wd, foreach=False)
+    out_dtype = torch.bfloat16 if grad_dtype != torch.float16 else torch.float16
+    for step in range(1, 6):
+        g = randn(n, grad_dtype, seed=step)
+        out = poisoned(n, out_dtype)
+        tadam.adam_step_(p, g, m, v, step=step, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd, adamw=adamw,
+                         param_out=out)
+        ref.grad = g.float()
+        opt.step()
+        assert torch.equal(bits(out), bits(p.to(out_dtype)))
+    assert_f32_rounding(p, ref.detach(), lr * 5, f"param (n={n})")
+    assert_f32_rounding(v, opt.state[ref]["exp_avg_sq"], 0.0, "exp_avg_sq")
+
+
+def test_adam_bad_input():
+    z = torch.zeros(8, device=DEVICE)
+    with pytest.raises(TypeError, match="param must be"):
+        tadam.adam_step_(z.half(), z, z, z, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                         adamw=True)
+    with pytest.raises(ValueError, match="not contiguous"):
+        tadam.adam_step_(torch.zeros(16, device=DEVICE)[::2], z, z, z, step=1, lr=1e-3, betas=(0.9, 0.999),
+                         eps=1e-8, weight_decay=0, adamw=True)
+
+
+# -- the engine on the Triton backend -----------------------------------------------------------------------------
+def engine_runs_with_backend(rank, world, backend, specs):
+    os.environ["ZKERN_BACKEND"] = backend
+    from zkern import ops
+
+    assert ops.backend_for(torch.empty(1), "adam_step_") == backend
+    return [engine_run(rank, world, s) for s in specs]
+
+
+@pytest.mark.dist
+def test_engine_on_the_triton_backend_equals_the_reference_backend():
+    specs = [TrainSpec(stage=2, steps=5, reduce_bucket_size=5000), TrainSpec(stage=3, steps=5, precision="bf16")]
+    triton_runs = spawn(engine_runs_with_backend, 2, "triton", specs)
+    reference_runs = spawn(engine_runs_with_backend, 2, "reference", specs)
+    for i, spec in enumerate(specs):
+        # fp32: float32 rounding. bf16: a last-place difference in an fp32 master can flip the bf16 rounding of that
+        # parameter, which the next forward sees, so the bar there is bf16's precision.
+        rtol = 1e-5 if spec.precision == "fp32" else 2**-8
+        assert_params_close(triton_runs[0][i]["state"], reference_runs[0][i]["state"], lr=spec.lr, steps=spec.steps,
+                            rtol=rtol)
+        assert triton_runs[0][i]["losses"] == pytest.approx(reference_runs[0][i]["losses"], rel=rtol)

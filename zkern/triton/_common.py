@@ -1,0 +1,53 @@
+"""What zkern's Triton kernels share: dtype codes, the bf16 rounding, the launcher's input checks.
+
+Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests/conftest.py sets it where no GPU is present);
+otherwise they take CUDA tensors only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Codes the kernels branch on (a tensor's dtype in a pointer table, or an output dtype as a constexpr).
+CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_tensor(op: str, name: str, t: torch.Tensor, dtypes=tuple(CODE)) -> None:
+    """The launcher's contract: a supported dtype, contiguous memory, a device the kernels run on."""
+    if t.dtype not in dtypes:
+        raise TypeError(f"zkern.triton.{op}: {name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"zkern.triton.{op}: {name} is not contiguous; the kernels read flat memory (pass "
+                         f"{name}.contiguous())")
+    if t.device.type != "cuda" and not (interpreting() and t.device.type == "cpu"):
+        raise ValueError(f"zkern.triton.{op}: {name} is on {t.device}; Triton kernels take CUDA tensors (CPU "
+                         f"tensors only under TRITON_INTERPRET=1)")
+
+
+@triton.jit
+def to_bf16_rne(x):
+    """fp32 -> bf16 rounding to nearest even, every NaN written as 0xFFFF: torch's cast bit for bit. Spelled out
+    in integer ops because the interpreter's own cast truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0xFFFF, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def cast_from_fp32(x, OUT_CODE: tl.constexpr):
+    """x (fp32) in the dtype of CODE OUT_CODE."""
+    if OUT_CODE == 2:
+        return to_bf16_rne(x)
+    elif OUT_CODE == 1:
+        return x.to(tl.float16)
+    else:
+        return x

@@ -1,0 +1,72 @@
+"""adam_step_: fused Adam/AdamW over a flat fp32 master shard, with the low-precision copy in the same pass.
+
+    python -m pytest tests/test_triton.py -q -k adam
+
+zkern.reference.adam_step_'s semantics: gradients fp32/fp16/bf16 (upcast, times grad_scale), fp32 moments,
+bias correction, decoupled (AdamW) or L2 (Adam) weight decay, and an optional fp16/bf16/fp32 param_out
+written from the updated fp32 value. IEEE-rounded division and square root (div_rn, sqrt_rn) and explicit
+fused multiply-adds where torch's vectorised CPU ops fuse too (the same structure as the CPU Adam), so the
+results differ from torch's by a few units in the last place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zkern.triton._common import CODE, cast_from_fp32, check_tensor
+
+BLOCK_SIZE = 2048
+
+
+@triton.jit
+def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, grad_scale, lr_decay, l2, beta2, one_minus_beta1,
+                 one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, BLOCK_SIZE: tl.constexpr, ADAMW: tl.constexpr,
+                 OUT_CODE: tl.constexpr, HAS_OUT: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_scale
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if ADAMW:
+        p = p * lr_decay
+    else:
+        g = tl.fma(l2, p, g)  # fused, as torch's add(alpha=): a cancelling sum keeps its low bits
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    m = tl.fma(one_minus_beta1, g - m, m)  # torch's lerp(m, g, 1 - beta1)
+    v = tl.fma(one_minus_beta2 * g, g, tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2)
+    denom = tl.fma(tl.sqrt_rn(v), inv_bc2_sqrt, eps)
+    p = tl.fma(neg_step_size, tl.div_rn(m, denom), p)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    tl.store(p_ptr + offs, p, mask=mask)
+    if HAS_OUT:
+        tl.store(out_ptr + offs, cast_from_fp32(p, OUT_CODE), mask=mask)
+
+
+def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, adamw: bool,
+               grad_scale: float = 1.0, param_out: torch.Tensor | None = None) -> None:
+    n = param.numel()
+    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        check_tensor("adam_step_", name, t, (torch.float32,))
+    check_tensor("adam_step_", "grad", grad)
+    if param_out is not None:
+        check_tensor("adam_step_", "param_out", param_out)
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("param_out", param_out)):
+        if t is not None and t.numel() != n:
+            raise ValueError(f"zkern.triton.adam_step_: {name} has {t.numel()} elements, param has {n}")
+    if step < 1:
+        raise ValueError(f"zkern.triton.adam_step_: step counts from 1, got {step}")
+    if n == 0:
+        return
+    beta1, beta2 = betas
+    # Scalars as torch computes them: in double, rounded once to fp32 at the launch.
+    decoupled = adamw or weight_decay == 0.0
+    _adam_kernel[(triton.cdiv(n, BLOCK_SIZE),)](
+        param, grad, exp_avg, exp_avg_sq, param if param_out is None else param_out, n, float(grad_scale),
+        1.0 - lr * weight_decay if adamw else 1.0, 0.0 if decoupled else weight_decay, beta2, 1.0 - beta1,
+        1.0 - beta2, -lr / (1.0 - beta1**step), 1.0 / (1.0 - beta2**step) ** 0.5, eps,
+        BLOCK_SIZE=BLOCK_SIZE, ADAMW=decoupled, OUT_CODE=CODE[param_out.dtype] if param_out is not None else 0,
+        HAS_OUT=param_out is not None)

@@ -7,7 +7,9 @@
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
-The kernels suite arrives with zkern's Triton kernels. With several suites, --json writes {"suites": [...]}.
+kernels (zkern's Triton kernels vs stock PyTorch and the copy bandwidth; CUDA only, or --interpret to check
+the harness under TRITON_INTERPRET=1). --suite all runs the kernels suite only where a GPU is present. With
+several suites, --json writes {"suites": [...]}.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import json
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import adam_suite, engine_suite, gates  # noqa: E402
+from bench import adam_suite, engine_suite, gates, kernels_suite  # noqa: E402
 
-SUITES = {"engine": engine_suite, "adam": adam_suite}
-PLANNED = {"kernels": "zkern's Triton kernels"}
+SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite}
 
 
 def _stages(text: str) -> list[int]:
@@ -38,7 +41,7 @@ def _stages(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="zkern against stock PyTorch on the same model and data")
     parser.add_argument("--stage", type=_stages, default=[3], help="ZeRO stage(s): 0-3 or a list (default 3)")
-    parser.add_argument("--suite", default="engine", choices=[*SUITES, *PLANNED, "all"])
+    parser.add_argument("--suite", default="engine", choices=[*SUITES, "all"])
     parser.add_argument("--world", type=int, default=2, help="ranks over gloo on this CPU (default 2)")
     parser.add_argument("--model", default="25m", choices=sorted(engine_suite.MODELS), help="model preset")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
@@ -46,17 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the record as JSON to this path")
     parser.add_argument("--plot", default=None, help="draw the chart as PNG to this path")
     parser.add_argument("--gate", default=None, help="check the ratios against this gates.toml; fail if one fails")
+    parser.add_argument("--interpret", action="store_true",
+                        help="kernels suite without a GPU: tiny sizes under TRITON_INTERPRET=1 (timings meaningless)")
+    parser.add_argument("--kernels-numel", type=int, default=None, help="elements per kernel operand")
     parser.add_argument("--adam-numel", type=int, default=adam_suite.DEFAULT_NUMEL,
                         help="parameters the adam suite steps (default 50M)")
     args = parser.parse_args(argv)
-    if args.suite in PLANNED:
-        print(f"bench/run.py: the {args.suite} suite arrives with {PLANNED[args.suite]}; not in this build yet",
-              file=sys.stderr)
-        return 2
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    if args.suite == "all":
-        print(f"bench/run.py: running {', '.join(SUITES)} (not in this build yet: {', '.join(PLANNED)})",
-              file=sys.stderr)
+    if args.suite == "all" and not torch.cuda.is_available():
+        suites.remove("kernels")
+        print("bench/run.py: --suite all on a machine without a GPU runs engine and adam (the kernels suite times "
+              "Triton kernels on CUDA)", file=sys.stderr)
     if args.world < 1 or (args.steps is not None and args.steps < 2) or args.adam_numel < 1:
         parser.error("--world and --adam-numel must be >= 1 and --steps >= 2")
     wanted = args.peers.split(",") if args.peers else None
@@ -64,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     for suite in suites:
         if suite == "engine":
             record = engine_suite.run(args.stage, args.world, args.model, args.steps, wanted)
-        else:
+        elif suite == "adam":
             record = adam_suite.run(args.adam_numel)
+        else:
+            record = kernels_suite.run(args.kernels_numel, interpret=args.interpret)
         print(SUITES[suite].table(record) + "\n")
         records.append(record)
     if args.json:

@@ -78,3 +78,18 @@ def test_adam_suite_measures_every_candidate_on_a_small_buffer():
     assert set(rec["ratios"]) >= {"offload_over_stock", "offload_of_roofline", "fp32_over_torch_fused",
                                   "thread_speedup"}
     assert "| zkern offload |" in adam_suite.table(rec)
+
+
+def test_kernels_suite_runs_end_to_end_under_the_interpreter(monkeypatch):
+    """The harness only (tiny sizes, interpreted kernels): every op measured against its stock twin, the
+    record marked as interpreted, and the committed kernel gates applied to it (they fail: interpreted
+    kernels are slow, which is why the record says its timings mean nothing)."""
+    from bench import kernels_suite
+
+    monkeypatch.setenv("ZKERN_BACKEND", "triton")
+    rec = kernels_suite.run(numel=4096, interpret=True, progress=lambda line: None)
+    assert rec["interpreted"] and set(rec["ops"]) == {"flatten", "unscale", "quantize_int8", "adam_bf16_copy"}
+    assert all(r["zkern"]["median_s"] > 0 and r["stock"]["median_s"] > 0 for r in rec["ops"].values())
+    assert "timings mean nothing" in kernels_suite.table(rec)
+    failures = gates.check(rec, gates.load(str(GATES)))
+    assert any("kernels: flatten_speedup" in f for f in failures)

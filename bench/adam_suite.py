@@ -9,7 +9,8 @@ interleaved round by round so that the machine's noise falls on all of them alik
 
   zkern offload       one pass: bf16 grad in, fp32 param/exp_avg/exp_avg_sq updated, bf16 param out
   stock offload       grad.float(), torch.optim.AdamW(fused=True).step(), bf16 copy of the param
-  deepspeed offload   DeepSpeedCPUAdam's equivalent (grad copy to fp32, step, param copy), when installed
+  deepspeed offload   DeepSpeedCPUAdam's equivalent (grad copied into a preallocated fp32 buffer, step, param
+                      copy), when deepspeed is installed (never a zkern dependency)
   zkern fp32          the plain fp32 step (fp32 grad, no copy)
   torch fused fp32    torch.optim.AdamW(fused=True).step() alone
   zkern offload 1t    the offload step on one thread (the 1 -> 2 thread speed-up)
@@ -65,13 +66,22 @@ def _deepspeed_candidate(numel: int, grad: torch.Tensor, out: torch.Tensor):
         opt = DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.01, adamw_mode=True)
     except Exception as error:  # its C++ op builds on first use and may fail; report, never crash the suite
         return None, f"DeepSpeedCPUAdam unusable: {error}"
+    # As DeepSpeed's offload engine does it: the gradient copied into a preallocated fp32 buffer (no fresh
+    # allocation), the step, the parameter copied out.
+    p.grad = torch.empty(numel)
 
     def step():
-        p.grad = grad.float()
+        p.grad.copy_(grad)
         opt.step()
         out.copy_(p.detach())
 
     return step, None
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
 
 
 def run(numel: int = DEFAULT_NUMEL, reps: int = 7, progress=None) -> dict:
@@ -148,7 +158,8 @@ def run(numel: int = DEFAULT_NUMEL, reps: int = 7, progress=None) -> dict:
         "reps": reps,
         "device": "cpu",
         "device_name": cpu_model(),
-        "versions": {"zkern": zkern.__version__, "torch": torch.__version__, "python": platform.python_version()},
+        "versions": {"zkern": zkern.__version__, "torch": torch.__version__, "python": platform.python_version(),
+                     **({"deepspeed": _deepspeed_version()} if ds_step is not None else {})},
         "git_sha": _git_sha(),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "figures": figures,

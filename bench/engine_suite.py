@@ -13,6 +13,7 @@ zkern sends over what the stage must send. On a CPU only ratios from the same ru
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import platform
 import statistics
 import subprocess
@@ -86,12 +87,13 @@ def _summary(name: str, results: list[dict], warmup: int, tokens_per_step: int, 
         comm = sent / len(results[0]["step_times"])
     else:
         state = [r["model_state_bytes"] for r in results]
+        state = None if None in state else state  # a peer that cannot be measured from outside (DeepSpeed)
         comm = results[0].get("comm_bytes_per_step")
     return {
         "system": name,
         **times,
         "tokens_per_s": tokens_per_step / times["median_s"],
-        "model_state_bytes_per_rank": max(state),
+        "model_state_bytes_per_rank": None if state is None else max(state),
         "peak_rss_bytes_per_rank": max(r["peak_rss"] for r in results),
         "comm_bytes_per_step": comm,
         "comm_measured": "memory" in results[0],
@@ -126,7 +128,12 @@ def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peer
         progress(f"stage {stage}: {name} done in {time.monotonic() - start:.1f}s")
     ddp_losses = mean_losses(runs["ddp"])
     systems = [_summary(name, results, warmup, tokens_per_step, ddp_losses) for name, results in runs.items()]
-    zk, peer = systems[-1], systems[-2]  # the stage's own peer (DDP where none other ran)
+    # The stage's own stock-PyTorch peer is what the ratios (and CI's gates) compare with: DDP where none other
+    # ran (stage 0). DeepSpeed, an optional peer, gets its own step-time ratio.
+    by_name = {s["system"]: s for s in systems}
+    zk = systems[-1]
+    stock = [n for n in runners if n not in ("ddp", "deepspeed") and not n.startswith("zkern")]
+    peer = by_name[stock[0] if stock else "ddp"]
     width = 4 if spec.precision == "fp32" else 2
     formula = zkern.estimate_memory(numel, world, stage, precision="fp32" if width == 4 else "mixed")["total"]
     required = required_bytes_per_step(stage, numel, world, width, spec.accumulation)
@@ -138,10 +145,13 @@ def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peer
         "peers_skipped": skipped,
         "ratios": {
             "step_time_zkern_over_peer": zk["median_s"] / peer["median_s"],
-            "model_state_zkern_over_peer": zk["model_state_bytes_per_rank"] / peer["model_state_bytes_per_rank"],
+            "model_state_zkern_over_peer": (zk["model_state_bytes_per_rank"] / peer["model_state_bytes_per_rank"]
+                                            if peer["model_state_bytes_per_rank"] else None),
             "model_state_over_formula": zk["model_state_bytes_per_rank"] / formula,
             "comm_over_required": zk["comm_bytes_per_step"] / required if required else 1.0,
             "loss_gap_vs_ddp": zk["max_loss_gap_vs_ddp"],
+            **({"step_time_zkern_over_deepspeed": zk["median_s"] / by_name["deepspeed"]["median_s"]}
+               if "deepspeed" in by_name else {}),
         },
         "formula_model_state_bytes": formula,
         "required_comm_bytes_per_step": required,
@@ -168,11 +178,21 @@ def run(stages: list[int], world: int, model: str, steps: int | None = None, wan
         "precision": spec.precision,
         "device": "cpu",
         "device_name": cpu_model(),
-        "versions": {"zkern": zkern.__version__, "torch": torch.__version__, "python": platform.python_version()},
+        "versions": {"zkern": zkern.__version__, "torch": torch.__version__, "python": platform.python_version(),
+                     **({"deepspeed": importlib.metadata.version("deepspeed")}
+                        if peers.installed("deepspeed") else {})},
         "git_sha": _git_sha(),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "stages": [run_stage(s, world, model, steps, wanted_peers, progress) for s in stages],
     }
+
+
+def _mib(n: int | None) -> str:
+    return "— (not measured)" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+def _x(r: float | None) -> str:
+    return "—" if r is None else f"x{r:.2f}"
 
 
 def table(record: dict) -> str:
@@ -188,14 +208,16 @@ def table(record: dict) -> str:
                 f"{s['comm_bytes_per_step'] / 2**20:.2f} MiB{'' if s['comm_measured'] else ' (alg.)'}")
             out.append(f"| {st['stage']} | {s['system']} | {s['median_s'] * 1e3:.1f} ms [{s['p20_s'] * 1e3:.1f}-"
                        f"{s['p80_s'] * 1e3:.1f}] | {s['tokens_per_s']:.0f} | "
-                       f"{s['model_state_bytes_per_rank'] / 2**20:.2f} MiB | "
+                       f"{_mib(s['model_state_bytes_per_rank'])} | "
                        f"{s['peak_rss_bytes_per_rank'] / 2**20:.0f} MiB | {comm} | {s['final_loss']:.4f} | "
                        f"{s['max_loss_gap_vs_ddp']:.2e} |")
     out.append("")
     for st in record["stages"]:
         r = st["ratios"]
         skipped = "".join(f"; {k}: {v}" for k, v in st["peers_skipped"].items())
+        if "step_time_zkern_over_deepspeed" in r:
+            skipped = f"; zkern / deepspeed step time x{r['step_time_zkern_over_deepspeed']:.2f}" + skipped
         out.append(f"stage {st['stage']}: zkern / {st['peer']}: step time x{r['step_time_zkern_over_peer']:.2f}, "
-                   f"model states x{r['model_state_zkern_over_peer']:.2f}; model states / ZeRO formula "
+                   f"model states {_x(r['model_state_zkern_over_peer'])}; model states / ZeRO formula "
                    f"x{r['model_state_over_formula']:.3f}; sent / required x{r['comm_over_required']:.3f}{skipped}")
     return "\n".join(out)

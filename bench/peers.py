@@ -85,11 +85,15 @@ def deepspeed_peer(rank: int, world: int, spec: TrainSpec) -> dict:
     for key in ("device", "comm_timeout_s"):  # zkern's own keys
         cfg.pop(key)
     cfg["zero_optimization"].pop("stage3_fetch_units", None)
+    if not cfg.get("steps_per_print"):
+        cfg["steps_per_print"] = 10**9  # DeepSpeed takes steps_per_print modulo; 0 ("never" in zkern) divides by 0
     model = spec.make_model()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses, times = engine_training_loop(spec, rank, world, engine)
-    return {"losses": losses, "step_times": times, "peak_rss": peak_rss_bytes(),
-            "model_state_bytes": model_state_bytes(model, optimizer), "comm_bytes_per_step": None}
+    # Model states: not measured. DeepSpeed keeps its flat fp32 partitions and gradient buffers inside its
+    # optimizer wrapper, where counting p.grad and the inner optimizer's state (as for the stock peers) misses them.
+    return {"losses": losses, "step_times": times, "peak_rss": peak_rss_bytes(), "model_state_bytes": None,
+            "comm_bytes_per_step": None}
 
 
 def _numel(spec: TrainSpec) -> int:

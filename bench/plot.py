@@ -24,14 +24,15 @@ def plot(record: dict, path: str) -> None:
             xs, ys = [], []
             for j, st in enumerate(stages):
                 for s in st["systems"]:
-                    if s["system"].replace(f" stage {st['stage']}", "") == name:
+                    # a figure a system could not be measured on (DeepSpeed's model states) is left out
+                    if s["system"].replace(f" stage {st['stage']}", "") == name and s[key] is not None:
                         xs.append(j + i * width)
                         ys.append(s[key] / scale)
-            ax.bar(xs, ys, width, label=name)
+            ax.bar(xs, ys, width, label=name, color=f"C{i}")  # one colour per system in every panel
         ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(stages))])
         ax.set_xticklabels([f"stage {st['stage']}" for st in stages])
         ax.set_title(title)
-    axes[0].legend()
+    axes[2].legend()  # throughput has every system (model states may lack one that cannot be measured)
     fig.suptitle(f"zkern engine suite: {record['model']} ({record['num_params'] / 1e6:.2f}M params), world "
                  f"{record['world']}, {record['precision']}, {record['device_name']}")
     fig.tight_layout()

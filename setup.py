@@ -1,7 +1,7 @@
 """zkern's build: `pip install -e ".[test]"` (what `make test` runs).
 
 Builds one extension, zkern.cpu._adam_ext: the fused CPU Adam (pybind11, OpenMP, no libtorch). Each kernel
-file gets its own instruction-set flags (never -march=native: the wheel must run on any x86-64 CPU, which
+file gets its own instruction-set flags (never the build host's native set: the wheel must run on any x86-64 CPU, which
 picks its path at run time), so the build works on a machine without AVX-512 and the AVX-512 path still
 exists for the machine that has it. On a CPU other than x86-64 only the scalar path is compiled.
 """

@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-AUTO = "auto"
+from zkern import config_keys as keys
+from zkern.config_keys import AUTO
 
 
 class ConfigError(ValueError):
@@ -144,168 +145,6 @@ class Config:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Key tables.  A spec is (kind, default); kind is one of "int", "float", "bool", "str", "betas", "section".
-
-_IMPLEMENTED_TOP = {
-    "train_batch_size": ("int_auto", None),
-    "train_micro_batch_size_per_gpu": ("int_auto", None),
-    "gradient_accumulation_steps": ("int_auto", None),
-    "gradient_clipping": ("float", 0.0),
-    "optimizer": ("section", None),
-    "scheduler": ("section", None),
-    "fp16": ("section", None),
-    "bf16": ("section", None),
-    "bfloat16": ("section", None),  # DeepSpeed's older spelling of bf16
-    "zero_optimization": ("section", None),
-    "steps_per_print": ("int", 10),
-    "zero_allow_untested_optimizer": ("bool", False),
-    "comm_timeout_s": ("float", 600.0),
-    "device": ("str", "auto"),
-}
-
-_FP16_KEYS = {
-    "enabled": ("bool", False),
-    "loss_scale": ("float", 0.0),
-    "initial_scale_power": ("int", 16),
-    "loss_scale_window": ("int", 1000),
-    "hysteresis": ("int", 2),
-    "consecutive_hysteresis": ("bool", False),
-    "min_loss_scale": ("float", 1.0),
-}
-_BF16_KEYS = {"enabled": ("bool", False)}
-_ZERO_KEYS = {
-    "stage": ("int", 0),
-    "overlap_comm": ("bool", None),
-    "contiguous_gradients": ("bool", True),
-    "reduce_scatter": ("bool", True),
-    "reduce_bucket_size": ("int_auto", 500_000_000),
-    "allgather_bucket_size": ("int", 500_000_000),
-    "ignore_unused_parameters": ("bool", True),
-    "stage3_prefetch_bucket_size": ("int_auto", 50_000_000),
-    "stage3_param_persistence_threshold": ("int_auto", 100_000),
-    "stage3_max_live_parameters": ("int", 1_000_000_000),
-    "stage3_gather_16bit_weights_on_model_save": ("bool", False),
-    "stage3_gather_fp16_weights_on_model_save": ("bool", False),  # DeepSpeed's older name of the key above
-    "stage3_fetch_units": ("str_list", ()),  # zkern's own: module class names gathered as one unit each
-    "offload_optimizer": ("section", None),  # parsed by _parse_offload
-    "offload_param": ("section", None),
-}
-_OFFLOAD_KEYS = {"device": ("str", "none"), "pin_memory": ("bool", False)}
-# Offload keys for NVMe and DeepSpeed's partial offload: accepted at their defaults only.
-_NOT_IMPLEMENTED_OFFLOAD = {
-    "offload_optimizer": {"nvme_path": None, "buffer_count": 4, "ratio": 1.0, "fast_init": False,
-                          "pipeline": False, "pipeline_read": False, "pipeline_write": False},
-    "offload_param": {"nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
-}
-_ADAM_PARAMS = {
-    "lr": ("float", 1e-3),
-    "betas": ("betas", (0.9, 0.999)),
-    "eps": ("float", 1e-8),
-    "weight_decay": ("float", 0.0),
-    "adam_w_mode": ("bool", True),
-    "torch_adam": ("bool", False),
-}
-_SCHEDULER_PARAMS = {
-    "WarmupLR": {
-        "warmup_min_lr": ("float", 0.0),
-        "warmup_max_lr": ("float", 1e-3),
-        "warmup_num_steps": ("int", 1000),
-        "warmup_type": ("str", "log"),
-    },
-}
-_SCHEDULER_PARAMS["WarmupDecayLR"] = {**_SCHEDULER_PARAMS["WarmupLR"], "total_num_steps": ("int", None)}
-
-# DeepSpeed keys zkern knows but does not implement, with the DeepSpeed default value that asks for nothing.
-# _SECTION_OFF: a section accepted only when it says {"enabled": false} (or is empty).
-_SECTION_OFF = object()
-_NOT_IMPLEMENTED_TOP = {
-    "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0,
-    "sparse_gradients": False,
-    "wall_clock_breakdown": False,
-    "memory_breakdown": False,
-    "dump_state": False,
-    "disable_allgather": False,
-    "communication_data_type": None,
-    "seq_parallel_communication_data_type": None,
-    "dataloader_drop_last": False,
-    "zero_force_ds_cpu_optimizer": True,
-    "graph_harvesting": False,
-    "use_data_before_expert_parallelism": False,
-    "flops_profiler": _SECTION_OFF,
-    "tensorboard": _SECTION_OFF,
-    "wandb": _SECTION_OFF,
-    "csv_monitor": _SECTION_OFF,
-    "comet": _SECTION_OFF,
-    "comms_logger": _SECTION_OFF,
-    "amp": _SECTION_OFF,
-    "sparse_attention": _SECTION_OFF,
-    "data_efficiency": _SECTION_OFF,
-    "curriculum_learning": _SECTION_OFF,
-    "elasticity": _SECTION_OFF,
-    "autotuning": _SECTION_OFF,
-    "nebula": _SECTION_OFF,
-    "eigenvalue": _SECTION_OFF,
-    "progressive_layer_drop": _SECTION_OFF,
-    "hybrid_engine": _SECTION_OFF,
-    "compression_training": _SECTION_OFF,
-    "activation_checkpointing": _SECTION_OFF,
-    "aio": _SECTION_OFF,
-    "pipeline": _SECTION_OFF,
-    "checkpoint": _SECTION_OFF,
-    "data_types": _SECTION_OFF,
-    "quantize_training": _SECTION_OFF,
-    "weight_quantization": _SECTION_OFF,
-    "timers": _SECTION_OFF,
-}
-_NOT_IMPLEMENTED_FP16 = {"auto_cast": False, "fp16_master_weights_and_grads": False}
-_NOT_IMPLEMENTED_BF16 = {
-    "immediate_grad_update": False,
-    "check_grad_overflow": False,
-    "bf16_master_weights_and_grads": False,
-    "bf16_optimizer_states": False,
-}
-_NOT_IMPLEMENTED_ZERO = {
-    # Later zkern issues implement these (ZeRO++); until then only their defaults pass.
-    "sub_group_size": 1_000_000_000,
-    "stage3_max_reuse_distance": 1_000_000_000,
-    "stage3_module_granularity_threshold": 0,
-    "zero_quantized_weights": False,
-    "zero_quantized_nontrainable_weights": False,
-    "zero_quantized_gradients": False,
-    "zero_hpz_partition_size": 1,
-    "allgather_partitions": True,
-    "round_robin_gradients": False,
-    "elastic_checkpoint": False,
-    "load_from_fp32_weights": True,
-    "use_multi_rank_bucket_allreduce": True,
-    "cpu_offload": False,
-    "cpu_offload_params": False,
-    "cpu_offload_use_pin_memory": False,
-    "memory_efficient_linear": True,
-    "mics_shard_size": -1,
-    "mics_hierarchical_params_gather": False,
-    "legacy_stage1": False,
-    "pipeline_loading_checkpoint": False,
-    "override_module_apply": True,
-    "log_trace_cache_warnings": False,
-    "zeropp_loco_param": None,
-}
-_NOT_IMPLEMENTED_OPTIMIZER_PARAMS = {"amsgrad": False, "bias_correction": True}
-_NOT_IMPLEMENTED_OPTIMIZERS = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
-                               "muadamw", "musgd", "sgd", "cpuadam", "fusedadam"}
-_NOT_IMPLEMENTED_SCHEDULERS = {"LRRangeTest", "OneCycle", "WarmupCosineLR"}
-
-_ALL_KNOWN_PATHS = (
-    [*_IMPLEMENTED_TOP, *_NOT_IMPLEMENTED_TOP]
-    + [f"fp16.{k}" for k in [*_FP16_KEYS, *_NOT_IMPLEMENTED_FP16]]
-    + [f"bf16.{k}" for k in [*_BF16_KEYS, *_NOT_IMPLEMENTED_BF16]]
-    + [f"zero_optimization.{k}" for k in [*_ZERO_KEYS, *_NOT_IMPLEMENTED_ZERO]]
-    + [f"optimizer.params.{k}" for k in [*_ADAM_PARAMS, *_NOT_IMPLEMENTED_OPTIMIZER_PARAMS]]
-)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Parsing
 
 
@@ -314,7 +153,7 @@ def _nearest(key: str, known: list[str], path: str) -> str:
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     if close:
         return f"; did you mean '{path}{close[0]}'?"
-    leaves = {p.rsplit(".", 1)[-1]: p for p in _ALL_KNOWN_PATHS}
+    leaves = {p.rsplit(".", 1)[-1]: p for p in keys.ALL_KNOWN_PATHS}
     close = difflib.get_close_matches(key, list(leaves), n=1, cutoff=0.75)
     if close:
         return f"; did you mean '{leaves[close[0]]}'?"
@@ -360,7 +199,7 @@ def _value(path: str, kind: str, value: Any) -> Any:
 
 
 def _is_default(value: Any, default: Any) -> bool:
-    if default is _SECTION_OFF:  # off: empty, {"enabled": false}, or an offload section with device "none"
+    if default is keys.SECTION_OFF:  # off: empty, {"enabled": false}, or an offload section with device "none"
         if not isinstance(value, dict):
             return value is None
         if "enabled" in value:
@@ -384,7 +223,7 @@ def _section(path: str, raw: Any, specs: dict, not_implemented: dict) -> dict:
         elif key in not_implemented:
             if not _is_default(value, not_implemented[key]):
                 default = not_implemented[key]
-                shown = "absent or disabled" if default is _SECTION_OFF else json.dumps(default)
+                shown = "absent or disabled" if default is keys.SECTION_OFF else json.dumps(default)
                 raise ConfigError(f"'{path}{key}' is a DeepSpeed key that zkern does not implement yet; "
                                   f"remove it or set it to its default ({shown})")
         else:
@@ -395,7 +234,7 @@ def _section(path: str, raw: Any, specs: dict, not_implemented: dict) -> dict:
 def _parse_offload(name: str, raw: Any) -> tuple[str, bool]:
     """(device, pin_memory) of zero_optimization.offload_optimizer / offload_param."""
     path = f"zero_optimization.{name}."
-    values = _section(path, raw, _OFFLOAD_KEYS, _NOT_IMPLEMENTED_OFFLOAD[name])
+    values = _section(path, raw, keys.OFFLOAD_KEYS, keys.NOT_IMPLEMENTED_OFFLOAD[name])
     device = values.get("device", "none")
     if device == "nvme":
         raise ConfigError(f"'{path}device' \"nvme\" is not implemented in zkern yet; use \"cpu\" (host memory) or "
@@ -421,12 +260,12 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig | None:
     if not isinstance(kind, str):
         raise ConfigError(f"'optimizer.type' must name an optimizer (Adam or AdamW), got {kind!r}")
     name = kind.lower()
-    if name in _NOT_IMPLEMENTED_OPTIMIZERS:
+    if name in keys.NOT_IMPLEMENTED_OPTIMIZERS:
         raise ConfigError(f"'optimizer.type' {kind!r} is a DeepSpeed optimizer that zkern does not implement; "
                           f"use Adam or AdamW, or pass a torch optimizer as zkern.Engine(model, cfg, optimizer=...)")
     if name not in ("adam", "adamw"):
         raise ConfigError(f"'optimizer.type' {kind!r} is unknown{_nearest(name, ['adam', 'adamw'], '')}")
-    params = _section("optimizer.params.", raw.get("params"), _ADAM_PARAMS, _NOT_IMPLEMENTED_OPTIMIZER_PARAMS)
+    params = _section("optimizer.params.", raw.get("params"), keys.ADAM_PARAMS, keys.NOT_IMPLEMENTED_OPTIMIZER_PARAMS)
     lr = params.get("lr", 1e-3)
     if lr < 0:
         raise ConfigError(f"'optimizer.params.lr' must be >= 0, got {lr}")
@@ -456,12 +295,12 @@ def _parse_scheduler(raw: Any) -> SchedulerConfig | None:
         key = sorted(extra)[0]
         raise ConfigError(f"unknown config key 'scheduler.{key}'{_nearest(key, ['type', 'params'], 'scheduler.')}")
     kind = raw["type"]
-    if kind in _NOT_IMPLEMENTED_SCHEDULERS:
+    if kind in keys.NOT_IMPLEMENTED_SCHEDULERS:
         raise ConfigError(f"'scheduler.type' {kind!r} is a DeepSpeed scheduler that zkern does not implement; "
                           f"use WarmupLR or WarmupDecayLR, or pass a torch scheduler as Engine(..., lr_scheduler=...)")
-    if kind not in _SCHEDULER_PARAMS:
-        raise ConfigError(f"'scheduler.type' {kind!r} is unknown{_nearest(kind, list(_SCHEDULER_PARAMS), '')}")
-    params = _section("scheduler.params.", raw.get("params"), _SCHEDULER_PARAMS[kind], {})
+    if kind not in keys.SCHEDULER_PARAMS:
+        raise ConfigError(f"'scheduler.type' {kind!r} is unknown{_nearest(kind, list(keys.SCHEDULER_PARAMS), '')}")
+    params = _section("scheduler.params.", raw.get("params"), keys.SCHEDULER_PARAMS[kind], {})
     if params.get("warmup_type", "log") not in ("log", "linear"):
         raise ConfigError(f"'scheduler.params.warmup_type' must be \"log\" or \"linear\", got "
                           f"{params['warmup_type']!r}")
@@ -474,12 +313,13 @@ def _parse_scheduler(raw: Any) -> SchedulerConfig | None:
 
 
 def _parse(raw: dict) -> Config:
-    top = _section("", raw, _IMPLEMENTED_TOP, _NOT_IMPLEMENTED_TOP)
+    top = _section("", raw, keys.IMPLEMENTED_TOP, keys.NOT_IMPLEMENTED_TOP)
     if "bf16" in raw and "bfloat16" in raw:
         raise ConfigError("both 'bf16' and 'bfloat16' are set; they are the same section, keep 'bf16'")
-    fp16 = FP16Config(**_section("fp16.", raw.get("fp16"), _FP16_KEYS, _NOT_IMPLEMENTED_FP16))
-    bf16 = BF16Config(**_section("bf16.", raw.get("bf16", raw.get("bfloat16")), _BF16_KEYS, _NOT_IMPLEMENTED_BF16))
-    zero = _section("zero_optimization.", raw.get("zero_optimization"), _ZERO_KEYS, _NOT_IMPLEMENTED_ZERO)
+    fp16 = FP16Config(**_section("fp16.", raw.get("fp16"), keys.FP16_KEYS, keys.NOT_IMPLEMENTED_FP16))
+    bf16 = BF16Config(**_section("bf16.", raw.get("bf16", raw.get("bfloat16")), keys.BF16_KEYS,
+                                 keys.NOT_IMPLEMENTED_BF16))
+    zero = _section("zero_optimization.", raw.get("zero_optimization"), keys.ZERO_KEYS, keys.NOT_IMPLEMENTED_ZERO)
     for name in ("offload_optimizer", "offload_param"):
         device, pin = _parse_offload(name, zero.pop(name, None))
         zero[f"{name}_device"], zero[f"{name}_pin_memory"] = device, pin

@@ -1,6 +1,6 @@
 // zkern/cpu/csrc/simd.h: the few vector operations the CPU Adam needs, for one instruction set per
 // translation unit. The including file defines exactly one of ZK_ISA_AVX512, ZK_ISA_AVX2 or ZK_ISA_SCALAR and
-// is compiled with that set's flags (setup.py gives each file its own; never -march=native), so every type
+// is compiled with that set's flags (setup.py gives each file its own, never the build host's native set), so every type
 // and function here is instantiated once per ISA inside that file's own namespace (no ODR clash between files).
 //
 // Conversions follow torch bit for bit, because the engine compares its low-precision parameter copies with

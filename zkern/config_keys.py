@@ -1,0 +1,168 @@
+"""zkern's config key tables: every DeepSpeed key zkern knows, its kind and its default, and the DeepSpeed keys
+zkern knows but does not implement (accepted only at the default that asks for nothing). zkern.config parses
+against them.
+
+A spec is (kind, default); kind is one of "int", "float", "bool", "str", "str_list", "betas", "section", with
+"_auto" appended where the value may be "auto".
+"""
+
+AUTO = "auto"  # a value zkern fills in from the world size and the model (Config.resolve)
+
+
+IMPLEMENTED_TOP = {
+    "train_batch_size": ("int_auto", None),
+    "train_micro_batch_size_per_gpu": ("int_auto", None),
+    "gradient_accumulation_steps": ("int_auto", None),
+    "gradient_clipping": ("float", 0.0),
+    "optimizer": ("section", None),
+    "scheduler": ("section", None),
+    "fp16": ("section", None),
+    "bf16": ("section", None),
+    "bfloat16": ("section", None),  # DeepSpeed's older spelling of bf16
+    "zero_optimization": ("section", None),
+    "steps_per_print": ("int", 10),
+    "zero_allow_untested_optimizer": ("bool", False),
+    "comm_timeout_s": ("float", 600.0),
+    "device": ("str", "auto"),
+}
+
+FP16_KEYS = {
+    "enabled": ("bool", False),
+    "loss_scale": ("float", 0.0),
+    "initial_scale_power": ("int", 16),
+    "loss_scale_window": ("int", 1000),
+    "hysteresis": ("int", 2),
+    "consecutive_hysteresis": ("bool", False),
+    "min_loss_scale": ("float", 1.0),
+}
+BF16_KEYS = {"enabled": ("bool", False)}
+ZERO_KEYS = {
+    "stage": ("int", 0),
+    "overlap_comm": ("bool", None),
+    "contiguous_gradients": ("bool", True),
+    "reduce_scatter": ("bool", True),
+    "reduce_bucket_size": ("int_auto", 500_000_000),
+    "allgather_bucket_size": ("int", 500_000_000),
+    "ignore_unused_parameters": ("bool", True),
+    "stage3_prefetch_bucket_size": ("int_auto", 50_000_000),
+    "stage3_param_persistence_threshold": ("int_auto", 100_000),
+    "stage3_max_live_parameters": ("int", 1_000_000_000),
+    "stage3_gather_16bit_weights_on_model_save": ("bool", False),
+    "stage3_gather_fp16_weights_on_model_save": ("bool", False),  # DeepSpeed's older name of the key above
+    "stage3_fetch_units": ("str_list", ()),  # zkern's own: module class names gathered as one unit each
+    "offload_optimizer": ("section", None),  # parsed by _parse_offload
+    "offload_param": ("section", None),
+}
+OFFLOAD_KEYS = {"device": ("str", "none"), "pin_memory": ("bool", False)}
+# Offload keys for NVMe and DeepSpeed's partial offload: accepted at their defaults only.
+NOT_IMPLEMENTED_OFFLOAD = {
+    "offload_optimizer": {"nvme_path": None, "buffer_count": 4, "ratio": 1.0, "fast_init": False,
+                          "pipeline": False, "pipeline_read": False, "pipeline_write": False},
+    "offload_param": {"nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
+}
+ADAM_PARAMS = {
+    "lr": ("float", 1e-3),
+    "betas": ("betas", (0.9, 0.999)),
+    "eps": ("float", 1e-8),
+    "weight_decay": ("float", 0.0),
+    "adam_w_mode": ("bool", True),
+    "torch_adam": ("bool", False),
+}
+SCHEDULER_PARAMS = {
+    "WarmupLR": {
+        "warmup_min_lr": ("float", 0.0),
+        "warmup_max_lr": ("float", 1e-3),
+        "warmup_num_steps": ("int", 1000),
+        "warmup_type": ("str", "log"),
+    },
+}
+SCHEDULER_PARAMS["WarmupDecayLR"] = {**SCHEDULER_PARAMS["WarmupLR"], "total_num_steps": ("int", None)}
+
+# DeepSpeed keys zkern knows but does not implement, with the DeepSpeed default value that asks for nothing.
+# SECTION_OFF: a section accepted only when it says {"enabled": false} (or is empty).
+SECTION_OFF = object()
+NOT_IMPLEMENTED_TOP = {
+    "prescale_gradients": False,
+    "gradient_predivide_factor": 1.0,
+    "sparse_gradients": False,
+    "wall_clock_breakdown": False,
+    "memory_breakdown": False,
+    "dump_state": False,
+    "disable_allgather": False,
+    "communication_data_type": None,
+    "seq_parallel_communication_data_type": None,
+    "dataloader_drop_last": False,
+    "zero_force_ds_cpu_optimizer": True,
+    "graph_harvesting": False,
+    "use_data_before_expert_parallelism": False,
+    "flops_profiler": SECTION_OFF,
+    "tensorboard": SECTION_OFF,
+    "wandb": SECTION_OFF,
+    "csv_monitor": SECTION_OFF,
+    "comet": SECTION_OFF,
+    "comms_logger": SECTION_OFF,
+    "amp": SECTION_OFF,
+    "sparse_attention": SECTION_OFF,
+    "data_efficiency": SECTION_OFF,
+    "curriculum_learning": SECTION_OFF,
+    "elasticity": SECTION_OFF,
+    "autotuning": SECTION_OFF,
+    "nebula": SECTION_OFF,
+    "eigenvalue": SECTION_OFF,
+    "progressive_layer_drop": SECTION_OFF,
+    "hybrid_engine": SECTION_OFF,
+    "compression_training": SECTION_OFF,
+    "activation_checkpointing": SECTION_OFF,
+    "aio": SECTION_OFF,
+    "pipeline": SECTION_OFF,
+    "checkpoint": SECTION_OFF,
+    "data_types": SECTION_OFF,
+    "quantize_training": SECTION_OFF,
+    "weight_quantization": SECTION_OFF,
+    "timers": SECTION_OFF,
+}
+NOT_IMPLEMENTED_FP16 = {"auto_cast": False, "fp16_master_weights_and_grads": False}
+NOT_IMPLEMENTED_BF16 = {
+    "immediate_grad_update": False,
+    "check_grad_overflow": False,
+    "bf16_master_weights_and_grads": False,
+    "bf16_optimizer_states": False,
+}
+NOT_IMPLEMENTED_ZERO = {
+    # Later zkern issues implement these (ZeRO++); until then only their defaults pass.
+    "sub_group_size": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_module_granularity_threshold": 0,
+    "zero_quantized_weights": False,
+    "zero_quantized_nontrainable_weights": False,
+    "zero_quantized_gradients": False,
+    "zero_hpz_partition_size": 1,
+    "allgather_partitions": True,
+    "round_robin_gradients": False,
+    "elastic_checkpoint": False,
+    "load_from_fp32_weights": True,
+    "use_multi_rank_bucket_allreduce": True,
+    "cpu_offload": False,
+    "cpu_offload_params": False,
+    "cpu_offload_use_pin_memory": False,
+    "memory_efficient_linear": True,
+    "mics_shard_size": -1,
+    "mics_hierarchical_params_gather": False,
+    "legacy_stage1": False,
+    "pipeline_loading_checkpoint": False,
+    "override_module_apply": True,
+    "log_trace_cache_warnings": False,
+    "zeropp_loco_param": None,
+}
+NOT_IMPLEMENTED_OPTIMIZER_PARAMS = {"amsgrad": False, "bias_correction": True}
+NOT_IMPLEMENTED_OPTIMIZERS = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
+                               "muadamw", "musgd", "sgd", "cpuadam", "fusedadam"}
+NOT_IMPLEMENTED_SCHEDULERS = {"LRRangeTest", "OneCycle", "WarmupCosineLR"}
+
+ALL_KNOWN_PATHS = (
+    [*IMPLEMENTED_TOP, *NOT_IMPLEMENTED_TOP]
+    + [f"fp16.{k}" for k in [*FP16_KEYS, *NOT_IMPLEMENTED_FP16]]
+    + [f"bf16.{k}" for k in [*BF16_KEYS, *NOT_IMPLEMENTED_BF16]]
+    + [f"zero_optimization.{k}" for k in [*ZERO_KEYS, *NOT_IMPLEMENTED_ZERO]]
+    + [f"optimizer.params.{k}" for k in [*ADAM_PARAMS, *NOT_IMPLEMENTED_OPTIMIZER_PARAMS]]
+)

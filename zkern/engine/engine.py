@@ -65,9 +65,6 @@ class Engine:
         self.offload = zero.offload_optimizer_device == "cpu"
         # Page-locked host buffers speed up the copies to and from a GPU; without CUDA there is nothing to pin for.
         pin = self.device.type == "cuda"
-        self.offload = zero.offload_optimizer_device == "cpu"
-        # Page-locked host buffers speed up the copies to and from a GPU; without CUDA there is nothing to pin for.
-        pin = self.device.type == "cuda"
         if zero.stage == 3:
             # Partitions from the fp32 values, then casts what is left whole (buffers, empty parameters).
             self.runtime = Stage3Runtime(model, groups, comm=self.comm, dtype=self.dtype, mixed=mixed, zero=zero,
@@ -247,7 +244,8 @@ class Engine:
             moved = shard.numel() * shard.element_size()
             host["params"], device["params"] = moved, device["params"] - moved
         device["total"], host["total"] = sum(device.values()), sum(host.values())
-        return {self.device.type: device, "host": host} if self.offload or host["total"] else {self.device.type: device}
+        # offload_param needs offload_optimizer, so only an offloaded run has anything on the host
+        return {self.device.type: device, "host": host} if self.offload else {self.device.type: device}
 
     def comm_stats(self) -> dict:
         """Bytes this rank sent per collective kind since the start (ring-algorithm volumes)."""

@@ -20,8 +20,6 @@ import torch
 
 from zkern.engine.optimizer import Chunk, ShardAdam, ShardGroup, step_torch_optimizer
 
-HOST = torch.device("cpu")
-
 
 def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     """A zeroed host buffer; page-locked when pin (only meaningful, and only asked, with CUDA present)."""
@@ -35,8 +33,8 @@ class HostStep:
         """device_groups: the runtime's shard groups (param = host master chunk, grad = device gradient chunk,
         out = device parameter chunk, or a host one when out_on_host)."""
         self.device_groups = device_groups
-        self.cuda = any(c.grad.is_cuda for g in device_groups for c in g.chunks)
-        self.stream = torch.cuda.Stream() if self.cuda else None
+        cuda = any(c.grad.is_cuda for g in device_groups for c in g.chunks)
+        self.stream = torch.cuda.Stream() if cuda else None
         self.host_groups: list[ShardGroup] = []
         self.staging_bytes = 0
         for g in device_groups:

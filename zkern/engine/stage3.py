@@ -224,8 +224,10 @@ class Stage3Runtime:
         b = u.bucket
         u.buffer = torch.empty(b.padded, dtype=self.dtype, device=self._empty.device)
         own = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
-        if self.params_on_host:  # a copy up to the device (on a CPU-only run, into a separate buffer as well)
-            own = own.to(u.buffer.device, copy=True, non_blocking=own.is_pinned())
+        if self.params_on_host:
+            # Copied up into this rank's own slot of the gather buffer, then gathered in place: no extra buffer.
+            slot = u.buffer[self.comm.rank * b.chunk:(self.comm.rank + 1) * b.chunk]
+            own = slot.copy_(own, non_blocking=own.is_pinned())
         u.work = self.comm.all_gather(u.buffer, own, f"parameters of unit '{u.plan.name}'", async_op=async_op)
         u.state = "inflight"
         self._live += b.padded

@@ -1,13 +1,16 @@
 """Engine suite: zkern stage N against that stage's stock peers (bench/peers.py) and DDP, same model, data and
-seed, at world N over gloo.
+seed: N ranks over gloo on a CPU, or one rank per GPU over nccl.
 
     python bench/run.py --stage 3                  # the 25M-parameter GPT, world 2, CPU
     python bench/run.py --stage 0,1,2,3 --model tiny --plot out.png
+    python bench/run.py --stage 0,1,2,3 --model 1b # on a GPU machine: every GPU, bf16
 
-Per system and rank: step time (median, p20-p80 after warm-up), tokens/s, model-state bytes, peak RSS, bytes
-sent per step, the loss curve and its largest gap from DDP's. Per stage, the ratios CI gates on: zkern's step
-time over the peer's, zkern's model-state bytes over the ZeRO formula and over the peer's, and the bytes
-zkern sends over what the stage must send. On a CPU only ratios from the same run mean anything.
+Per system and rank: step time (median, p20-p80 after warm-up), tokens/s, model-state bytes, peak RSS (and on
+a GPU the CUDA allocator's max allocated, TFLOPS and MFU), bytes sent per step, the loss curve and its largest
+gap from DDP's. Per stage, the ratios CI gates on: zkern's step time over the peer's, zkern's model-state bytes
+over the ZeRO formula and over the peer's, and the bytes zkern sends over what the stage must send. On a
+shared CPU only ratios from the same run mean anything. Every system runs in fresh processes, so no peak of
+one counts against another.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 import torch
 
 import zkern
-from bench import peers
+from bench import flops, peers
 from zkern.env_report import cpu_model
 from zkern.testing import TrainSpec, engine_run, mean_losses, spawn
 
@@ -36,12 +39,18 @@ MODELS = {
                   bucket=1_000_000),
     "25m": dict(model=dict(vocab=8195, dim=512, n_layer=6, n_head=8, seq=128), micro_batch=4, steps=8, warmup=2,
                 bucket=3_000_000),
-    # GPU presets (bf16): the engine suite runs them only on CUDA machines
+    # GPU presets (bf16): the engine suite runs them only on CUDA machines. 1b: 0.87B parameters, whose DDP
+    # reference (16 bytes/parameter, 13 GiB) fits one 80 GB GPU; 7b: 6.58B, whose unsharded peers need 98 GiB of
+    # model states per rank and are skipped where that does not fit (zkern stage 3: 12.3 GiB a rank on 8 GPUs).
     "1b": dict(model=dict(vocab=32003, dim=2048, n_layer=16, n_head=16, seq=1024), micro_batch=4, steps=20,
-               warmup=5, bucket=100_000_000, gpu=True),
+               warmup=5, bucket=100_000_000, gpu=True, precision="bf16"),
     "7b": dict(model=dict(vocab=32003, dim=4096, n_layer=32, n_head=32, seq=2048), micro_batch=1, steps=10,
-               warmup=3, bucket=200_000_000, gpu=True),
+               warmup=3, bucket=200_000_000, gpu=True, precision="bf16"),
 }
+
+# The stage whose ZeRO formula bounds each peer's model states, for the does-it-fit check on a GPU.
+PEER_STAGE = {"ddp": 0, "zero1": 1}
+FIT_FRACTION = 0.9  # model states may take this much of a GPU; the rest is activations and the allocator's
 
 
 def _quantiles(times: list[float]) -> dict[str, float]:
@@ -60,12 +69,13 @@ def _git_sha() -> str:
         return "unknown"
 
 
-def make_spec(stage: int, model: str, steps: int | None) -> TrainSpec:
+def make_spec(stage: int, model: str, steps: int | None, precision: str = "fp32", device: str = "cpu") -> TrainSpec:
     preset = MODELS[model]
     # Stage 3 gathers one transformer block per fetch unit, as the FSDP2 peer is wrapped.
     zero = {"stage3_fetch_units": ["Block"]} if stage == 3 else {}
     return TrainSpec(stage=stage, steps=steps or preset["steps"], micro_batch=preset["micro_batch"],
-                     model=preset["model"], lr=1e-3, overlap_comm=True, reduce_bucket_size=preset["bucket"], zero=zero)
+                     model=preset["model"], lr=1e-3, overlap_comm=True, reduce_bucket_size=preset["bucket"], zero=zero,
+                     precision=precision, device=device)
 
 
 def required_bytes_per_step(stage: int, numel: int, world: int, width: int, accumulation: int) -> int:
@@ -76,7 +86,8 @@ def required_bytes_per_step(stage: int, numel: int, world: int, width: int, accu
     return int(passes * (world - 1) * numel * width / world)
 
 
-def _summary(name: str, results: list[dict], warmup: int, tokens_per_step: int, ddp_losses: list[float]) -> dict:
+def _summary(name: str, results: list[dict], warmup: int, tokens_per_step: int, ddp_losses: list[float] | None,
+             flops_per_token: int, peak_tflops: float | None, matmul_tflops: float | None) -> dict:
     times = _quantiles(results[0]["step_times"][warmup:])
     losses = mean_losses(results)
     if "memory" in results[0]:  # zkern: its own report (model states only) and its own byte counters
@@ -89,34 +100,66 @@ def _summary(name: str, results: list[dict], warmup: int, tokens_per_step: int, 
         state = [r["model_state_bytes"] for r in results]
         state = None if None in state else state  # a peer that cannot be measured from outside (DeepSpeed)
         comm = results[0].get("comm_bytes_per_step")
+    tokens_per_s = tokens_per_step / times["median_s"]
+    tflops = flops_per_token * tokens_per_s / len(results) / 1e12  # model FLOPs per second per rank
+    cuda = [r["peak_cuda"] for r in results]
     return {
         "system": name,
         **times,
-        "tokens_per_s": tokens_per_step / times["median_s"],
+        "tokens_per_s": tokens_per_s,
         "model_state_bytes_per_rank": None if state is None else max(state),
         "peak_rss_bytes_per_rank": max(r["peak_rss"] for r in results),
+        "peak_cuda_bytes_per_rank": None if None in cuda else max(cuda),
+        "tflops_per_rank": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "mfu_of_matmul": tflops / matmul_tflops if matmul_tflops else None,
         "comm_bytes_per_step": comm,
         "comm_measured": "memory" in results[0],
         "final_loss": losses[-1],
-        "max_loss_gap_vs_ddp": max(abs(a - b) / abs(b) for a, b in zip(losses, ddp_losses)),
+        "max_loss_gap_vs_ddp": (None if ddp_losses is None else
+                                max(abs(a - b) / abs(b) for a, b in zip(losses, ddp_losses))),
         "losses": losses,
     }
 
 
+def _does_not_fit(stage: int, numel: int, world: int, precision: str, device_bytes: int | None) -> str | None:
+    """Why a system at this stage cannot hold its model states on this GPU, or None when it can (or on a CPU)."""
+    if device_bytes is None:
+        return None
+    need = zkern.estimate_memory(numel, world, stage, precision=precision)["total"]
+    if need <= FIT_FRACTION * device_bytes:
+        return None
+    return (f"does not fit: its model states alone need {need / 2**30:.1f} GiB per rank (ZeRO formula, stage "
+            f"{stage}, world {world}), over {FIT_FRACTION:.0%} of this GPU's {device_bytes / 2**30:.1f} GiB")
+
+
 def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peers: list[str] | None,
-              progress) -> dict:
-    spec = make_spec(stage, model, steps)
+              progress, hw: dict) -> dict:
+    spec = make_spec(stage, model, steps, hw["precision"], hw["device"])
     preset = MODELS[model]
     warmup = min(preset["warmup"], spec.steps - 1)
     tokens_per_step = spec.micro_batch * preset["model"]["seq"] * world
     numel = sum(p.numel() for p in spec.make_model().parameters())
-    runners = {"ddp": peers.ddp_peer}
+    # the stock peers keep fp32 parameters (autocast), zkern and DeepSpeed 16-bit ones with an fp32 master
+    peer_precision = "fp32"
+    engine_precision = "fp32" if spec.precision == "fp32" else "mixed"
+    why = _does_not_fit(stage, numel, world, engine_precision, hw["device_bytes"])
+    if why:
+        raise SystemExit(f"bench: zkern stage {stage} with model {model!r} {why}; use more GPUs, a higher stage or "
+                         f"a smaller preset")
+    runners = {}
     skipped = {}
-    for name, fn in peers.PEERS[stage].items():
-        if wanted_peers is not None and name not in wanted_peers:
+    candidates = {"ddp": peers.ddp_peer, **peers.PEERS[stage]}
+    for name, fn in candidates.items():
+        if name != "ddp" and wanted_peers is not None and name not in wanted_peers:
             continue
         if not peers.installed(name):
             skipped[name] = "not installed"
+            continue
+        why = _does_not_fit(PEER_STAGE.get(name, stage), numel, world,
+                            engine_precision if name == "deepspeed" else peer_precision, hw["device_bytes"])
+        if why:
+            skipped[name] = why
             continue
         runners[name] = fn
     runners[f"zkern stage {stage}"] = engine_run
@@ -124,29 +167,32 @@ def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peer
     for name, fn in runners.items():
         start = time.monotonic()
         progress(f"stage {stage}: {name} ({spec.steps} steps, world {world})")
-        runs[name] = spawn(fn, world, spec, timeout=3600)
+        runs[name] = spawn(fn, world, spec, timeout=3600, subprocess=True)
         progress(f"stage {stage}: {name} done in {time.monotonic() - start:.1f}s")
-    ddp_losses = mean_losses(runs["ddp"])
-    systems = [_summary(name, results, warmup, tokens_per_step, ddp_losses) for name, results in runs.items()]
+    ddp_losses = mean_losses(runs["ddp"]) if "ddp" in runs else None
+    flops_per_token = flops.train_flops_per_token(preset["model"])
+    systems = [_summary(name, results, warmup, tokens_per_step, ddp_losses, flops_per_token, hw["peak_tflops"],
+                        hw["matmul_tflops"]) for name, results in runs.items()]
     # The stage's own stock-PyTorch peer is what the ratios (and CI's gates) compare with: DDP where none other
     # ran (stage 0). DeepSpeed, an optional peer, gets its own step-time ratio.
     by_name = {s["system"]: s for s in systems}
     zk = systems[-1]
     stock = [n for n in runners if n not in ("ddp", "deepspeed") and not n.startswith("zkern")]
-    peer = by_name[stock[0] if stock else "ddp"]
+    peer = by_name.get(stock[0] if stock else "ddp")
     width = 4 if spec.precision == "fp32" else 2
-    formula = zkern.estimate_memory(numel, world, stage, precision="fp32" if width == 4 else "mixed")["total"]
+    formula = zkern.estimate_memory(numel, world, stage, precision=engine_precision)["total"]
     required = required_bytes_per_step(stage, numel, world, width, spec.accumulation)
     return {
         "stage": stage,
         "config": spec.config(world),
         "systems": systems,
-        "peer": peer["system"],
+        "peer": None if peer is None else peer["system"],
         "peers_skipped": skipped,
+        "flops_per_token": flops_per_token,
         "ratios": {
-            "step_time_zkern_over_peer": zk["median_s"] / peer["median_s"],
+            "step_time_zkern_over_peer": None if peer is None else zk["median_s"] / peer["median_s"],
             "model_state_zkern_over_peer": (zk["model_state_bytes_per_rank"] / peer["model_state_bytes_per_rank"]
-                                            if peer["model_state_bytes_per_rank"] else None),
+                                            if peer and peer["model_state_bytes_per_rank"] else None),
             "model_state_over_formula": zk["model_state_bytes_per_rank"] / formula,
             "comm_over_required": zk["comm_bytes_per_step"] / required if required else 1.0,
             "loss_gap_vs_ddp": zk["max_loss_gap_vs_ddp"],
@@ -158,16 +204,54 @@ def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peer
     }
 
 
-def run(stages: list[int], world: int, model: str, steps: int | None = None, wanted_peers: list[str] | None = None,
-        progress=None) -> dict:
-    if MODELS[model].get("gpu") and not torch.cuda.is_available():
-        raise SystemExit(f"bench: model preset {model!r} is for GPUs and this machine has none; use tiny, small or "
-                         f"25m")
-    if torch.cuda.is_available():
-        raise SystemExit("bench: the engine suite runs its ranks on the CPU over gloo; its CUDA path (nccl, "
-                         "TFLOPS and MFU) is not wired yet")
+def hardware(device: str | None, world: int | None, model: str, precision: str | None,
+             peak_tflops: float | None) -> tuple[int, dict]:
+    """(world, what the suite runs on): the device ("cuda" where torch sees a GPU unless told "cpu"), the world
+    size (every GPU, or 2 ranks on a CPU), the precision (the preset's: bf16 for the GPU presets, else fp32), the
+    GPU's memory, its datasheet peak (or peak_tflops) and its measured bf16 matrix-product rate."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    preset = MODELS[model]
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench: --device cuda, but torch sees no CUDA device")
+    if preset.get("gpu") and device != "cuda":
+        raise SystemExit(f"bench: model preset {model!r} is for GPUs and this run is on the CPU; use tiny, small "
+                         f"or 25m")
+    precision = precision or preset.get("precision", "fp32")
+    if precision not in ("fp32", "bf16"):
+        raise SystemExit(f"bench: --precision {precision!r}: the engine suite compares fp32 or bf16 runs (the stock "
+                         f"peers have no fp16 loss scaler that skips the steps zkern's does)")
+    if device == "cpu":
+        return world or 2, {"device": "cpu", "device_name": cpu_model(), "precision": precision,
+                            "device_bytes": None, "peak_tflops": None, "peak_tflops_source": None,
+                            "matmul_tflops": None}
+    gpus = torch.cuda.device_count()
+    world = world or gpus
+    if world > gpus:
+        raise SystemExit(f"bench: --world {world} on CUDA needs one GPU per rank; this machine has {gpus}")
+    # Asked in a process of its own: this one must hold no CUDA context or cached blocks while the ranks run.
+    facts = spawn(_gpu_facts, 1, subprocess=True)[0]
+    datasheet = flops.peak_tflops(facts["name"], precision)
+    return world, {
+        "device": "cuda", "device_name": facts["name"], "precision": precision, "device_bytes": facts["bytes"],
+        "peak_tflops": peak_tflops or datasheet,
+        "peak_tflops_source": "--peak-tflops" if peak_tflops else ("datasheet" if datasheet else None),
+        "matmul_tflops": facts["matmul_tflops"],
+    }
+
+
+def _gpu_facts(rank: int, world: int) -> dict:
+    device = torch.device("cuda", 0)
+    return {"name": torch.cuda.get_device_name(device),
+            "bytes": torch.cuda.get_device_properties(device).total_memory,
+            "matmul_tflops": flops.measure_matmul_tflops(device)}
+
+
+def run(stages: list[int], world: int | None, model: str, steps: int | None = None,
+        wanted_peers: list[str] | None = None, progress=None, device: str | None = None,
+        precision: str | None = None, peak_tflops: float | None = None) -> dict:
+    world, hw = hardware(device, world, model, precision, peak_tflops)
     progress = progress or (lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
-    spec = make_spec(stages[0], model, steps)
+    spec = make_spec(stages[0], model, steps, hw["precision"], hw["device"])
     return {
         "suite": "engine",
         "world": world,
@@ -175,15 +259,14 @@ def run(stages: list[int], world: int, model: str, steps: int | None = None, wan
         "num_params": sum(p.numel() for p in spec.make_model().parameters()),
         "steps": spec.steps,
         "warmup_steps": min(MODELS[model]["warmup"], spec.steps - 1),
-        "precision": spec.precision,
-        "device": "cpu",
-        "device_name": cpu_model(),
+        **hw,
         "versions": {"zkern": zkern.__version__, "torch": torch.__version__, "python": platform.python_version(),
+                     **({"cuda": torch.version.cuda} if hw["device"] == "cuda" else {}),
                      **({"deepspeed": importlib.metadata.version("deepspeed")}
                         if peers.installed("deepspeed") else {})},
         "git_sha": _git_sha(),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "stages": [run_stage(s, world, model, steps, wanted_peers, progress) for s in stages],
+        "stages": [run_stage(s, world, model, steps, wanted_peers, progress, hw) for s in stages],
     }
 
 
@@ -195,29 +278,46 @@ def _x(r: float | None) -> str:
     return "—" if r is None else f"x{r:.2f}"
 
 
+def _cell(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
 def table(record: dict) -> str:
-    out = [f"engine suite: world {record['world']}, model {record['model']} ({record['num_params'] / 1e6:.2f}M "
-           f"params), {record['steps']} steps ({record['warmup_steps']} warm-up), {record['precision']}, "
-           f"{record['device']} ({record['device_name']})", ""]
-    out.append("| stage | system | step time median [p20-p80] | tokens/s | model states / rank | peak RSS / rank | "
-               "sent / step / rank | final loss | max loss gap vs DDP |")
-    out.append("|---|---|---|---|---|---|---|---|---|")
+    cuda = record["device"] == "cuda"
+    head = (f"engine suite: world {record['world']}, model {record['model']} ({record['num_params'] / 1e6:.2f}M "
+            f"params), {record['steps']} steps ({record['warmup_steps']} warm-up), {record['precision']}, "
+            f"{record['device']} ({record['device_name']})")
+    if cuda:
+        peak = (f"{record['peak_tflops']:.0f} TFLOP/s ({record['peak_tflops_source']})" if record["peak_tflops"]
+                else "unknown (pass --peak-tflops)")
+        head += f"; peak {peak}, measured bf16 matmul {record['matmul_tflops']:.0f} TFLOP/s"
+    out = [head, ""]
+    gpu_cols = " peak allocated / rank | TFLOPS / GPU | MFU (of matmul) |" if cuda else ""
+    out.append("| stage | system | step time median [p20-p80] | tokens/s | model states / rank | peak RSS / rank |"
+               f"{gpu_cols} sent / step / rank | final loss | max loss gap vs DDP |")
+    out.append("|---" * (9 + 3 * cuda) + "|")
     for st in record["stages"]:
         for s in st["systems"]:
             comm = "—" if s["comm_bytes_per_step"] is None else (
                 f"{s['comm_bytes_per_step'] / 2**20:.2f} MiB{'' if s['comm_measured'] else ' (alg.)'}")
+            gpu = ""
+            if cuda:
+                mfu = "—" if s["mfu"] is None else f"{s['mfu']:.1%}"
+                gpu = (f" {_mib(s['peak_cuda_bytes_per_rank'])} | {s['tflops_per_rank']:.1f} | {mfu} "
+                       f"({_cell(s['mfu_of_matmul'], '.1%')}) |")
             out.append(f"| {st['stage']} | {s['system']} | {s['median_s'] * 1e3:.1f} ms [{s['p20_s'] * 1e3:.1f}-"
                        f"{s['p80_s'] * 1e3:.1f}] | {s['tokens_per_s']:.0f} | "
                        f"{_mib(s['model_state_bytes_per_rank'])} | "
-                       f"{s['peak_rss_bytes_per_rank'] / 2**20:.0f} MiB | {comm} | {s['final_loss']:.4f} | "
-                       f"{s['max_loss_gap_vs_ddp']:.2e} |")
+                       f"{s['peak_rss_bytes_per_rank'] / 2**20:.0f} MiB |{gpu} {comm} | {s['final_loss']:.4f} | "
+                       f"{_cell(s['max_loss_gap_vs_ddp'], '.2e')} |")
     out.append("")
     for st in record["stages"]:
         r = st["ratios"]
         skipped = "".join(f"; {k}: {v}" for k, v in st["peers_skipped"].items())
         if "step_time_zkern_over_deepspeed" in r:
             skipped = f"; zkern / deepspeed step time x{r['step_time_zkern_over_deepspeed']:.2f}" + skipped
-        out.append(f"stage {st['stage']}: zkern / {st['peer']}: step time x{r['step_time_zkern_over_peer']:.2f}, "
-                   f"model states {_x(r['model_state_zkern_over_peer'])}; model states / ZeRO formula "
+        versus = (f"zkern / {st['peer']}: step time {_x(r['step_time_zkern_over_peer'])}, model states "
+                  f"{_x(r['model_state_zkern_over_peer'])}" if st["peer"] else "no peer ran")
+        out.append(f"stage {st['stage']}: {versus}; model states / ZeRO formula "
                    f"x{r['model_state_over_formula']:.3f}; sent / required x{r['comm_over_required']:.3f}{skipped}")
     return "\n".join(out)

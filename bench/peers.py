@@ -7,9 +7,12 @@ Peers by stage (DDP runs for every stage: it is the loss-curve reference):
     1: zero1      DDP + torch's ZeroRedundancyOptimizer(AdamW)
     2: fsdp2      FSDP2 fully_shard(reshard_after_forward=False) on each block and the root (ZeRO-2's traffic)
     3: fsdp2      FSDP2 fully_shard on each block and the root
-    any: deepspeed  deepspeed.initialize with the same stage over gloo, when the deepspeed package imports
-Each returns losses, step times, the model-state bytes this rank holds, its peak RSS, and the bytes per step
-its algorithm sends per rank (ring volumes, from the algorithm: torch does not count them).
+    any: deepspeed  deepspeed.initialize with the same stage, when the deepspeed package imports
+On a CPU they run over gloo, on GPUs over nccl, one GPU per rank. A bf16 spec trains the stock peers with fp32
+parameters under autocast (FSDP2: its MixedPrecisionPolicy), reducing bf16 gradients as zkern does.
+Each returns losses, step times, the model-state bytes this rank holds, its peak RSS (and on a GPU the CUDA
+allocator's max allocated), and the bytes per step its algorithm sends per rank (ring volumes, from the
+algorithm: torch does not count them).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from zkern.testing import (
     TrainSpec,
     ddp_run,
     engine_training_loop,
+    init_peer_group,
     model_state_bytes,
-    peak_rss_bytes,
+    peaks,
+    peer_autocast,
+    rank_device,
     torch_training_loop,
 )
 
@@ -36,28 +42,31 @@ def _ring(world: int, nbytes: float, collectives: float) -> int:
 
 def ddp_peer(rank: int, world: int, spec: TrainSpec) -> dict:
     out = ddp_run(rank, world, spec)
-    out["comm_bytes_per_step"] = _ring(world, 4 * _numel(spec), 2)  # one all-reduce = 2 ring passes
+    out["comm_bytes_per_step"] = _ring(world, _width(spec) * _numel(spec), 2)  # one all-reduce = 2 ring passes
     return out
 
 
 def zero1_peer(rank: int, world: int, spec: TrainSpec) -> dict:
     out = ddp_run(rank, world, spec, zero1=True)
     # DDP's all-reduce, then each rank broadcasts its updated partition: about one more ring pass
-    out["comm_bytes_per_step"] = _ring(world, 4 * _numel(spec), 3)
+    # (the gradients go in the spec's width, the fp32 parameters in 4 bytes)
+    out["comm_bytes_per_step"] = _ring(world, _width(spec) * _numel(spec), 2) + _ring(world, 4 * _numel(spec), 1)
     return out
 
 
 def fsdp2_peer(rank: int, world: int, spec: TrainSpec, reshard_after_forward: bool = True) -> dict:
-    """FSDP2: fully_shard each transformer block and the root, torch AdamW on the sharded parameters."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    """FSDP2: fully_shard each transformer block and the root, torch AdamW on the sharded parameters. A bf16
+    spec gathers and reduces in bf16 over fp32 shards (MixedPrecisionPolicy), as zkern communicates."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    model = spec.make_model()
+    bf16 = peer_autocast(spec) is not None
+    init_peer_group(spec)
+    model = spec.make_model().to(rank_device(spec))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else \
+        MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
 
@@ -68,9 +77,9 @@ def fsdp2_peer(rank: int, world: int, spec: TrainSpec, reshard_after_forward: bo
 
     losses, times = torch_training_loop(spec, rank, world, model, opt, params, sync)
     gathers = 2 if reshard_after_forward else 1  # forward (+ backward when resharded), plus one reduce-scatter
-    return {"losses": losses, "step_times": times, "peak_rss": peak_rss_bytes(),
+    return {"losses": losses, "step_times": times, **peaks(rank_device(spec)),
             "model_state_bytes": model_state_bytes(model, opt),
-            "comm_bytes_per_step": _ring(world, 4 * _numel(spec), gathers + 1)}
+            "comm_bytes_per_step": _ring(world, _width(spec, fsdp=True) * _numel(spec), gathers + 1)}
 
 
 def fsdp2_zero2_peer(rank: int, world: int, spec: TrainSpec) -> dict:
@@ -90,10 +99,17 @@ def deepspeed_peer(rank: int, world: int, spec: TrainSpec) -> dict:
     model = spec.make_model()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses, times = engine_training_loop(spec, rank, world, engine)
+    peak = peaks(engine.device)
     # Model states: not measured. DeepSpeed keeps its flat fp32 partitions and gradient buffers inside its
     # optimizer wrapper, where counting p.grad and the inner optimizer's state (as for the stock peers) misses them.
-    return {"losses": losses, "step_times": times, "peak_rss": peak_rss_bytes(), "model_state_bytes": None,
+    return {"losses": losses, "step_times": times, **peak, "model_state_bytes": None,
             "comm_bytes_per_step": None}
+
+
+def _width(spec: TrainSpec, fsdp: bool = False) -> int:
+    """Bytes per element the peers communicate: bf16 specs reduce bf16 gradients, except DDP's on gloo (torch's
+    bf16 compress hook runs on nccl only)."""
+    return 2 if spec.precision == "bf16" and (fsdp or spec.device == "cuda") else 4
 
 
 def _numel(spec: TrainSpec) -> int:
@@ -111,3 +127,6 @@ PEERS = {
     2: {"fsdp2": fsdp2_zero2_peer, "deepspeed": deepspeed_peer},
     3: {"fsdp2": fsdp2_peer, "deepspeed": deepspeed_peer},
 }
+
+# every peer's name, for --peers
+NAMES = ("ddp", *sorted({name for stage in PEERS.values() for name in stage}))

@@ -1,4 +1,5 @@
-"""The engine suite's chart: model states and peak RSS per rank, and throughput, by stage and system.
+"""The engine suite's chart: model states and peak memory per rank (RSS on a CPU, CUDA max allocated on a
+GPU), and throughput, by stage and system.
 
     python bench/run.py --stage 0,1,2,3 --model tiny --plot engine.png
 """
@@ -15,8 +16,9 @@ def plot(record: dict, path: str) -> None:
     stages = record["stages"]
     names = sorted({s["system"].replace(f" stage {st['stage']}", "") for st in stages for s in st["systems"]})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = [("model_state_bytes_per_rank", 2**20, "model states per rank (MiB)"),
-              ("peak_rss_bytes_per_rank", 2**20, "peak RSS per rank (MiB)"),
+    peak = (("peak_cuda_bytes_per_rank", 2**30, "peak CUDA allocated per rank (GiB)") if record["device"] == "cuda"
+            else ("peak_rss_bytes_per_rank", 2**20, "peak RSS per rank (MiB)"))
+    panels = [("model_state_bytes_per_rank", 2**20, "model states per rank (MiB)"), peak,
               ("tokens_per_s", 1, "throughput (tokens/s, all ranks)")]
     width = 0.8 / max(1, len(names))
     for ax, (key, scale, title) in zip(axes, panels):

@@ -1,6 +1,7 @@
 """zkern's benchmark: the same model, data and seed under zkern and under stock PyTorch, side by side.
 
     python bench/run.py                              # --stage 3, the 25M-parameter GPT, world 2, CPU
+    python bench/run.py --stage 0,1,2,3 --model 1b   # a GPU machine: every GPU, nccl, bf16, TFLOPS and MFU
     python bench/run.py --stage 0,1,2,3 --model tiny --json out.json --plot out.png --gate bench/gates.toml
 
     python bench/run.py --suite adam                 # the CPU Adam at 50M parameters vs torch (and DeepSpeed)
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import adam_suite, engine_suite, gates, kernels_suite  # noqa: E402
+from bench import adam_suite, engine_suite, gates, kernels_suite, peers  # noqa: E402
 
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite}
 
@@ -42,8 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="zkern against stock PyTorch on the same model and data")
     parser.add_argument("--stage", type=_stages, default=[3], help="ZeRO stage(s): 0-3 or a list (default 3)")
     parser.add_argument("--suite", default="engine", choices=[*SUITES, "all"])
-    parser.add_argument("--world", type=int, default=2, help="ranks over gloo on this CPU (default 2)")
-    parser.add_argument("--model", default="25m", choices=sorted(engine_suite.MODELS), help="model preset")
+    parser.add_argument("--world", type=int, default=None,
+                        help="ranks: default 2 over gloo on a CPU, one per GPU over nccl on a GPU machine")
+    parser.add_argument("--model", default=None, choices=sorted(engine_suite.MODELS),
+                        help="model preset (default 25m on a CPU, 1b on a GPU)")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="where the engine suite trains (default cuda where torch sees a GPU)")
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16"],
+                        help="engine suite precision (default: the preset's; bf16 for 1b and 7b, else fp32)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the GPU's dense peak for MFU where the datasheet table (bench/flops.py) lacks it")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     parser.add_argument("--peers", default=None, help="comma list of peers to run (default: every installed one)")
     parser.add_argument("--json", default=None, help="write the record as JSON to this path")
@@ -60,13 +69,20 @@ def main(argv: list[str] | None = None) -> int:
         suites.remove("kernels")
         print("bench/run.py: --suite all on a machine without a GPU runs engine and adam (the kernels suite times "
               "Triton kernels on CUDA)", file=sys.stderr)
-    if args.world < 1 or (args.steps is not None and args.steps < 2) or args.adam_numel < 1:
+    if (args.world is not None and args.world < 1) or (args.steps is not None and args.steps < 2) \
+            or args.adam_numel < 1:
         parser.error("--world and --adam-numel must be >= 1 and --steps >= 2")
     wanted = args.peers.split(",") if args.peers else None
+    unknown = sorted(set(wanted or ()) - set(peers.NAMES))
+    if unknown:
+        parser.error(f"--peers: unknown {unknown}; the peers are {', '.join(peers.NAMES)}")
+    on_gpu = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
+    model = args.model or ("1b" if on_gpu else "25m")
     records = []
     for suite in suites:
         if suite == "engine":
-            record = engine_suite.run(args.stage, args.world, args.model, args.steps, wanted)
+            record = engine_suite.run(args.stage, args.world, model, args.steps, wanted, device=args.device,
+                                      precision=args.precision, peak_tflops=args.peak_tflops)
         elif suite == "adam":
             record = adam_suite.run(args.adam_numel)
         else:
@@ -89,12 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         committed = gates.load(args.gate)
         failures = [line for r in records for line in gates.check(r, committed)]
         unchecked = sorted({g.suite for g in committed} - {r["suite"] for r in records})
+        elsewhere = [g for g in committed if g.suite in suites and not any(gates.applies(g, r) for r in records)]
         for line in failures:
             print(f"GATE FAILED: {line}")
         if failures:
             return 1
         note = f" (not checked: the {', '.join(unchecked)} suite did not run)" if unchecked else ""
-        print(f"gates: all {args.gate} gates of the {', '.join(suites)} suite(s) hold{note}")
+        if elsewhere:
+            note += (f" ({len(elsewhere)} gate(s) set for another device not checked: "
+                     f"{', '.join(sorted({f'{g.figure} ({g.device})' for g in elsewhere}))})")
+        print(f"gates: all {args.gate} gates of the {', '.join(suites)} suite(s) that apply hold{note}")
     return 0
 
 

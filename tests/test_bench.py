@@ -7,16 +7,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import gates  # noqa: E402
+import torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from bench import engine_suite, flops, gates, run  # noqa: E402
 from bench.engine_suite import required_bytes_per_step  # noqa: E402
+from zkern.testing import TinyGPT  # noqa: E402
 
 GATES = Path(__file__).resolve().parents[1] / "bench" / "gates.toml"
 
 
-def record(**ratios):
+def record(device="cpu", **ratios):
     base = {"step_time_zkern_over_peer": 1.0, "model_state_zkern_over_peer": 1.0, "model_state_over_formula": 1.0,
             "comm_over_required": 1.0, "loss_gap_vs_ddp": 0.0}
-    return {"suite": "engine", "stages": [{"stage": s, "ratios": {**base, **ratios}} for s in (0, 1, 2, 3)]}
+    return {"suite": "engine", "device": device,
+            "stages": [{"stage": s, "ratios": {**base, **ratios}} for s in (0, 1, 2, 3)]}
 
 
 def test_the_committed_gates_pass_a_good_record_and_fail_regressions():
@@ -29,6 +35,14 @@ def test_the_committed_gates_pass_a_good_record_and_fail_regressions():
     chatty = gates.check(record(comm_over_required=0.5), committed)
     assert chatty and "below its bound 0.95" in chatty[0]
     assert "loss_gap_vs_ddp" in gates.check(record(loss_gap_vs_ddp=1e-3), committed)[0]
+
+
+def test_gates_set_on_the_cpu_do_not_judge_a_gpu_record_but_the_formula_gates_do():
+    committed = gates.load(str(GATES))
+    # CI's CPU step-time margins and its fp32 loss bar say nothing about a bf16 GPU run
+    assert gates.check(record(device="cuda", step_time_zkern_over_peer=2.0, loss_gap_vs_ddp=1e-3), committed) == []
+    fat = gates.check(record(device="cuda", model_state_over_formula=1.10), committed)
+    assert len(fat) == 4 and "above its bound 1.02" in fat[0]
 
 
 def test_a_missing_figure_fails_and_a_bad_gate_file_is_an_error(tmp_path):
@@ -93,3 +107,65 @@ def test_kernels_suite_runs_end_to_end_under_the_interpreter(monkeypatch):
     assert "timings mean nothing" in kernels_suite.table(rec)
     failures = gates.check(rec, gates.load(str(GATES)))
     assert any("kernels: flatten_speedup" in f for f in failures)
+
+
+@pytest.mark.parametrize("shape", [dict(vocab=67, dim=32, n_layer=2, n_head=2, seq=16),
+                                   dict(vocab=101, dim=48, n_layer=3, n_head=4, seq=24)])
+def test_model_flops_per_token_equal_torchs_flop_count_of_a_training_step(shape):
+    """MFU's numerator against torch's own FlopCounterMode over forward + backward (the math attention backend,
+    whose matrix products it sees; the fused CPU kernel's it does not)."""
+    model = TinyGPT(**shape)
+    batch = 3
+    idx = torch.randint(0, shape["vocab"], (batch, shape["seq"]))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx, idx).backward()
+    assert flops.train_flops_per_token(shape) * batch * shape["seq"] == counter.get_total_flops()
+
+
+def test_the_peak_table_tells_the_h100_parts_apart_and_knows_what_it_does_not_know():
+    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert flops.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0  # not the SXM part's rate
+    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "fp32") == 66.9  # fp32 runs off the tensor cores
+    assert flops.peak_tflops("NVIDIA H100 NVL", "bf16") is None
+    assert flops.peak_tflops("NVIDIA GeForce RTX 4090", "bf16") is None
+
+
+def test_a_system_whose_model_states_cannot_fit_the_gpu_is_named_with_its_need():
+    gpu = 80 * 2**30
+    seven_b, one_b = 6_583_274_755, 873_309_443
+    why = engine_suite._does_not_fit(0, seven_b, 1, "fp32", gpu)
+    assert why and "98.1 GiB per rank" in why and "80.0 GiB" in why
+    assert engine_suite._does_not_fit(0, one_b, 1, "fp32", gpu) is None
+    assert engine_suite._does_not_fit(3, seven_b, 8, "mixed", gpu) is None  # 12.3 GiB a rank
+    assert engine_suite._does_not_fit(0, seven_b, 1, "fp32", None) is None  # a CPU run: nothing to check
+
+
+def test_bad_engine_suite_requests_are_refused_with_the_reason(capsys):
+    with pytest.raises(SystemExit, match="is for GPUs"):
+        engine_suite.hardware("cpu", None, "1b", None, None)
+    with pytest.raises(SystemExit, match="fp32 or bf16"):
+        engine_suite.hardware("cpu", None, "tiny", "fp16", None)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="sees no CUDA device"):
+            engine_suite.hardware("cuda", None, "tiny", None, None)
+    assert engine_suite.hardware("cpu", None, "tiny", None, None)[0] == 2  # two ranks on a CPU
+    with pytest.raises(SystemExit):
+        run.main(["--peers", "fsdp3"])
+    assert "unknown ['fsdp3']" in capsys.readouterr().err
+
+
+def test_engine_suite_runs_bf16_against_autocast_peers():
+    """The GPU presets' precision path on the CPU: zkern bf16 against DDP / ZeroRedundancyOptimizer under
+    autocast and FSDP2 with a bf16 MixedPrecisionPolicy; every system trains, in fresh processes."""
+    rec = engine_suite.run([1, 3], None, "tiny", steps=4, device="cpu", precision="bf16", progress=lambda line: None)
+    assert rec["precision"] == "bf16" and rec["world"] == 2
+    for st in rec["stages"]:
+        names = [s["system"] for s in st["systems"]]
+        assert names[0] == "ddp" and names[-1] == f"zkern stage {st['stage']}"
+        assert st["peer"] == ("zero1" if st["stage"] == 1 else "fsdp2")
+        assert 0.99 <= st["ratios"]["model_state_over_formula"] <= 1.02
+        # bf16 against fp32-weight autocast: the curves agree to bf16 rounding, not more
+        assert 0 < st["ratios"]["loss_gap_vs_ddp"] < 2**-7
+        for s in st["systems"]:
+            assert s["tflops_per_rank"] > 0 and s["mfu"] is None and s["peak_cuda_bytes_per_rank"] is None
+    assert "| 3 | fsdp2 |" in engine_suite.table(rec)

@@ -52,3 +52,26 @@ def test_offload_on_cuda_matches_no_offload(stage, zero):
     plain = spawn(nccl_engine_run, 1, dataclasses.replace(spec, zero={}), subprocess=True)[0]
     assert_params_close(off["state"], plain["state"], lr=spec.lr, steps=spec.steps)
     assert off["memory"]["host"]["optimizer"] > 0 and off["memory"]["cuda"]["optimizer"] == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_engine_suite_on_cuda_measures_allocated_memory_tflops_and_mfu(precision):
+    """The benchmark's CUDA path: nccl peers on one GPU per rank, CUDA max allocated, TFLOPS and MFU."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import engine_suite
+
+    rec = engine_suite.run([0, 1, 2, 3], None, "tiny", steps=4, device="cuda", precision=precision,
+                           progress=lambda line: None)
+    assert rec["device"] == "cuda" and rec["world"] == torch.cuda.device_count()
+    assert rec["matmul_tflops"] > 1
+    for st in rec["stages"]:
+        assert 0.99 <= st["ratios"]["model_state_over_formula"] <= 1.02
+        for s in st["systems"]:
+            states = s["model_state_bytes_per_rank"]  # None: a peer measured from outside cannot say
+            assert s["peak_cuda_bytes_per_rank"] > 0 and (states is None or s["peak_cuda_bytes_per_rank"] >= states)
+            assert s["tflops_per_rank"] > 0 and s["mfu_of_matmul"] > 0
+            assert (s["mfu"] is None) == (rec["peak_tflops"] is None)
+    assert "MFU" in engine_suite.table(rec)

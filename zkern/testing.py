@@ -231,12 +231,13 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
             gathered_after_forward.append(engine.runtime.gathered_units())
 
     losses, times = engine_training_loop(spec, rank, world, engine, after_forward)
+    peak = peaks(engine.device)  # the training's, before full_state_dict's gather
     comm_end = engine.comm_stats()  # before full_state_dict's own gather
     state = engine.full_state_dict(rank0_only=True)
     state = None if state is None else {k: v.cpu() for k, v in state.items()}
     logger.removeHandler(handler)
     logger.setLevel(level)
-    return {"losses": losses, "state": state, "memory": engine.memory_report(), "peak_rss": peak_rss_bytes(),
+    return {"losses": losses, "state": state, "memory": engine.memory_report(), **peak,
             "comm_start": comm_start,
             "comm_end": comm_end, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
             "log": messages, "gathered_after_forward": gathered_after_forward,
@@ -248,10 +249,10 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
 def engine_training_loop(spec: TrainSpec, rank: int, world: int, engine, after_forward=None) -> tuple[list, list]:
     """The DeepSpeed-style loop (zkern and DeepSpeed engines alike): per micro-batch forward, backward, step; the
     engine accumulates and steps at the boundary. Returns (loss per step, seconds per step); resets the peak
-    RSS first."""
+    memory counts first (peaks() reads them)."""
     batches = spec.batches(world)
     losses, times = [], []
-    reset_peak_rss()
+    reset_peaks(engine.device)
     for step in range(spec.steps):
         start = time.perf_counter()
         total = 0.0
@@ -263,43 +264,89 @@ def engine_training_loop(spec: TrainSpec, rank: int, world: int, engine, after_f
             engine.backward(loss)
             engine.step()
             total += loss.item()
+        _finish_step(engine.device)
         times.append(time.perf_counter() - start)
         losses.append(total / spec.accumulation)
     return losses, times
 
 
+def rank_device(spec: TrainSpec) -> torch.device:
+    """Where this rank of a spec's run trains: cuda:LOCAL_RANK for spec.device "cuda", else the CPU."""
+    if spec.device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_peer_group(spec: TrainSpec) -> None:
+    """The default process group a stock peer needs: nccl on this rank's GPU, gloo on a CPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if spec.device == "cuda":
+        device = rank_device(spec)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+
+
+def peer_autocast(spec: TrainSpec) -> torch.dtype | None:
+    """The stock peers' mixed precision: fp32 parameters under torch.autocast(bf16) for a bf16 spec (PyTorch's
+    recipe). fp16 would need a GradScaler, whose skipped steps no engine shares: refused."""
+    if spec.precision == "fp16":
+        raise ValueError("the stock peers train fp32 or bf16 (autocast); fp16 needs a GradScaler whose skipped "
+                         "steps differ from the engine's loss scaler: benchmark fp32 or bf16")
+    return torch.bfloat16 if spec.precision == "bf16" else None
+
+
 def ddp_run(rank: int, world: int, spec: TrainSpec, zero1: bool = False) -> dict:
     """The same training under torch's DistributedDataParallel + AdamW (the stock peer of stage 0), or with
-    zero1=True, torch's ZeroRedundancyOptimizer around AdamW (the stock peer of stage 1)."""
+    zero1=True, torch's ZeroRedundancyOptimizer around AdamW (the stock peer of stage 1). A bf16 spec trains
+    under autocast and, on GPUs, all-reduces bf16 gradients (torch's bf16_compress_hook, nccl only), as zkern
+    reduces them."""
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-    model = spec.make_model()
-    ddp = DistributedDataParallel(model, find_unused_parameters=spec.extra_every > 0) if world > 1 else model
+    autocast = peer_autocast(spec)
+    device = rank_device(spec)
+    if world > 1 or zero1:  # ZeroRedundancyOptimizer needs a group even at world size 1
+        init_peer_group(spec)
+    model = spec.make_model().to(device)
+    ddp = model
+    if world > 1:
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      find_unused_parameters=spec.extra_every > 0)
+        if autocast is not None and device.type == "cuda":  # torch's hook needs nccl: gloo reduces fp32
+            ddp.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
     params = [p for p in model.parameters() if p.requires_grad]
     if zero1:
         opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=spec.lr,
                                       weight_decay=spec.weight_decay)
     else:
         opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
     def sync(last: bool):  # DDP all-reduces only on the accumulation step's last micro-batch
         return contextlib.nullcontext() if last or world == 1 else ddp.no_sync()
 
-    losses, times = torch_training_loop(spec, rank, world, ddp, opt, params, sync)
-    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()} if rank == 0 else None
-    return {"losses": losses, "state": state, "step_times": times, "peak_rss": peak_rss_bytes(),
+    losses, times = torch_training_loop(spec, rank, world, ddp, opt, params, sync, autocast)
+    peak = peaks(device)  # the training's, before the state copy
+    state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()} if rank == 0 else None
+    return {"losses": losses, "state": state, "step_times": times, **peak,
             "model_state_bytes": model_state_bytes(model, opt)}
 
 
-def torch_training_loop(spec: TrainSpec, rank: int, world: int, model, opt, params, sync) -> tuple[list, list]:
-    """The plain torch loop every stock peer runs: zero_grad, accumulate the micro-batches (each backward under
-    sync(is_last_micro_batch)), clip, step. Returns (loss per step, seconds per step); resets the peak RSS."""
+def torch_training_loop(spec: TrainSpec, rank: int, world: int, model, opt, params, sync,
+                        autocast: torch.dtype | None = None) -> tuple[list, list]:
+    """The plain torch loop every stock peer runs: zero_grad, accumulate the micro-batches (each forward under
+    torch.autocast(autocast) when given, each backward under sync(is_last_micro_batch)), clip, step. Returns
+    (loss per step, seconds per step); resets the peak memory counts first."""
     batches = spec.batches(world)
+    device = rank_device(spec)
     losses, times = [], []
-    reset_peak_rss()
+    reset_peaks(device)
     for step in range(spec.steps):
         start = time.perf_counter()
         opt.zero_grad()
@@ -307,15 +354,23 @@ def torch_training_loop(spec: TrainSpec, rank: int, world: int, model, opt, para
         for micro in range(spec.accumulation):
             idx, tgt = batches[step][micro][rank]
             with sync(micro == spec.accumulation - 1):
-                loss = model(idx, tgt, **spec.forward_kwargs(step))
+                with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                    loss = model(idx.to(device), tgt.to(device), **spec.forward_kwargs(step))
                 (loss / spec.accumulation).backward()
             total += loss.item()
         if spec.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, spec.clip)
         opt.step()
+        _finish_step(device)
         times.append(time.perf_counter() - start)
         losses.append(total / spec.accumulation)
     return losses, times
+
+
+def _finish_step(device: torch.device) -> None:
+    """A step's time ends when its GPU work does: CUDA runs asynchronously to the host."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def model_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -350,6 +405,20 @@ def reset_peak_rss() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+def reset_peaks(device: torch.device) -> None:
+    """Restart the peak RSS and, on a GPU, the CUDA allocator's peak from what is held now."""
+    reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peaks(device: torch.device) -> dict:
+    """This rank's peaks since reset_peaks: process RSS, and on a GPU the CUDA allocator's max allocated."""
+    return {"peak_rss": peak_rss_bytes(),
+            "peak_cuda": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 
 def mean_losses(results: list[dict]) -> list[float]:

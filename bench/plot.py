@@ -34,9 +34,12 @@ def plot(record: dict, path: str) -> None:
         ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(stages))])
         ax.set_xticklabels([f"stage {st['stage']}" for st in stages])
         ax.set_title(title)
-    axes[2].legend()  # throughput has every system (model states may lack one that cannot be measured)
+    # throughput has every system (model states may lack one that cannot be measured); below the panels, where
+    # it hides no bar
+    handles, labels = axes[2].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(names), frameon=False)
     fig.suptitle(f"zkern engine suite: {record['model']} ({record['num_params'] / 1e6:.2f}M params), world "
                  f"{record['world']}, {record['precision']}, {record['device_name']}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)

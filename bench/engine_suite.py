@@ -139,7 +139,7 @@ def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peer
     preset = MODELS[model]
     warmup = min(preset["warmup"], spec.steps - 1)
     tokens_per_step = spec.micro_batch * preset["model"]["seq"] * world
-    numel = sum(p.numel() for p in spec.make_model().parameters())
+    numel = spec.num_params()
     # the stock peers keep fp32 parameters (autocast), zkern and DeepSpeed 16-bit ones with an fp32 master
     peer_precision = "fp32"
     engine_precision = "fp32" if spec.precision == "fp32" else "mixed"
@@ -256,7 +256,7 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
         "suite": "engine",
         "world": world,
         "model": model,
-        "num_params": sum(p.numel() for p in spec.make_model().parameters()),
+        "num_params": spec.num_params(),
         "steps": spec.steps,
         "warmup_steps": min(MODELS[model]["warmup"], spec.steps - 1),
         **hw,
@@ -302,9 +302,8 @@ def table(record: dict) -> str:
                 f"{s['comm_bytes_per_step'] / 2**20:.2f} MiB{'' if s['comm_measured'] else ' (alg.)'}")
             gpu = ""
             if cuda:
-                mfu = "—" if s["mfu"] is None else f"{s['mfu']:.1%}"
-                gpu = (f" {_mib(s['peak_cuda_bytes_per_rank'])} | {s['tflops_per_rank']:.1f} | {mfu} "
-                       f"({_cell(s['mfu_of_matmul'], '.1%')}) |")
+                gpu = (f" {_mib(s['peak_cuda_bytes_per_rank'])} | {s['tflops_per_rank']:.1f} | "
+                       f"{_cell(s['mfu'], '.1%')} ({_cell(s['mfu_of_matmul'], '.1%')}) |")
             out.append(f"| {st['stage']} | {s['system']} | {s['median_s'] * 1e3:.1f} ms [{s['p20_s'] * 1e3:.1f}-"
                        f"{s['p80_s'] * 1e3:.1f}] | {s['tokens_per_s']:.0f} | "
                        f"{_mib(s['model_state_bytes_per_rank'])} | "

@@ -42,7 +42,7 @@ def _ring(world: int, nbytes: float, collectives: float) -> int:
 
 def ddp_peer(rank: int, world: int, spec: TrainSpec) -> dict:
     out = ddp_run(rank, world, spec)
-    out["comm_bytes_per_step"] = _ring(world, _width(spec) * _numel(spec), 2)  # one all-reduce = 2 ring passes
+    out["comm_bytes_per_step"] = _ring(world, _width(spec) * spec.num_params(), 2)  # one all-reduce = 2 ring passes
     return out
 
 
@@ -50,7 +50,8 @@ def zero1_peer(rank: int, world: int, spec: TrainSpec) -> dict:
     out = ddp_run(rank, world, spec, zero1=True)
     # DDP's all-reduce, then each rank broadcasts its updated partition: about one more ring pass
     # (the gradients go in the spec's width, the fp32 parameters in 4 bytes)
-    out["comm_bytes_per_step"] = _ring(world, _width(spec) * _numel(spec), 2) + _ring(world, 4 * _numel(spec), 1)
+    numel = spec.num_params()
+    out["comm_bytes_per_step"] = _ring(world, _width(spec) * numel, 2) + _ring(world, 4 * numel, 1)
     return out
 
 
@@ -79,7 +80,7 @@ def fsdp2_peer(rank: int, world: int, spec: TrainSpec, reshard_after_forward: bo
     gathers = 2 if reshard_after_forward else 1  # forward (+ backward when resharded), plus one reduce-scatter
     return {"losses": losses, "step_times": times, **peaks(rank_device(spec)),
             "model_state_bytes": model_state_bytes(model, opt),
-            "comm_bytes_per_step": _ring(world, _width(spec, fsdp=True) * _numel(spec), gathers + 1)}
+            "comm_bytes_per_step": _ring(world, _width(spec, fsdp=True) * spec.num_params(), gathers + 1)}
 
 
 def fsdp2_zero2_peer(rank: int, world: int, spec: TrainSpec) -> dict:
@@ -110,10 +111,6 @@ def _width(spec: TrainSpec, fsdp: bool = False) -> int:
     """Bytes per element the peers communicate: bf16 specs reduce bf16 gradients, except DDP's on gloo (torch's
     bf16 compress hook runs on nccl only)."""
     return 2 if spec.precision == "bf16" and (fsdp or spec.device == "cuda") else 4
-
-
-def _numel(spec: TrainSpec) -> int:
-    return sum(p.numel() for p in spec.make_model().parameters())
 
 
 def installed(name: str) -> bool:

@@ -173,6 +173,13 @@ class TrainSpec:
         torch.manual_seed(self.seed)
         return TinyGPT(**self.model)
 
+    def num_params(self) -> int:
+        """The model's parameter count, built on the meta device: nothing is allocated or initialised (the bench's
+        1b and 7b presets would take gigabytes and seconds to build just to be counted)."""
+        with torch.device("meta"):
+            model = TinyGPT(**self.model)
+        return sum(p.numel() for p in model.parameters())
+
     def batches(self, world: int):
         vocab = self.model.get("vocab", 67)
         seq = self.model.get("seq", 16)

@@ -452,8 +452,7 @@ class Stage3Runtime:
                 f"was reduced (reentrant activation checkpointing?); use "
                 f"torch.utils.checkpoint(..., use_reentrant=False)")
         g = u.group
-        if g.buffer is None:  # zeros: padding and parameters without a gradient reduce as zero
-            g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.dtype, device=self._empty.device)
+        self._ensure_buffer(g)
         self._scatter_into(g, u, p, p.grad.reshape(-1), add=pos in u.fired)
         u.fired.add(pos)
         p.grad = None  # only the shard is kept
@@ -483,9 +482,14 @@ class Stage3Runtime:
         if g.complete == len(g.units):
             self._launch(g)
 
-    def _launch(self, g: ReduceGroup) -> None:
+    def _ensure_buffer(self, g: ReduceGroup) -> None:
+        """The group's rank-major gradient buffer, made at its first gradient of the pass (or at launch, for a group
+        that got none). Zeros: padding and parameters without a gradient reduce as zero."""
         if g.buffer is None:
             g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.dtype, device=self._empty.device)
+
+    def _launch(self, g: ReduceGroup) -> None:
+        self._ensure_buffer(g)
         rank = self.comm.rank
         names = f"'{g.units[0].plan.name}'" + (f"..'{g.units[-1].plan.name}'" if len(g.units) > 1 else "")
         purpose = f"gradients of units {names}"

@@ -61,7 +61,9 @@ setup(
     # torch==2.13.0 first where none is present, because an unpinned torch pulls gigabytes of CUDA packages.
     install_requires=["torch>=2.4"],
     # Triton: zkern's GPU kernels; the tests run them on a CPU under TRITON_INTERPRET=1, so the test extra has it.
-    extras_require={"triton": [TRITON], "test": ["pytest>=8", "ruff>=0.5", "numpy", "matplotlib", TRITON]},
+    # transformers: the tests train Hugging Face's GPT-2 (built from a config; nothing is downloaded).
+    extras_require={"triton": [TRITON],
+                    "test": ["pytest>=8", "ruff>=0.5", "numpy", "matplotlib", "transformers>=4.46", TRITON]},
     ext_modules=[adam_ext],
     cmdclass={"build_ext": BuildWithIsaFlags},
 )

@@ -88,12 +88,25 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = False
     stage3_gather_fp16_weights_on_model_save: bool = False
     stage3_fetch_units: tuple[str, ...] = ()  # module class names: each instance is one fetch unit
+    stage3_merge_divergent_modules: bool = True  # ranks gathering different units: gather their container whole
     # ZeRO-Offload: "none" or "cpu" (fp32 master and Adam moments on the host; stages 1-3), and for stage 3 the
     # parameter shards at rest on the host. pin_memory: page-locked host buffers (CUDA only).
     offload_optimizer_device: str = "none"
     offload_optimizer_pin_memory: bool = False
     offload_param_device: str = "none"
     offload_param_pin_memory: bool = False
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """DeepSpeed's activation_checkpointing section (zkern.checkpointing reads it)."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,7 @@ class Config:
     zero_allow_untested_optimizer: bool = False
     comm_timeout_s: float = 600.0  # zkern's own key: collective timeout, so a dead rank ends the job
     device: str = "auto"  # zkern's own key: "auto" (cuda:LOCAL_RANK when CUDA is available), "cpu" or "cuda"
+    activation_checkpointing: ActivationCheckpointingConfig | None = None  # None: no section in the config
     world_size: int | None = None  # set by resolve()
 
     # -- construction ------------------------------------------------------------------------------------------
@@ -170,6 +184,8 @@ def _value(path: str, kind: str, value: Any) -> Any:
     base = kind.removesuffix("_auto")
     if base == "section":  # checked by its own parser
         return value
+    if base == "int_or_null":
+        return None if value is None else _value(path, "int", value)
     if base == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"'{path}' must be true or false, got {value!r}")
@@ -325,6 +341,13 @@ def _parse(raw: dict) -> Config:
         zero[f"{name}_device"], zero[f"{name}_pin_memory"] = device, pin
     zero_cfg = ZeroConfig(**zero)
     _check_values(top, fp16, bf16, zero_cfg)
+    checkpointing = None
+    if raw.get("activation_checkpointing") is not None:
+        checkpointing = ActivationCheckpointingConfig(**_section(
+            "activation_checkpointing.", raw["activation_checkpointing"], keys.ACTIVATION_CHECKPOINTING_KEYS, {}))
+        if checkpointing.number_checkpoints is not None and checkpointing.number_checkpoints < 1:
+            raise ConfigError(f"'activation_checkpointing.number_checkpoints' must be >= 1 or null, got "
+                              f"{checkpointing.number_checkpoints}")
     return Config(
         train_batch_size=top.get("train_batch_size"),
         train_micro_batch_size_per_gpu=top.get("train_micro_batch_size_per_gpu"),
@@ -339,6 +362,7 @@ def _parse(raw: dict) -> Config:
         zero_allow_untested_optimizer=top.get("zero_allow_untested_optimizer", False),
         comm_timeout_s=top.get("comm_timeout_s", 600.0),
         device=top.get("device", "auto"),
+        activation_checkpointing=checkpointing,
     )
 
 
@@ -356,11 +380,13 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
         raise ConfigError(f"'device' must be \"auto\", \"cpu\" or \"cuda\", got {top['device']!r}")
     if top.get("comm_timeout_s", 600.0) <= 0:
         raise ConfigError(f"'comm_timeout_s' must be > 0 seconds, got {top['comm_timeout_s']}")
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                "stage3_max_live_parameters"):
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_max_live_parameters"):
         value = getattr(zero, key)
         if value != AUTO and value <= 0:
             raise ConfigError(f"'zero_optimization.{key}' must be > 0 elements, got {value}")
+    if zero.stage3_prefetch_bucket_size != AUTO and zero.stage3_prefetch_bucket_size < 0:
+        raise ConfigError(f"'zero_optimization.stage3_prefetch_bucket_size' must be >= 0 elements (0: no prefetch), "
+                          f"got {zero.stage3_prefetch_bucket_size}")
     if zero.offload_optimizer_device != "none" and zero.stage == 0:
         raise ConfigError("'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (each rank offloads "
                           "its optimizer shard); set 'zero_optimization.stage'")

@@ -2,8 +2,8 @@
 zkern knows but does not implement (accepted only at the default that asks for nothing). zkern.config parses
 against them.
 
-A spec is (kind, default); kind is one of "int", "float", "bool", "str", "str_list", "betas", "section", with
-"_auto" appended where the value may be "auto".
+A spec is (kind, default); kind is one of "int", "int_or_null", "float", "bool", "str", "str_list", "betas",
+"section", with "_auto" appended where the value may be "auto".
 """
 
 AUTO = "auto"  # a value zkern fills in from the world size and the model (Config.resolve)
@@ -24,6 +24,7 @@ IMPLEMENTED_TOP = {
     "zero_allow_untested_optimizer": ("bool", False),
     "comm_timeout_s": ("float", 600.0),
     "device": ("str", "auto"),
+    "activation_checkpointing": ("section", None),
 }
 
 FP16_KEYS = {
@@ -50,8 +51,19 @@ ZERO_KEYS = {
     "stage3_gather_16bit_weights_on_model_save": ("bool", False),
     "stage3_gather_fp16_weights_on_model_save": ("bool", False),  # DeepSpeed's older name of the key above
     "stage3_fetch_units": ("str_list", ()),  # zkern's own: module class names gathered as one unit each
+    # zkern's own: when ranks would gather different units (routed experts), gather their container whole
+    "stage3_merge_divergent_modules": ("bool", True),
     "offload_optimizer": ("section", None),  # parsed by _parse_offload
     "offload_param": ("section", None),
+}
+# DeepSpeed's activation_checkpointing section (zkern.checkpointing); number_checkpoints may be null.
+ACTIVATION_CHECKPOINTING_KEYS = {
+    "partition_activations": ("bool", False),
+    "cpu_checkpointing": ("bool", False),
+    "contiguous_memory_optimization": ("bool", False),
+    "number_checkpoints": ("int_or_null", None),
+    "synchronize_checkpoint_boundary": ("bool", False),
+    "profile": ("bool", False),
 }
 OFFLOAD_KEYS = {"device": ("str", "none"), "pin_memory": ("bool", False)}
 # Offload keys for NVMe and DeepSpeed's partial offload: accepted at their defaults only.
@@ -112,7 +124,6 @@ NOT_IMPLEMENTED_TOP = {
     "progressive_layer_drop": SECTION_OFF,
     "hybrid_engine": SECTION_OFF,
     "compression_training": SECTION_OFF,
-    "activation_checkpointing": SECTION_OFF,
     "aio": SECTION_OFF,
     "pipeline": SECTION_OFF,
     "checkpoint": SECTION_OFF,
@@ -164,5 +175,6 @@ ALL_KNOWN_PATHS = (
     + [f"fp16.{k}" for k in [*FP16_KEYS, *NOT_IMPLEMENTED_FP16]]
     + [f"bf16.{k}" for k in [*BF16_KEYS, *NOT_IMPLEMENTED_BF16]]
     + [f"zero_optimization.{k}" for k in [*ZERO_KEYS, *NOT_IMPLEMENTED_ZERO]]
+    + [f"activation_checkpointing.{k}" for k in ACTIVATION_CHECKPOINTING_KEYS]
     + [f"optimizer.params.{k}" for k in [*ADAM_PARAMS, *NOT_IMPLEMENTED_OPTIMIZER_PARAMS]]
 )

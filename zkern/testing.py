@@ -13,7 +13,7 @@ import os
 import socket
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
 
 import torch
@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block: x + attention(ln1(x)), then x + mlp(ln2(x))."""
+
     def __init__(self, dim: int, n_head: int):
         super().__init__()
         self.n_head = n_head
@@ -37,13 +39,39 @@ class Block(nn.Module):
         self.fc = nn.Linear(dim, 4 * dim)
         self.fc_out = nn.Linear(4 * dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attend(self.ln1(x))
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+def run_block(block: nn.Module, checkpoint: str, *args):
+    """block(*args), under the activation checkpointing flavour named: "" (none), "non_reentrant" (torch's
+    default since 2.4), "no_early_stop" (non-reentrant, recomputing every op), "reentrant", or "zkern"
+    (zkern.checkpointing.checkpoint, DeepSpeed's API)."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    match checkpoint:
+        case "":
+            return block(*args)
+        case "non_reentrant":
+            return torch_checkpoint(block, *args, use_reentrant=False)
+        case "no_early_stop":
+            return torch_checkpoint(block, *args, use_reentrant=False, early_stop=False)
+        case "reentrant":
+            return torch_checkpoint(block, *args, use_reentrant=True)
+        case "zkern":
+            import zkern.checkpointing
+
+            return zkern.checkpointing.checkpoint(block, *args)
+        case other:
+            raise ValueError(f"unknown checkpoint flavour {other!r}")
 
 
 class TinyGPT(nn.Module):
@@ -54,13 +82,15 @@ class TinyGPT(nn.Module):
     Shapes stage 3 must handle: `reuse_first_block` runs blocks[0] a second time after the others (a module
     called twice in one forward); `functional_head` computes the logits in this module's own forward from
     self.tok.weight (a parameter read outside its module's forward); forward(reverse_blocks=True) runs the
-    blocks in reverse order (dynamic control flow).
+    blocks in reverse order (dynamic control flow); `checkpoint` runs each block under activation checkpointing
+    (run_block's flavours).
     """
 
     def __init__(self, vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16,
                  tie: bool = True, extra_branch: bool = False, freeze_pos: bool = False,
-                 reuse_first_block: bool = False, functional_head: bool = False):
+                 reuse_first_block: bool = False, functional_head: bool = False, checkpoint: str = ""):
         super().__init__()
+        self.checkpoint = checkpoint  # activation checkpointing of each block (run_block's flavours)
         self.config = SimpleNamespace(hidden_size=dim, vocab_size=vocab, n_layer=n_layer, seq=seq)
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02, requires_grad=not freeze_pos)
@@ -83,7 +113,7 @@ class TinyGPT(nn.Module):
         t = idx.shape[1]
         x = self.tok(idx) + self.pos[self.position_ids[:t]].to(self.tok.weight.dtype)
         for block in (reversed(self.blocks) if reverse_blocks else self.blocks):
-            x = block(x)
+            x = run_block(block, self.checkpoint, x)
         if self.reuse_first_block:
             x = self.blocks[0](x)
         if use_extra:
@@ -97,6 +127,83 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Expert(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+class MoEBlock(Block):
+    """A block whose MLP is `n_experts` same-shape experts; each sequence goes to one of them (`route`)."""
+
+    def __init__(self, dim: int, n_head: int, n_experts: int):
+        super().__init__(dim, n_head)
+        del self.fc, self.fc_out
+        self.experts = nn.ModuleList(Expert(dim) for _ in range(n_experts))
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        x = x + self.attend(self.ln1(x))
+        h = self.ln2(x)
+        out = torch.zeros_like(h)
+        for e in sorted(set(route.tolist())):  # only the experts this batch chose run
+            rows = (route == e).nonzero().squeeze(1)
+            out = out.index_add(0, rows, self.experts[e](h[rows]))
+        return x + out
+
+
+class TinyMoE(nn.Module):
+    """TinyGPT with routed experts: a sequence goes to expert (first token mod n_experts) in every block, so ranks
+    holding different data run different experts in the same step (the case stage 3 must not get wrong)."""
+
+    def __init__(self, vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16,
+                 n_experts: int = 4, checkpoint: str = ""):
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=dim, vocab_size=vocab, n_layer=n_layer, seq=seq)
+        self.n_experts, self.checkpoint = n_experts, checkpoint
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(MoEBlock(dim, n_head, n_experts) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        route = idx[:, 0] % self.n_experts
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = run_block(block, self.checkpoint, x, route)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def hf_gpt2(vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16, checkpoint: str = ""):
+    """Hugging Face's GPT2LMHeadModel at a tiny size, built from a config (no download), dropout off so that
+    runs compare exactly; `checkpoint` turns on HF's gradient_checkpointing_enable() with torch's non-reentrant
+    ("non_reentrant", "no_early_stop") or reentrant ("reentrant") checkpoint."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=dim, n_layer=n_layer, n_head=n_head,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                        loss_type="ForCausalLM")
+    model = GPT2LMHeadModel(config)
+    match checkpoint:
+        case "":
+            pass
+        case "non_reentrant" | "no_early_stop" | "reentrant":
+            kwargs = {"use_reentrant": checkpoint == "reentrant"}
+            if checkpoint == "no_early_stop":
+                kwargs["early_stop"] = False
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        case other:
+            raise ValueError(f"unknown checkpoint flavour {other!r} for HF GPT-2")
+    return model.train()
 
 
 def make_batches(seed: int, steps: int, accumulation: int, world: int, micro_batch: int, seq: int, vocab: int):
@@ -146,19 +253,26 @@ class TrainSpec:
     zero: dict = field(default_factory=dict)  # more zero_optimization keys
     fp16: dict = field(default_factory=dict)  # more fp16 keys
     device: str = "cpu"  # "cuda" for the gpu-marked tests
+    arch: str = "tiny"  # "tiny" (TinyGPT), "moe" (TinyMoE) or "hf_gpt2" (Hugging Face GPT-2); `model` holds kwargs
+    param_groups: bool = False  # a client AdamW with HF Trainer's groups: decay on matrices, none on biases/norms
+    # moe: {step: [expert per rank]}: that step, every sequence of rank r goes to expert list[r] (the first token
+    # picks the expert); other steps route by the data
+    forced_routes: dict = field(default_factory=dict)
+    extra_config: dict = field(default_factory=dict)  # more top-level config sections (activation_checkpointing)
 
     def config(self, world: int) -> dict:
         cfg = {
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "gradient_accumulation_steps": self.accumulation,
             "gradient_clipping": self.clip,
-            "optimizer": {"type": self.optimizer, "params": {"lr": self.lr, "weight_decay": self.weight_decay}},
             "zero_optimization": {"stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
                                   "overlap_comm": self.overlap_comm, **self.zero},
             "steps_per_print": 0,
             "comm_timeout_s": 120,
             "device": self.device,
         }
+        if not self.param_groups:  # else the engine takes client_optimizer's groups
+            cfg["optimizer"] = {"type": self.optimizer, "params": {"lr": self.lr, "weight_decay": self.weight_decay}}
         if self.stage == 3:
             # Every unit of the tiny model is below DeepSpeed's 1e5 persistence threshold: keep only LayerNorm-sized
             # units whole, so that stage 3 really partitions and gathers.
@@ -167,11 +281,39 @@ class TrainSpec:
             cfg["bf16"] = {"enabled": True}
         elif self.precision == "fp16":
             cfg["fp16"] = {"enabled": True, **self.fp16}
-        return cfg
+        return {**cfg, **self.extra_config}
 
-    def make_model(self) -> TinyGPT:
+    def make_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
-        return TinyGPT(**self.model)
+        match self.arch:
+            case "tiny":
+                return TinyGPT(**self.model)
+            case "moe":
+                return TinyMoE(**self.model)
+            case "hf_gpt2":
+                return hf_gpt2(**self.model)
+            case other:
+                raise ValueError(f"unknown arch {other!r}")
+
+    def client_optimizer(self, model: nn.Module) -> torch.optim.Optimizer | None:
+        """param_groups: HF Trainer's two AdamW groups (decay on matrices and embeddings, none on biases and
+        norms); else None (the config's optimizer)."""
+        if not self.param_groups:
+            return None
+        decay = [p for p in model.parameters() if p.dim() >= 2 and p.requires_grad]
+        rest = [p for p in model.parameters() if p.dim() < 2 and p.requires_grad]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
+                                  {"params": rest, "weight_decay": 0.0}], lr=self.lr)
+
+    def loss(self, model, idx: torch.Tensor, tgt: torch.Tensor, step: int) -> torch.Tensor:
+        """The model's loss on one batch, as each arch computes it (HF GPT-2 shifts its labels itself)."""
+        match self.arch:
+            case "hf_gpt2":
+                return model(input_ids=idx, labels=idx).loss
+            case "moe":
+                return model(idx, tgt)
+            case _:
+                return model(idx, tgt, **self.forward_kwargs(step))
 
     def num_params(self) -> int:
         """The model's parameter count, built on the meta device: nothing is allocated or initialised (the bench's
@@ -183,7 +325,13 @@ class TrainSpec:
     def batches(self, world: int):
         vocab = self.model.get("vocab", 67)
         seq = self.model.get("seq", 16)
-        return make_batches(self.seed + 1, self.steps, self.accumulation, world, self.micro_batch, seq, vocab)
+        batches = make_batches(self.seed + 1, self.steps, self.accumulation, world, self.micro_batch, seq, vocab)
+        n = self.model.get("n_experts", 4)
+        for step, experts in self.forced_routes.items():
+            for micro in batches[step]:
+                for (idx, _), expert in zip(micro, experts):
+                    idx[:, 0] = idx[:, 0] - idx[:, 0] % n + expert
+        return batches
 
     def uses_extra(self, step: int) -> bool:
         return self.extra_every > 0 and step % self.extra_every == self.extra_phase
@@ -193,19 +341,20 @@ class TrainSpec:
 
 
 def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain single-process torch: the same model, the whole global batch per step, torch.optim.AdamW/Adam,
-    torch.nn.utils.clip_grad_norm_. Returns (final state_dict in fp32, loss per step)."""
+    """Plain single-process torch: the same model, the whole global batch per step, torch.optim.AdamW (with the
+    spec's param groups), torch.nn.utils.clip_grad_norm_. Returns (final state_dict in fp32, loss per step).
+    A model with activation checkpointing is trained without it here: checkpointing must not change the math."""
     device = torch.device("cuda" if spec.device == "cuda" else "cpu")
-    model = spec.make_model().to(device)
+    model = replace(spec, model={**spec.model, "checkpoint": ""}).make_model().to(device)
     batches = spec.batches(world)
     params = [p for p in model.parameters() if p.requires_grad]
     # DeepSpeed's (and so zkern's) "Adam" decouples weight decay like AdamW unless adam_w_mode is false.
-    opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    opt = spec.client_optimizer(model) or torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
     losses = []
     for step in range(spec.steps):
         opt.zero_grad()
         idx, tgt = global_batch(batches, step)
-        loss = model(idx.to(device), tgt.to(device), **spec.forward_kwargs(step))
+        loss = spec.loss(model, idx.to(device), tgt.to(device), step)
         loss.backward()
         if spec.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, spec.clip)
@@ -229,7 +378,7 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
     level = logger.level
     logger.setLevel(logging.INFO)
     model = spec.make_model()
-    engine = zkern.Engine(model, spec.config(world))
+    engine = zkern.Engine(model, spec.config(world), optimizer=spec.client_optimizer(model))
     comm_start = engine.comm_stats()
     gathered_after_forward = []
 
@@ -265,7 +414,7 @@ def engine_training_loop(spec: TrainSpec, rank: int, world: int, engine, after_f
         total = 0.0
         for micro in range(spec.accumulation):
             idx, tgt = batches[step][micro][rank]
-            loss = engine(idx.to(engine.device), tgt.to(engine.device), **spec.forward_kwargs(step))
+            loss = spec.loss(engine, idx.to(engine.device), tgt.to(engine.device), step)
             if after_forward is not None:
                 after_forward()
             engine.backward(loss)
@@ -362,7 +511,7 @@ def torch_training_loop(spec: TrainSpec, rank: int, world: int, model, opt, para
             idx, tgt = batches[step][micro][rank]
             with sync(micro == spec.accumulation - 1):
                 with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                    loss = model(idx.to(device), tgt.to(device), **spec.forward_kwargs(step))
+                    loss = spec.loss(model, idx.to(device), tgt.to(device), step)
                 (loss / spec.accumulation).backward()
             total += loss.item()
         if spec.clip > 0:

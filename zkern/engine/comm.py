@@ -88,6 +88,18 @@ class Comm:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
+    def sibling(self) -> Comm:
+        """A Comm over a new process group of the same ranks, sharing this one's byte counters (a collective: every
+        rank calls it). Stage 3 reduces gradients on a group of their own, so the order of reductions never has to
+        interleave with the order of parameter gathers: each group's sequence is the same on every rank even when
+        backward reaches a reduction at a different moment on each."""
+        group = None
+        if self.world > 1:
+            group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s))
+        twin = Comm(group, self.rank, self.world, self.timeout_s)
+        twin.bytes, twin.calls = self.bytes, self.calls
+        return twin
+
     def error(self, what: str, cause: BaseException) -> CommError:
         return CommError(
             f"zkern rank {self.rank} of {self.world}: {what} failed or did not complete within "
@@ -130,8 +142,10 @@ class Comm:
         what = f"reduce_scatter of {inp.numel()} {inp.dtype} elements ({purpose})"
         return self._run(_reduce_scatter_single, what, async_op, out, inp)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, purpose: str, *, async_op: bool = False) -> Work:
-        """out (world * n,) <- every rank's inp (n,), in rank order."""
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, purpose: str, *, kind: str = "all_gather",
+                   async_op: bool = False) -> Work:
+        """out (world * n,) <- every rank's inp (n,), in rank order. kind "control" counts stage 3's agreement
+        tags apart from parameter traffic."""
         if out.numel() != inp.numel() * self.world:
             raise ValueError(f"all_gather: output has {out.numel()} elements, input {inp.numel()} x world "
                              f"{self.world} expected")
@@ -139,7 +153,7 @@ class Comm:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return Work(self, None, "")
-        self._count("all_gather", (self.world - 1) * out.numel() * out.element_size() // self.world)
+        self._count(kind, (self.world - 1) * out.numel() * out.element_size() // self.world)
         what = f"all_gather of {out.numel()} {out.dtype} elements ({purpose})"
         return self._run(_all_gather_single, what, async_op, out, inp)
 

@@ -9,16 +9,18 @@ The stage runtime (stage12.Stage12Runtime, stage3.Stage3Runtime) owns buffers an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 
 import torch
 
-from zkern import ops
+from zkern import checkpointing, ops
 from zkern.config import Config
 from zkern.engine import build
 from zkern.engine.comm import Comm, init_distributed
+from zkern.engine.divergence import signatures_differ
 from zkern.engine.offload import HostStep
 from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
 from zkern.engine.precision import LossScaler, working_dtype
@@ -40,6 +42,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: Config | dict | str | os.PathLike,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None):
         cfg = Config.load(config)
+        if cfg.activation_checkpointing is not None:
+            checkpointing.configure(None, deepspeed_config=cfg)
         self.device = build.pick_device(model, cfg.device)
         group, rank, world = init_distributed(self.device, cfg.comm_timeout_s)
         self.config = cfg = cfg.resolve(world, model)
@@ -141,7 +145,11 @@ class Engine:
             raise ValueError("engine.backward: the loss does not require grad (computed under torch.no_grad(), or "
                              "no trainable parameter took part in it)")
         self.runtime.begin_backward(self.is_gradient_accumulation_boundary())
-        (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+        try:
+            (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+        except BaseException:
+            self.runtime.abort_backward()  # stage 3: release what the failed pass held; nothing is reduced
+            raise
         self.runtime.end_backward()
 
     def step(self) -> None:
@@ -165,11 +173,18 @@ class Engine:
             f, s = ops.unscale_and_check_(segment, 1.0)  # check and norm only; unscaling is folded into Adam
             found += f
             sq_norm += s
-        used = torch.tensor([float(u) for u in self.runtime.used], device=self.device)
-        control = torch.cat([found.view(1), sq_norm.view(1), used])
-        self.comm.all_reduce(control, "step control: overflow flag, squared gradient norm, parameters with "
-                                      "gradients", kind="control")
+        # float64: the gather signature's sum and sum of squares must add up exactly (divergence.py).
+        signature = self.runtime.gather_signature()
+        host = torch.tensor([signature, signature * signature, *map(float, self.runtime.used)], dtype=torch.float64)
+        control = torch.cat([found.view(1).double(), sq_norm.view(1).double(), host.to(self.device)])
+        self.comm.all_reduce(control, "step control: overflow flag, squared gradient norm, gather signature, "
+                                      "parameters with gradients", kind="control")
         values = control.tolist()  # the one host synchronisation of the step
+        if signatures_differ(values[2], values[3], signature, self.world_size):
+            self.runtime.diverged_step()  # stage 3: ranks paired different units; never apply this step
+            self.skipped_steps += 1
+            self.runtime.zero_grad()
+            return
         sq = values[1]
         overflow = values[0] > 0 or not math.isfinite(sq)
         # Gradients hold the sum over ranks of loss_scale * (micro-batch mean gradient): fold the average and the
@@ -182,7 +197,7 @@ class Engine:
         else:
             clip = self.config.gradient_clipping
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # torch.nn.utils.clip_grad_norm_'s rule
-            flags = [v > 0 for v in values[2:]]
+            flags = [v > 0 for v in values[4:]]
             self._check_unused(flags)
             active = self.runtime.active(flags)
             if self.host_step is not None:
@@ -264,11 +279,17 @@ class Engine:
             values = {id(p): p.detach() for p in self.runtime.params}
         path = os.path.join(os.fspath(save_dir), save_filename)
         if self.rank == 0:
-            state = {name: values.get(id(t), t).detach().clone().cpu()
-                     for name, t in self.module.state_dict(keep_vars=True).items()}
+            state = {name: values.get(id(t), t).detach().clone().cpu() for name, t in self._module_state().items()}
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, path)
         return path
+
+    def _module_state(self) -> dict[str, torch.Tensor]:
+        """model.state_dict(keep_vars=True): the names and the tensor objects (stage 3 parameters at rest are empty;
+        the caller substitutes gathered values by id)."""
+        unguarded = getattr(self.runtime, "unguarded", contextlib.nullcontext)
+        with unguarded():
+            return self.module.state_dict(keep_vars=True)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """fp32 weights with model.state_dict()'s names (a collective: call it on every rank).
@@ -277,7 +298,7 @@ class Engine:
         if values is None:
             return None
         out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
+        for name, t in self._module_state().items():
             if id(t) in values:
                 out[name] = values[id(t)]
             else:

@@ -34,6 +34,15 @@ def is_sharded(p: torch.Tensor) -> bool:
     return hasattr(p, "_zkern_shard")
 
 
+def sharder_of(p: torch.Tensor) -> _Sharder:
+    return p._zkern_sharder
+
+
+def forget_sharding(p: torch.Tensor) -> None:
+    """p is whole again, or zkern.Engine took over its partition."""
+    del p._zkern_shard, p._zkern_shape, p._zkern_sharder
+
+
 def full_shape(p: torch.Tensor) -> torch.Size:
     return p._zkern_shape if is_sharded(p) else p.shape
 
@@ -50,11 +59,13 @@ class _Sharder:
     def __init__(self, comm: Comm):
         self.comm = comm
 
-    def shard(self, p: torch.nn.Parameter) -> None:
-        """Rank 0's values everywhere, then keep this rank's chunk; .data becomes empty."""
+    def shard(self, p: torch.nn.Parameter, src: int | None = 0) -> None:
+        """Rank src's values everywhere (src None: the ranks' values are equal already), then keep this rank's
+        chunk; .data becomes empty."""
         with torch.no_grad():
             data = p.data.contiguous()
-            self.comm.broadcast(data, "init_sharded: a new parameter's initial values from rank 0")
+            if src is not None:
+                self.comm.broadcast(data, "init_sharded: a parameter's values", src=src)
             flat = data.reshape(-1)
             chunk = math.ceil(flat.numel() / self.comm.world) if flat.numel() else 0
             lo = min(self.comm.rank * chunk, flat.numel())
@@ -63,10 +74,11 @@ class _Sharder:
             p.data = torch.empty(0, dtype=data.dtype, device=data.device)  # before it counts as partitioned
             p._zkern_shard = mine
             p._zkern_shape = data.shape
+            p._zkern_sharder = self
 
     def materialize(self, p: torch.nn.Parameter) -> None:
         full = gather_built(p, self.comm, "init_sharded: a partitioned parameter, whole for one call")
-        del p._zkern_shard, p._zkern_shape
+        forget_sharding(p)
         p.data = full
 
 

@@ -362,6 +362,13 @@ class Stage12Runtime:
     def abort_pass(self, error: BaseException) -> None:
         """The model raised inside forward: stages 0-2 hold nothing per pass."""
 
+    def abort_backward(self) -> None:
+        """loss.backward() raised: the next backward starts over (begin_backward resets the pass state)."""
+
+    def gather_signature(self) -> int:
+        """Stages 0-2 gather no parameters during the passes: nothing for the step's control to compare."""
+        return 0
+
     def begin_backward(self, boundary: bool) -> None:
         for g in self.groups:
             g.begin_backward(boundary)

@@ -8,8 +8,8 @@ owns parameters directly is a unit of its own parameters; `fetch_classes` (confi
 each outermost instance of those module classes one unit covering its whole subtree. A parameter shared by
 several modules (tied weights) belongs to the first owner in named_modules() order, and every module that
 holds it needs that unit. Units smaller than the persistence threshold are merged into one persistent unit
-that stays gathered. plan_units and plan_reduce_groups are pure (they read the module tree and sizes);
-Unit and ReduceGroup are the records stage3.Stage3Runtime keeps per unit and per reduction.
+that stays gathered. plan_units and plan_reduce_groups are pure (they read the module tree and sizes); the
+runtime records built on them are lifecycle.Unit and stage3_reduce.ReduceGroup.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zkern.engine.comm import Work
-from zkern.engine.partition import Bucket
+from zkern.engine.sharded_init import full_shape
 
 
 @dataclass
@@ -31,45 +30,7 @@ class UnitPlan:
     numel: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.numel = sum(p.numel() for p in self.params)
-
-
-# Runtime state of a unit and of a group of units reduced together (stage3.Stage3Runtime drives them).
-
-
-@dataclass
-class Unit:
-    index: int
-    plan: UnitPlan
-    bucket: Bucket
-    trainable: int  # parameters that get gradients
-    state: str = "rest"  # rest | inflight | gathered
-    buffer: torch.Tensor | None = None  # (bucket.padded,) working dtype while gathered
-    work: Work | None = None
-    refs: int = 0  # modules running forward with it
-    held_for_backward: bool = False
-    prefetched: bool = False  # gathered ahead, not used yet
-    fired: set = field(default_factory=set)  # parameter positions in the unit with a gradient this backward
-    complete: bool = False  # every trainable parameter's gradient arrived (or the unit was flushed)
-    group: ReduceGroup | None = None
-
-
-@dataclass
-class ReduceGroup:
-    """Consecutive units whose gradients are reduced by one collective (at most reduce_bucket_size elements).
-
-    The buffer is rank-major, so that one reduce-scatter leaves rank r the contiguous shard range of the group:
-    | rank 0: u1.chunk0 u2.chunk0 | rank 1: u1.chunk1 u2.chunk1 | ...
-    """
-
-    index: int
-    units: list[Unit]
-    section: int  # elements per rank section (sum of the units' chunks)
-    section_offset: dict[int, int]  # unit index -> offset inside a section
-    shard_offset: int
-    buffer: torch.Tensor | None = None
-    complete: int = 0  # units of the group whose gradients are all in
-
+        self.numel = sum(full_shape(p).numel() for p in self.params)  # init_sharded parameters are empty at rest
 
 
 def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:

@@ -1,0 +1,221 @@
+"""Stage 3's gathering: bring fetch units from rest to whole and back, prefetch along the recorded order, and keep
+the counts (live elements, gathers per unit, the step's gather signature, the shard version).
+
+    python -m pytest tests/test_stage3.py -q
+
+Every all-gather of a unit goes through Gatherer.gather (or regather, for a unit already whole), and every
+release through Gatherer.release, which moves the unit's lifecycle (lifecycle.Unit) and the parameters' .data
+together: a parameter is a view into its unit's buffer exactly while the unit is gathered, an empty tensor at
+rest.
+
+Prefetch: each pass records the order of the gathers it needed (order.OrderRecord); the next pass of the same
+kind issues up to stage3_prefetch_bucket_size elements ahead along that record, asynchronously. The budget is
+counted so that every rank reaches the same decision (the ranks must issue the same all-gathers): in forward
+it also keeps the gathered elements under stage3_max_live_parameters; in backward, where a unit is freed when
+this rank's gradients for it arrive, only the prefetched elements count against it. A pass that departs from
+the record stops prefetching and is recorded afresh; verifying passes (divergence.py) prefetch nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from zkern.engine.comm import Comm
+from zkern.engine.divergence import fold_signature
+from zkern.engine.lifecycle import DataState, GradState, InvariantError, Unit
+from zkern.engine.order import OrderRecord
+
+log = logging.getLogger("zkern")
+
+
+class Gatherer:
+    def __init__(self, units: list[Unit], comm: Comm, *, param_shard: torch.Tensor, dtype: torch.dtype,
+                 device: torch.device, layout: dict[int, tuple[torch.Size, int]], params_on_host: bool,
+                 prefetch_numel: int, max_live: int):
+        """layout: id(parameter) -> (full shape, offset inside its unit's buffer)."""
+        self.units, self.comm = units, comm
+        self.param_shard, self.dtype, self.device = param_shard, dtype, device
+        self.layout, self.params_on_host = layout, params_on_host
+        self.prefetch_numel, self.max_live = prefetch_numel, max_live
+        self.empty = torch.empty(0, dtype=dtype, device=device)
+        self.version = 0  # advanced by every optimizer step and every write into the shards
+        self.live = 0  # elements gathered or in flight (running count: scanning units per gather is O(units^2))
+        self.peak_live = 0
+        self.ahead = 0  # of which prefetched and not used yet
+        self._prefetched: set[int] = set()
+        self.counts = [0] * len(units)  # all-gathers issued per unit since construction
+        self.signature = 0  # of the gathers issued since the last optimizer step (divergence.fold_signature)
+        self.order = OrderRecord()
+        self.verify_all = False  # verify every pass (after a signature mismatch, until a merge)
+        self.verify = False  # this pass verifies (begin_pass)
+        self._said_reorder = False
+
+    # -- one unit ---------------------------------------------------------------------------------------------
+    def _own_chunk(self, u: Unit, buffer: torch.Tensor) -> torch.Tensor:
+        b = u.bucket
+        own = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
+        if self.params_on_host:
+            # Copied up into this rank's own slot of the gather buffer, then gathered in place: no extra buffer.
+            slot = buffer[self.comm.rank * b.chunk:(self.comm.rank + 1) * b.chunk]
+            own = slot.copy_(own, non_blocking=own.is_pinned())
+        return own
+
+    def _count(self, u: Unit) -> None:
+        self.counts[u.index] += 1
+        self.signature = fold_signature(self.signature, u.index)
+
+    def gather(self, u: Unit, *, async_op: bool) -> None:
+        """REST -> INFLIGHT, and on to GATHERED unless async_op."""
+        buffer = torch.empty(u.bucket.padded, dtype=self.dtype, device=self.device)
+        work = self.comm.all_gather(buffer, self._own_chunk(u, buffer), f"parameters of unit '{u.name}'",
+                                    async_op=async_op)
+        u.issue(buffer, work, self.version)
+        self._count(u)
+        self.live += u.bucket.padded
+        self.peak_live = max(self.peak_live, self.live)
+        if not async_op:
+            self.finish(u)
+
+    def regather(self, u: Unit, purpose: str, *, async_op: bool = False) -> None:
+        """A unit that is whole on this rank joins an all-gather of itself, into its own buffer: the other ranks
+        gather it now (a divergent unit lingering here, a merge lining ranks up), or the shards moved and the copy
+        must follow (after a step). Where the values did not move, the bytes written are the bytes there."""
+        if u.data is DataState.REST:
+            raise u._fail("re-gathered while at rest")
+        self.finish(u)
+        u.work = self.comm.all_gather(u.buffer, self._own_chunk(u, u.buffer), f"{purpose}, unit '{u.name}'",
+                                      async_op=async_op)
+        u.version = self.version
+        self._count(u)
+        if not async_op:
+            self.finish(u)
+
+    def finish(self, u: Unit) -> None:
+        """Wait for u's all-gather, if one is in flight, and point its parameters into the buffer."""
+        if u.work is not None:
+            u.work.wait()
+            u.work = None
+        if u.data is not DataState.INFLIGHT:
+            return
+        u.arrive()
+        for p in u.plan.params:
+            shape, off = self.layout[id(p)]
+            p.data = u.buffer[off:off + shape.numel()].view(shape)
+
+    def release(self, u: Unit) -> bool:
+        """Put u to rest if nobody holds it (persistent units stay). A divergent unit whose gradients this rank still
+        waits for lingers instead (GradReducer's completion puts it to rest). Returns whether it went to rest."""
+        if u.persistent or u.data is DataState.REST or not u.idle:
+            return False
+        if u.divergent and u.grads is GradState.PENDING:
+            u.lingering = True
+            return False
+        if u.work is not None:
+            u.work.wait()
+            u.work = None
+        for p in u.plan.params:
+            p.data = self.empty
+        self.live -= u.bucket.padded
+        self._unmark_prefetched(u)
+        u.rest()
+        return True
+
+    def use(self, u: Unit, phase: str) -> bool:
+        """u is needed now: make it whole and check it is fresh. Returns whether this was an event, a use that
+        every rank makes at the same point: u was not live (so every rank gathers it now) or was prefetched for
+        this use. Only events move along the recorded order and prefetch: a use of a unit already live may come
+        from a module that runs on some ranks only (a routed expert inside its merged container)."""
+        if u.persistent:
+            return False
+        event = not u.live or u.prefetched
+        if event:
+            self._see(u, phase)
+        if u.lingering:
+            u.lingering = False
+            self.regather(u, "parameters gathered again")  # whole here still; the other ranks gather it now
+        elif u.data is DataState.REST:
+            self.gather(u, async_op=False)
+        self.finish(u)
+        u.check_fresh(self.version)
+        self._unmark_prefetched(u)
+        if event:
+            self._prefetch(phase, u.bucket.padded)
+        return event
+
+    # -- prefetch along the record ----------------------------------------------------------------------------
+    def begin_pass(self, phase: str) -> bool:
+        """A forward or backward pass begins. Returns whether it verifies (exchanges a tag before every gather,
+        divergence.py): decided here, once per pass, from state every rank shares, so that no rank starts
+        exchanging tags while another sends data. Verifying passes prefetch nothing."""
+        self.order.begin(phase)
+        self.verify = self.comm.world > 1 and (self.verify_all or self.order.recording_only(phase))
+        return self.verify
+
+    def _see(self, u: Unit, phase: str) -> None:
+        expected = self.order.see(phase, u.index)
+        if expected is None:
+            return
+        self.drop_prefetched()
+        if not self._said_reorder and self.comm.rank == 0:
+            self._said_reorder = True
+            log.warning("zkern stage 3: the %s pass gathered unit '%s' where the recorded order expected '%s'; "
+                        "prefetch stops for this pass and the order is re-recorded (said once)", phase, u.name,
+                        self.units[expected].name if expected >= 0 else "nothing")
+
+    def _prefetch(self, phase: str, in_use: int) -> None:
+        if self.verify:
+            return
+        for ui in self.order.upcoming(phase):
+            u = self.units[ui]
+            if u.live:
+                continue
+            size = u.bucket.padded
+            if self.ahead + size > self.prefetch_numel:
+                break
+            # Forward frees at each module's end, alike on every rank; backward frees as this rank's gradients
+            # arrive, which differs between ranks that route differently: there only the prefetch counts.
+            resident = self.live if phase == "forward" else self.ahead + in_use
+            if resident + size > self.max_live:
+                break
+            if u.lingering:  # whole here, not on the other ranks: join their gather
+                u.lingering = False
+                self.regather(u, "parameters gathered ahead", async_op=True)
+            else:
+                self.gather(u, async_op=True)
+            u.prefetched = True
+            self.ahead += size
+            self._prefetched.add(u.index)
+
+    def _unmark_prefetched(self, u: Unit) -> None:
+        if u.prefetched:
+            u.prefetched = False
+            self.ahead -= u.bucket.padded
+            self._prefetched.discard(u.index)
+
+    def drop_prefetched(self) -> None:
+        for ui in sorted(self._prefetched):
+            self.release(self.units[ui])
+
+    def end_pass(self, phase: str) -> None:
+        self.drop_prefetched()
+        self.order.end(phase)
+
+    # -- after the optimizer step -----------------------------------------------------------------------------
+    def after_step(self) -> None:
+        """The shards changed: advance the version and bring every copy that must stay whole up to date (the
+        persistent unit, and units an open GatheredParameters context pins). Any other gathered copy would now
+        be stale: that is an invariant violation, not something to use."""
+        self.version += 1
+        for u in self.units:
+            if u.data is DataState.REST:
+                continue
+            if u.persistent or u.pins:
+                self.regather(u, "updated parameters")
+            else:
+                raise InvariantError(f"zkern stage 3: {u.describe()} is still gathered after the optimizer step "
+                                     f"(refs {u.refs}, held {u.held}); its copy is stale")
+
+    def gathered_names(self) -> list[str]:
+        return [u.name for u in self.units if u.data is not DataState.REST and not u.persistent]

@@ -356,3 +356,40 @@ def test_sharded_construction_is_for_stage_3_only():
         zkern.Engine(model, {"train_batch_size": 1, "zero_optimization": {"stage": 1}, "optimizer": {"type": "Adam"},
                              "device": "cpu"})
     assert torch.nn.Linear.__init__.__name__ == "__init__" and not hasattr(torch.nn.Linear.__init__, "__wrapped__")
+
+
+class FailOnce(torch.autograd.Function):
+    """Identity whose backward raises the first time (a user's custom op failing mid-backward)."""
+
+    failed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not FailOnce.failed:
+            FailOnce.failed = True
+            raise RuntimeError("custom backward failed")
+        return grad
+
+
+class FailingHead(TinyGPT):
+    def forward(self, idx, targets):
+        return FailOnce.apply(super().forward(idx, targets))
+
+
+def test_a_backward_that_raises_leaves_nothing_held_and_training_goes_on():
+    spec = TrainSpec(stage=3, steps=2)
+    torch.manual_seed(spec.seed)
+    engine = zkern.Engine(FailingHead(), spec.config(1))
+    idx, tgt = spec.batches(1)[0][0][0]
+    with pytest.raises(RuntimeError, match="custom backward failed"):
+        engine.backward(engine(idx, tgt))
+    assert engine.runtime.gathered_units() == []
+    assert all(not u.held and not u.lingering for u in engine.runtime.units)
+    for _ in range(2):
+        engine.backward(engine(idx, tgt))
+        engine.step()
+    assert engine.global_steps == 2 and engine.runtime.gathered_units() == []

@@ -207,10 +207,7 @@ class Stage3Runtime:
         """loss.backward() raised: release what backward held and close its gradients without reducing them."""
         self.hooks.abort_pass()
         self.reducer.abort()
-        for u in self.units:
-            if u.held:
-                u.held = False
-                self.gatherer.release(u)
+        self.hooks.release_backward()
         self.hooks.phase = "forward"
 
     # -- step -------------------------------------------------------------------------------------------------

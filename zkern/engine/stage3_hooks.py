@@ -84,6 +84,7 @@ class Stage3Hooks:
         self.needs = needs  # module -> units it reads (planned, declared and detected)
         self.merged: dict[torch.nn.Module, list[int]] = {}  # container -> units of children chosen per rank
         self.backward_set: list[int] = []  # units every rank gathers when backward begins (divergent backward needs)
+        self._divergent_held: list[Unit] = []  # divergent units backward holds now (released at shared events)
         self.merge_divergent = merge_divergent
         self.by_path = dict(root.named_modules())
         self.modules = list(self.by_path.values())
@@ -144,6 +145,7 @@ class Stage3Hooks:
         if u.divergent:
             if not u.held and holder is not None:
                 u.held, u.holder = True, holder
+                self._divergent_held.append(u)
         elif u.grads is GradState.PENDING or (u.trainable == 0 and u.touched):
             u.held = True
 
@@ -151,12 +153,18 @@ class Stage3Hooks:
         """An event by `requester`: backward has moved on from every module that is not an ancestor of it, so the
         divergent units those modules hold are released (on every rank at this same event; a rank still waiting
         for their gradients keeps its copy as a lingering one)."""
-        where = self._path(requester)
-        for v in self.units:
-            if v.divergent and v.held and v is not keep and v.refs == 0 \
-                    and not path_under(where, self._path(v.holder)):
-                v.held, v.holder = False, None
-                self.release(v)
+        if not self._divergent_held:
+            return
+        where, kept = self._path(requester), []
+        for v in self._divergent_held:
+            if not v.held:  # released elsewhere (end of backward)
+                continue
+            if v is keep or v.refs or path_under(where, self._path(v.holder)):
+                kept.append(v)
+                continue
+            v.held, v.holder = False, None
+            self.release(v)
+        self._divergent_held = kept
 
     def release(self, u: Unit) -> None:
         self.gatherer.release(u)
@@ -317,12 +325,17 @@ class Stage3Hooks:
                 self._agree((TagKind.END_BACKWARD, -1, -1), requester=None)
             finally:
                 self.in_hook = False
-        for u in self.units:
-            if u.held:
-                u.held, u.holder = False, None
-                self.release(u)
+        self.release_backward()
         self._end_pass("backward")
         self.phase = "forward"
+
+    def release_backward(self) -> None:
+        """Backward is over (or failed): nothing it held or left lingering stays gathered."""
+        for u in self.units:
+            if u.held or u.lingering:
+                u.held, u.holder, u.lingering = False, None, False
+                self.release(u)
+        self._divergent_held = []
 
     def on_complete(self, u: Unit) -> None:
         """u's gradients are all in on this rank: backward no longer needs it here (a divergent unit keeps its

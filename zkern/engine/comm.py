@@ -69,6 +69,10 @@ class Work:
     handle: object | None
     what: str
 
+    def done(self) -> bool:
+        """Has it completed (without waiting)?"""
+        return self.handle is None or self.handle.is_completed()
+
     def wait(self) -> None:
         if self.handle is None:
             return

@@ -79,7 +79,7 @@ class Engine:
             master_from = [[p.detach().float().clone() for p in g] for g in groups] if mixed else [[] for _ in groups]
             model.to(self.dtype)
             bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
-            self.runtime = Stage12Runtime(groups, build.param_names(model), master_from, stage=zero.stage,
+            self.runtime = Stage12Runtime(model, groups, build.param_names(model), master_from, stage=zero.stage,
                                           comm=self.comm, dtype=self.dtype, mixed=mixed, bucket_numel=bucket,
                                           overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
                                           offload=self.offload, pin_memory=pin and zero.offload_optimizer_pin_memory)

@@ -13,9 +13,12 @@ laid out by partition.plan_layout (reverse registration order, so buckets fill r
            reduce-scattered at once (every micro-step) and its chunk added into the rank's gradient shard.
   reduce_scatter=false (stages 1, 2): all-reduce the bucket instead and keep this rank's chunk.
 
-Buckets launch strictly in index order on every rank, so ranks issue collectives in the same order even when
-their backward passes produce gradients in a different order. With overlap_comm, collectives run async while
-backward continues; without it, each runs to completion when launched.
+Buckets of every group launch in one plan shared by all ranks (schedule.ReduceSchedule), each once it and every
+bucket before it in the plan is complete, so ranks issue the same collectives in the same order however their
+backward passes order the gradients. A parameter no module of which ran forward on this rank in this micro-step
+cannot get a gradient: it counts as complete when backward begins (its part of the sum is zero, or at stages 0-1
+what earlier micro-steps accumulated), so it never holds back the buckets after it. With overlap_comm,
+collectives run async while backward continues; without it, each runs to completion when launched.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from zkern.engine.comm import Comm, Work
 from zkern.engine.offload import host_tensor
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.partition import Bucket, Layout, plan_layout
+from zkern.engine.schedule import ReduceSchedule
 
 log = logging.getLogger("zkern")
 
@@ -84,14 +88,12 @@ class FlatGroup:
         self._open: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> buffer being filled
         self._in_flight: deque[tuple[Bucket, Work, torch.Tensor | None]] = deque()
 
-        self._bucket_of = [b for b in layout.buckets for _ in range(b.first, b.last)]
+        self.bucket_of = [b for b in layout.buckets for _ in range(b.first, b.last)]
         self.fired = [False] * len(params)  # got a gradient in this backward
+        self.counted = [False] * len(params)  # counted toward its bucket's completion in this backward
+        self.touched = [False] * len(params)  # a module that owns or declares it ran forward in this micro-step
         self.used = [False] * len(params)  # got a gradient in any micro-step since the last optimizer step
-        self._ready = [0] * len(layout.buckets)
-        self._next_launch = 0
-        self._boundary = False
         self._micro_since_step = 0  # stage 2: reduced micro-steps accumulated into grad_shard
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
         self.pieces = layout.pieces(self.shard_rank)
         self.shard_group = self._make_shard_group()
 
@@ -154,11 +156,9 @@ class FlatGroup:
         return [used[piece.param] for piece in self.pieces]
 
     # -- backward ---------------------------------------------------------------------------------------------
-    def begin_backward(self, boundary: bool) -> None:
-        self._boundary = boundary
+    def begin_backward(self) -> None:
         self.fired = [False] * len(self.params)
-        self._ready = [0] * len(self.layout.buckets)
-        self._next_launch = 0
+        self.counted = [False] * len(self.params)
         if self.grad_flat is not None:  # autograd accumulates into p.grad in place, keeping the view object
             for i, p in enumerate(self.params):
                 if p.grad is not self._grad_views[i]:
@@ -167,24 +167,13 @@ class FlatGroup:
                         f"(e.g. model.zero_grad() or optimizer.zero_grad()); the engine zeroes gradients itself "
                         f"after each step, so remove that call")
 
-    def _make_hook(self, i: int):
-        def hook(p: torch.Tensor) -> None:
-            self._on_grad(i, p)
-        return hook
-
-    def _reduces_now(self) -> bool:
-        return self.stage == 2 or self._boundary
-
-    def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        b = self._bucket_of[i]
+    def take_grad(self, i: int, p: torch.Tensor) -> bool:
+        """Parameter i's gradient arrived; stage 2 moves it into its bucket's buffer. Returns whether it is the
+        first this backward."""
         again = self.fired[i]
         self.fired[i] = self.used[i] = True
-        if again and self._reduces_now() and b.index < self._next_launch:
-            raise RuntimeError(
-                f"zkern stage {self.stage}: '{self.names[i]}' received a second gradient in one backward after its "
-                f"bucket was sent for reduction (reentrant activation checkpointing?); use "
-                f"torch.utils.checkpoint(..., use_reentrant=False)")
         if self.stage == 2:
+            b = self.bucket_of[i]
             buf = self._open.get(b.index)
             if buf is None:
                 buf = self._open[b.index] = self._take_buffer(b)
@@ -195,23 +184,10 @@ class FlatGroup:
             else:
                 slot.copy_(p.grad.reshape(-1))
             p.grad = None  # stage 2 keeps only the shard: this parameter's full gradient is freed here
-        if again:
-            return
-        self._ready[b.index] += 1
-        if self._reduces_now():
-            self._launch_ready()
+        return not again
 
-    def _launch_ready(self) -> None:
-        buckets = self.layout.buckets
-        while self._next_launch < len(buckets):
-            b = buckets[self._next_launch]
-            if self._ready[b.index] < b.last - b.first:
-                return
-            self._launch(b)
-
-    def _launch(self, b: Bucket) -> None:
-        """Issue bucket b's gradient collective (buckets launch in index order on every rank)."""
-        self._next_launch = b.index + 1
+    def launch(self, b: Bucket) -> None:
+        """Issue bucket b's gradient collective (in the schedule's order, the same on every rank)."""
         purpose = f"gradients of bucket {b.index}, parameters {self.names[b.first]}..{self.names[b.last - 1]}"
         if self.stage == 2:
             buf = self._open.pop(b.index, None)
@@ -266,14 +242,12 @@ class FlatGroup:
             self._free_buffers.append(buf)
 
     def end_backward(self) -> None:
-        """Launch the buckets no gradient completed (unused parameters) and wait for every collective."""
-        if self._reduces_now():
-            for b in self.layout.buckets[self._next_launch:]:
-                self._launch(b)
+        """Wait for every collective of this backward (the runtime launched the rest)."""
         while self._in_flight:
             self._retire_oldest()
         if self.stage == 2:
             self._micro_since_step += 1
+        self.touched = [False] * len(self.params)
 
     # -- step -------------------------------------------------------------------------------------------------
     def gather_params(self) -> None:
@@ -324,16 +298,13 @@ class FlatGroup:
         return {"params": nbytes(self.param_flat), "grads": grads, "master": nbytes(self.master),
                 "comm_buffers": buffers}
 
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-
 
 class Stage12Runtime:
-    """The stage 0/1/2 runtime the engine drives: one FlatGroup per non-empty optimizer param group."""
+    """The stage 0/1/2 runtime the engine drives: one FlatGroup per non-empty optimizer param group, their buckets
+    reduced in one ReduceSchedule."""
 
-    def __init__(self, groups: list[list[torch.nn.Parameter]], names: dict[int, str], master_from: list[list],
-                 **kwargs):
+    def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], names: dict[int, str],
+                 master_from: list[list], **kwargs):
         # Reverse registration order: backward produces gradients roughly last layer first, so buckets fill in
         # order. Empty optimizer groups get no FlatGroup and stay empty in the optimizer.
         self.flat = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], master_from=m[::-1], **kwargs) if g
@@ -342,6 +313,92 @@ class Stage12Runtime:
         self.shard_groups = [g.shard_group if g is not None else ShardGroup([], [], 0) for g in self.flat]
         self.params = [p for g in self.groups for p in g.params]
         self.names = [n for g in self.groups for n in g.names]
+        self.stage = kwargs["stage"]
+        # Every bucket of every group is one slot of the schedule. The first plan: latest-registered parameter
+        # first, across groups (backward's rough order); from the second pass, rank 0's observed order.
+        position = {pid: k for k, pid in enumerate(names)}
+        self._slots = [(g, b) for g in self.groups for b in g.layout.buckets]
+        self._slot0: dict[int, int] = {}  # id(group) -> its first slot
+        for k, (g, _) in enumerate(self._slots):
+            self._slot0.setdefault(id(g), k)
+        latest = [max(position[id(p)] for p in g.params[b.first:b.last]) for g, b in self._slots]
+        comm = self.groups[0].comm
+        self.schedule = ReduceSchedule([b.last - b.first for _, b in self._slots],
+                                       sorted(range(len(self._slots)), key=lambda k: -latest[k]), comm,
+                                       self.groups[0].param_flat.device)
+        self._reducing = False
+        self._handles = []
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(g, i)))
+        # Which modules' forward makes a parameter able to get a gradient: its owners and declared readers.
+        readers: dict[int, list[tuple[FlatGroup, int]]] = {}
+        index = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        for module in model.modules():
+            own = [*module.parameters(recurse=False), *module.__dict__.get("_zkern_external_params", ())]
+            mine = [index[id(p)] for p in own if id(p) in index]
+            if mine:
+                readers[id(module)] = mine
+                self._handles.append(module.register_forward_pre_hook(self._touch_hook(mine)))
+
+    @staticmethod
+    def _touch_hook(entries: list[tuple[FlatGroup, int]]):
+        def hook(module, args) -> None:
+            for g, i in entries:
+                g.touched[i] = True
+        return hook
+
+    def _grad_hook(self, g: FlatGroup, i: int):
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad(g, i, p)
+        return hook
+
+    def _on_grad(self, g: FlatGroup, i: int, p: torch.Tensor) -> None:
+        slot = self._slot0[id(g)] + g.bucket_of[i].index
+        if self._reducing and self.schedule.launched(slot):
+            if g.fired[i]:
+                why = ("received a second gradient in one backward after its bucket was sent for reduction "
+                       "(reentrant activation checkpointing?); use torch.utils.checkpoint(..., use_reentrant=False)")
+            else:
+                why = ("received a gradient after its bucket was sent for reduction, although no module that owns "
+                       "it ran forward in this micro-step; declare the module that reads it with "
+                       "zkern.register_external_parameter(module, parameter) before creating the engine")
+            raise RuntimeError(f"zkern stage {self.stage}: '{g.names[i]}' {why}")
+        g.take_grad(i, p)
+        if self._reducing and not g.counted[i]:
+            g.counted[i] = True
+            self._launch(self.schedule.add(slot))
+
+    def _launch(self, slots: list[int]) -> None:
+        for k in slots:
+            g, b = self._slots[k]
+            g.launch(b)
+
+    def begin_backward(self, boundary: bool) -> None:
+        """Stage 2 reduces every micro-step, stages 0-1 at the boundary. Parameters no module of which ran forward
+        count as complete now: their gradient is zero in this backward."""
+        self._reducing = self.stage == 2 or boundary
+        for g in self.groups:
+            g.begin_backward()
+        if not self._reducing:
+            return
+        self.schedule.begin()
+        ready = []
+        for g in self.groups:
+            for i in range(len(g.params)):
+                if not g.touched[i]:
+                    g.counted[i] = True
+                    ready += self.schedule.add(self._slot0[id(g)] + g.bucket_of[i].index)
+        self._launch(ready)
+
+    def end_backward(self) -> None:
+        if self._reducing:
+            self._launch(self.schedule.flush())
+        for g in self.groups:
+            g.end_backward()
+        if self._reducing:
+            self.schedule.end()  # once, after the first reducing pass: every rank adopts rank 0's order
+        self._reducing = False
 
     @property
     def used(self) -> list[bool]:
@@ -368,14 +425,6 @@ class Stage12Runtime:
     def gather_signature(self) -> int:
         """Stages 0-2 gather no parameters during the passes: nothing for the step's control to compare."""
         return 0
-
-    def begin_backward(self, boundary: bool) -> None:
-        for g in self.groups:
-            g.begin_backward(boundary)
-
-    def end_backward(self) -> None:
-        for g in self.groups:
-            g.end_backward()
 
     def grad_segments(self) -> list[torch.Tensor]:
         return [s for g in self.groups for s in g.grad_segments()]

@@ -10,10 +10,11 @@ with a rank-major buffer so that one reduce-scatter leaves each rank the contigu
 
 A unit's gradients are complete when each of its trainable parameters' gradient arrived, or at the start of
 backward when no module that reads it ran forward on this rank (a routed expert this rank did not choose: its
-part of the sum is zero), or at the end of backward (parameters without a gradient). Groups launch in the plan
-order (last group first, which is roughly the order backward completes them), each once it and every group before
-it is complete: which rank completes what when may differ, the sequence of reduce-scatters never does. They run
-on a process group of their own (Comm.sibling), so their order never has to interleave with the gathers'.
+part of the sum is zero), or at the end of backward (parameters without a gradient). Groups launch in one plan
+(schedule.ReduceSchedule, shared with stages 0-2: last group first, then rank 0's observed order), each once it
+and every group before it is complete: which rank completes what when may differ, the sequence of
+reduce-scatters never does. They run on a process group of their own (Comm.sibling), so their order never has to
+interleave with the gathers'.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from zkern.engine.comm import Comm, Work
 from zkern.engine.lifecycle import GradState, Unit
+from zkern.engine.schedule import ReduceSchedule
 from zkern.engine.units import plan_reduce_groups
 
 
@@ -36,8 +38,6 @@ class ReduceGroup:
     section_offset: dict[int, int]  # unit index -> offset inside a section
     shard_offset: int
     buffer: torch.Tensor | None = None
-    complete: int = 0  # units of the group whose gradients are complete
-    launched: bool = False
 
 
 class GradReducer:
@@ -50,14 +50,16 @@ class GradReducer:
         self.overlap, self.reduce_scatter = overlap, reduce_scatter
         self.offsets, self.names = offsets, names
         self.groups = self._plan(bucket_numel)
-        self.plan = sorted(self.groups, key=lambda g: -g.index)
-        self._next = 0  # position in self.plan of the next group to launch
+        # The first plan: last group first (roughly backward's order); then rank 0's observed order.
+        self.schedule = ReduceSchedule([len(g.units) for g in self.groups], list(range(len(self.groups)))[::-1],
+                                       comm, grad_shard.device)
         self._unit_of = {id(p): u for u in units for p in u.plan.params}
         self._position = {id(p): i for u in units for i, p in enumerate(u.plan.params)}
         self._trainable_index = {id(p): i for i, p in enumerate(params)}
         self.used = [False] * len(params)
         self._pending: deque[tuple[ReduceGroup, Work]] = deque()
         self.micro_since_step = 0
+        self._may_block = True
         self.on_complete = None  # callback(unit): its gradients are complete (the runtime frees its data)
 
     def _plan(self, bucket_numel: int) -> list[ReduceGroup]:
@@ -78,6 +80,12 @@ class GradReducer:
 
     # -- backward ---------------------------------------------------------------------------------------------
     def begin_backward(self) -> None:
+        # Waiting for a reduction inside backward is safe only while every rank runs the same modules: then each
+        # rank completes a group at the same point of the (shared) sequence of all-gathers. Once ranks run different
+        # modules (divergent units), a rank blocked on a reduction could be the one whose all-gather another rank
+        # needs to reach that reduction: reductions then run asynchronously and are retired as they finish.
+        self._may_block = not any(u.divergent for u in self.units)
+        self.schedule.begin()
         for u in self.units:
             u.open_grads()
         for u in self.units:  # nothing to wait for: frozen units, and units no module read on this rank
@@ -91,7 +99,7 @@ class GradReducer:
             raise RuntimeError(f"zkern stage 3: '{name}' received a gradient outside engine.backward(loss); call "
                                f"engine.backward(loss) instead of loss.backward(), so the gradient is reduced")
         g = u.group
-        if g.launched:
+        if self.schedule.launched(g.index):
             raise RuntimeError(
                 f"zkern stage 3: '{name}' received a second gradient in one backward after its unit was reduced "
                 f"(reentrant activation checkpointing of a block that also runs outside it?); use "
@@ -122,8 +130,8 @@ class GradReducer:
         if self.on_complete is not None:
             self.on_complete(u)
         if u.group is not None:
-            u.group.complete += 1
-            self._launch_ready()
+            for gi in self.schedule.add(u.group.index):
+                self._launch(self.groups[gi])
 
     def _ensure_buffer(self, g: ReduceGroup) -> None:
         """The group's rank-major gradient buffer, made at its first gradient of the pass (or at launch, for a group
@@ -132,25 +140,22 @@ class GradReducer:
             g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.grad_shard.dtype,
                                    device=self.grad_shard.device)
 
-    def _launch_ready(self) -> None:
-        while self._next < len(self.plan) and self.plan[self._next].complete == len(self.plan[self._next].units):
-            self._launch(self.plan[self._next])
-            self._next += 1
-
     def _launch(self, g: ReduceGroup) -> None:
         self._ensure_buffer(g)
-        g.launched = True
         rank = self.comm.rank
         names = f"'{g.units[0].name}'" + (f"..'{g.units[-1].name}'" if len(g.units) > 1 else "")
         purpose = f"gradients of units {names}"
+        async_op = self.overlap or not self._may_block
         if self.reduce_scatter:
             out = g.buffer[rank * g.section:(rank + 1) * g.section]
-            work = self.comm.reduce_scatter(out, g.buffer, purpose, async_op=self.overlap)
+            work = self.comm.reduce_scatter(out, g.buffer, purpose, async_op=async_op)
         else:  # reduce_scatter=false: all-reduce, then keep this rank's section
-            work = self.comm.all_reduce(g.buffer, purpose, async_op=self.overlap)
+            work = self.comm.all_reduce(g.buffer, purpose, async_op=async_op)
         self._pending.append((g, work))
+        while self._pending and self._pending[0][1].done():
+            self._retire()
         # Overlap keeps at most two reductions in flight, so gradient buffers never pile up during backward.
-        while self._pending and (not self.overlap or len(self._pending) > 2):
+        while self._may_block and self._pending and (not self.overlap or len(self._pending) > 2):
             self._retire()
 
     def _retire(self) -> None:
@@ -171,13 +176,13 @@ class GradReducer:
         for u in self.units:
             if u.grads is GradState.PENDING:
                 self._complete(u)
+        for gi in self.schedule.flush():  # empty: every unit is complete now
+            self._launch(self.groups[gi])
         while self._pending:
             self._retire()
         for u in self.units:
             u.close_grads()
-        for g in self.groups:
-            g.complete, g.launched = 0, False
-        self._next = 0
+        self.schedule.end()  # once, after the first pass: every rank adopts rank 0's order
         self.micro_since_step += 1
 
     def abort(self) -> None:
@@ -186,8 +191,8 @@ class GradReducer:
         for u in self.units:
             u.abandon_grads()
         for g in self.groups:
-            g.complete, g.launched, g.buffer = 0, False, None
-        self._next = 0
+            g.buffer = None
+        self.schedule.begin()
 
     def zero_grad(self) -> None:
         self.micro_since_step = 0

@@ -32,6 +32,7 @@ class TrainSpec:
     model: dict = field(default_factory=dict)  # TinyGPT kwargs
     extra_every: int = 0  # > 0: forward uses the extra branch on steps where step % extra_every == extra_phase
     extra_phase: int = 0  # 1 or more: the extra branch's parameters get no gradient in the first step
+    extra_ranks: tuple[int, ...] = ()  # these ranks use the extra branch in every step, the others never
     reverse_at: tuple[int, ...] = ()  # steps whose forward runs the blocks in reverse order
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = True
@@ -90,7 +91,7 @@ class TrainSpec:
         return torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
                                   {"params": rest, "weight_decay": 0.0}], lr=self.lr)
 
-    def loss(self, model, idx: torch.Tensor, tgt: torch.Tensor, step: int) -> torch.Tensor:
+    def loss(self, model, idx: torch.Tensor, tgt: torch.Tensor, step: int, rank: int = 0) -> torch.Tensor:
         """The model's loss on one batch, as each arch computes it (HF GPT-2 shifts its labels itself)."""
         match self.arch:
             case "hf_gpt2":
@@ -98,7 +99,7 @@ class TrainSpec:
             case "moe":
                 return model(idx, tgt)
             case _:
-                return model(idx, tgt, **self.forward_kwargs(step))
+                return model(idx, tgt, **self.forward_kwargs(step, rank))
 
     def num_params(self) -> int:
         """The model's parameter count, built on the meta device: nothing is allocated or initialised (the bench's
@@ -121,8 +122,8 @@ class TrainSpec:
     def uses_extra(self, step: int) -> bool:
         return self.extra_every > 0 and step % self.extra_every == self.extra_phase
 
-    def forward_kwargs(self, step: int) -> dict:
-        return {"use_extra": self.uses_extra(step), "reverse_blocks": step in self.reverse_at}
+    def forward_kwargs(self, step: int, rank: int = 0) -> dict:
+        return {"use_extra": self.uses_extra(step) or rank in self.extra_ranks, "reverse_blocks": step in self.reverse_at}
 
 
 def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -138,8 +139,13 @@ def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor],
     losses = []
     for step in range(spec.steps):
         opt.zero_grad()
-        idx, tgt = global_batch(batches, step)
-        loss = spec.loss(model, idx.to(device), tgt.to(device), step)
+        if spec.extra_ranks:  # ranks compute differently: the mean of every rank's micro-batch losses
+            pairs = [(r, pair) for micro in batches[step] for r, pair in enumerate(micro)]
+            loss = sum(spec.loss(model, idx.to(device), tgt.to(device), step, r) for r, (idx, tgt) in pairs)
+            loss = loss / len(pairs)
+        else:
+            idx, tgt = global_batch(batches, step)
+            loss = spec.loss(model, idx.to(device), tgt.to(device), step)
         loss.backward()
         if spec.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, spec.clip)
@@ -199,7 +205,7 @@ def engine_training_loop(spec: TrainSpec, rank: int, world: int, engine, after_f
         total = 0.0
         for micro in range(spec.accumulation):
             idx, tgt = batches[step][micro][rank]
-            loss = spec.loss(engine, idx.to(engine.device), tgt.to(engine.device), step)
+            loss = spec.loss(engine, idx.to(engine.device), tgt.to(engine.device), step, rank)
             if after_forward is not None:
                 after_forward()
             engine.backward(loss)
@@ -259,7 +265,7 @@ def ddp_run(rank: int, world: int, spec: TrainSpec, zero1: bool = False) -> dict
     ddp = model
     if world > 1:
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      find_unused_parameters=spec.extra_every > 0)
+                                      find_unused_parameters=spec.extra_every > 0 or bool(spec.extra_ranks))
         if autocast is not None and device.type == "cuda":  # torch's hook needs nccl: gloo reduces fp32
             ddp.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -296,7 +302,7 @@ def torch_training_loop(spec: TrainSpec, rank: int, world: int, model, opt, para
             idx, tgt = batches[step][micro][rank]
             with sync(micro == spec.accumulation - 1):
                 with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                    loss = spec.loss(model, idx.to(device), tgt.to(device), step)
+                    loss = spec.loss(model, idx.to(device), tgt.to(device), step, rank)
                 (loss / spec.accumulation).backward()
             total += loss.item()
         if spec.clip > 0:

@@ -103,8 +103,8 @@ def test_every_rank_issues_the_same_collectives_and_the_result_is_single_process
 
 
 def stage2_buffers_worker(rank, world, specs):
-    from zkern.testing import engine_training_loop
     import zkern
+    from zkern.testing import engine_training_loop
 
     out = []
     for spec in specs:

@@ -2,6 +2,8 @@
 stages 0-3 when ranks use different parameters in a step (routed experts, a branch one rank takes) with HF
 Trainer's two parameter groups."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -40,30 +42,37 @@ def test_flush_launches_the_rest_in_order_and_the_first_pass_fixes_the_plan():
 
 
 # -- the recorded sequences ---------------------------------------------------------------------------------------
-def recording_worker(rank, world, specs):
-    """Run each spec, recording every torch.distributed collective this rank issues: (group, kind, numel,
-    dtype). Groups are numbered by first use, which every rank shares."""
+@contextlib.contextmanager
+def recording(calls: list):
+    """Record every torch.distributed collective issued inside: (group, kind, numel, dtype), groups numbered by
+    first use, which every rank shares."""
     import zkern.engine.comm as comm
 
+    groups: dict[int, int] = {}
+
+    def wrap(kind, fn):
+        def recorded(tensor, *args, group=None, **kwargs):
+            target = args[0] if kind in ("all_gather", "reduce_scatter") else tensor
+            calls.append((groups.setdefault(id(group), len(groups)), kind, target.numel(), str(target.dtype)))
+            return fn(tensor, *args, group=group, **kwargs)
+        return recorded
+
+    saved = (dist.all_reduce, dist.broadcast, comm._all_gather_single, comm._reduce_scatter_single)
+    dist.all_reduce, dist.broadcast = wrap("all_reduce", saved[0]), wrap("broadcast", saved[1])
+    comm._all_gather_single = wrap("all_gather", saved[2])
+    comm._reduce_scatter_single = wrap("reduce_scatter", saved[3])
+    try:
+        yield
+    finally:
+        dist.all_reduce, dist.broadcast, comm._all_gather_single, comm._reduce_scatter_single = saved
+
+
+def recording_worker(rank, world, specs):
     runs = []
     for spec in specs:
-        calls, groups = [], {}
-
-        def wrap(kind, fn):
-            def recorded(tensor, *args, group=None, **kwargs):
-                target = args[0] if kind in ("all_gather", "reduce_scatter") else tensor
-                calls.append((groups.setdefault(id(group), len(groups)), kind, target.numel(), str(target.dtype)))
-                return fn(tensor, *args, group=group, **kwargs)
-            return recorded
-
-        saved = (dist.all_reduce, dist.broadcast, comm._all_gather_single, comm._reduce_scatter_single)
-        dist.all_reduce, dist.broadcast = wrap("all_reduce", saved[0]), wrap("broadcast", saved[1])
-        comm._all_gather_single = wrap("all_gather", saved[2])
-        comm._reduce_scatter_single = wrap("reduce_scatter", saved[3])
-        try:
+        calls = []
+        with recording(calls):
             result = engine_run(rank, world, spec)
-        finally:
-            dist.all_reduce, dist.broadcast, comm._all_gather_single, comm._reduce_scatter_single = saved
         result["calls"] = calls
         runs.append(result)
     return runs
@@ -111,17 +120,19 @@ def stage2_buffers_worker(rank, world, specs):
         model = spec.make_model()
         engine = zkern.Engine(model, spec.config(world), optimizer=spec.client_optimizer(model))
         launched_in_backward = []
-        groups = engine.runtime.groups
-
-        def count(p):  # launches seen while backward still runs (a gradient hook fires later than each launch)
-            launched_in_backward.append(sum(len(g._in_flight) for g in groups))
-
-        hook = model.tok.weight.register_post_accumulate_grad_hook(count)
+        hook = model.tok.weight.register_post_accumulate_grad_hook(in_flight_counter(engine, launched_in_backward))
         engine_training_loop(spec, rank, world, engine)
         hook.remove()
-        out.append({"buffers": sum(g._buffer_count for g in groups),
+        out.append({"buffers": sum(g._buffer_count for g in engine.runtime.groups),
                     "launched_before_last_grad": launched_in_backward})
     return out
+
+
+def in_flight_counter(engine, seen: list):
+    """A gradient hook that records how many bucket reductions are in flight when it fires (during backward)."""
+    def count(p):
+        seen.append(sum(len(g._in_flight) for g in engine.runtime.groups))
+    return count
 
 
 @pytest.mark.dist

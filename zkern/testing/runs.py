@@ -123,7 +123,8 @@ class TrainSpec:
         return self.extra_every > 0 and step % self.extra_every == self.extra_phase
 
     def forward_kwargs(self, step: int, rank: int = 0) -> dict:
-        return {"use_extra": self.uses_extra(step) or rank in self.extra_ranks, "reverse_blocks": step in self.reverse_at}
+        extra = self.uses_extra(step) or rank in self.extra_ranks
+        return {"use_extra": extra, "reverse_blocks": step in self.reverse_at}
 
 
 def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:

@@ -125,6 +125,9 @@ class Config:
     comm_timeout_s: float = 600.0  # zkern's own key: collective timeout, so a dead rank ends the job
     device: str = "auto"  # zkern's own key: "auto" (cuda:LOCAL_RANK when CUDA is available), "cpu" or "cuda"
     activation_checkpointing: ActivationCheckpointingConfig | None = None  # None: no section in the config
+    gradient_predivide_factor: float | None = None  # None: the world size (resolve() fills it)
+    communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the working dtype
+    grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype; None: the working dtype
     world_size: int | None = None  # set by resolve()
 
     # -- construction ------------------------------------------------------------------------------------------
@@ -162,6 +165,10 @@ class Config:
 # Parsing
 
 
+_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+           "bf16": "bf16", "bfloat16": "bf16"}
+
+
 def _nearest(key: str, known: list[str], path: str) -> str:
     """A hint naming the nearest known key: first at this level, then anywhere in the config."""
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
@@ -184,6 +191,13 @@ def _value(path: str, kind: str, value: Any) -> Any:
     base = kind.removesuffix("_auto")
     if base == "section":  # checked by its own parser
         return value
+    if base == "dtype_or_null":
+        if value is None:
+            return None
+        dtype = _DTYPES.get(value) if isinstance(value, str) else None
+        if dtype is None:
+            raise ConfigError(f"'{path}' must be \"fp32\", \"fp16\" or \"bf16\" (or null), got {value!r}")
+        return dtype
     if base == "int_or_null":
         return None if value is None else _value(path, "int", value)
     if base == "bool":
@@ -363,6 +377,10 @@ def _parse(raw: dict) -> Config:
         comm_timeout_s=top.get("comm_timeout_s", 600.0),
         device=top.get("device", "auto"),
         activation_checkpointing=checkpointing,
+        gradient_predivide_factor=top.get("gradient_predivide_factor"),
+        communication_data_type=top.get("communication_data_type"),
+        grad_accum_dtype=_section("data_types.", raw.get("data_types"), keys.DATA_TYPES_KEYS, {}).get(
+            "grad_accum_dtype"),
     )
 
 
@@ -378,6 +396,8 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
         raise ConfigError(f"'gradient_clipping' must be >= 0 (0 turns clipping off), got {top['gradient_clipping']}")
     if top.get("device", "auto") not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"'device' must be \"auto\", \"cpu\" or \"cuda\", got {top['device']!r}")
+    if top.get("gradient_predivide_factor") is not None and top["gradient_predivide_factor"] <= 0:
+        raise ConfigError(f"'gradient_predivide_factor' must be > 0, got {top['gradient_predivide_factor']}")
     if top.get("comm_timeout_s", 600.0) <= 0:
         raise ConfigError(f"'comm_timeout_s' must be > 0 seconds, got {top['comm_timeout_s']}")
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_max_live_parameters"):
@@ -482,5 +502,7 @@ def _resolve(cfg: Config, world: int, model: Any) -> Config:
             zero = dataclasses.replace(zero, **{key: rule(_hidden_size(model, f"zero_optimization.{key}"))})
     if zero.overlap_comm is None:
         zero = dataclasses.replace(zero, overlap_comm=zero.stage == 3)
+    predivide = float(world) if cfg.gradient_predivide_factor is None else cfg.gradient_predivide_factor
     return dataclasses.replace(cfg, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
-                               gradient_accumulation_steps=gas, zero_optimization=zero, world_size=world)
+                               gradient_accumulation_steps=gas, zero_optimization=zero, world_size=world,
+                               gradient_predivide_factor=predivide)

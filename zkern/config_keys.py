@@ -3,7 +3,8 @@ zkern knows but does not implement (accepted only at the default that asks for n
 against them.
 
 A spec is (kind, default); kind is one of "int", "int_or_null", "float", "bool", "str", "str_list", "betas",
-"section", with "_auto" appended where the value may be "auto".
+"dtype_or_null" ("fp32", "fp16", "bf16" or torch's names for them), "section", with "_auto" appended where the
+value may be "auto".
 """
 
 AUTO = "auto"  # a value zkern fills in from the world size and the model (Config.resolve)
@@ -25,7 +26,13 @@ IMPLEMENTED_TOP = {
     "comm_timeout_s": ("float", 600.0),
     "device": ("str", "auto"),
     "activation_checkpointing": ("section", None),
+    # Gradient numerics (DeepSpeed's meanings): divide by the factor before the sum and by world/factor after it
+    # (zkern's default when absent: the world size, the whole average before the sum); the dtype of the reduction.
+    "gradient_predivide_factor": ("float", None),
+    "communication_data_type": ("dtype_or_null", None),
+    "data_types": ("section", None),
 }
+DATA_TYPES_KEYS = {"grad_accum_dtype": ("dtype_or_null", None)}
 
 FP16_KEYS = {
     "enabled": ("bool", False),
@@ -95,13 +102,11 @@ SCHEDULER_PARAMS["WarmupDecayLR"] = {**SCHEDULER_PARAMS["WarmupLR"], "total_num_
 SECTION_OFF = object()
 NOT_IMPLEMENTED_TOP = {
     "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0,
     "sparse_gradients": False,
     "wall_clock_breakdown": False,
     "memory_breakdown": False,
     "dump_state": False,
     "disable_allgather": False,
-    "communication_data_type": None,
     "seq_parallel_communication_data_type": None,
     "dataloader_drop_last": False,
     "zero_force_ds_cpu_optimizer": True,
@@ -127,7 +132,6 @@ NOT_IMPLEMENTED_TOP = {
     "aio": SECTION_OFF,
     "pipeline": SECTION_OFF,
     "checkpoint": SECTION_OFF,
-    "data_types": SECTION_OFF,
     "quantize_training": SECTION_OFF,
     "weight_quantization": SECTION_OFF,
     "timers": SECTION_OFF,
@@ -176,5 +180,6 @@ ALL_KNOWN_PATHS = (
     + [f"bf16.{k}" for k in [*BF16_KEYS, *NOT_IMPLEMENTED_BF16]]
     + [f"zero_optimization.{k}" for k in [*ZERO_KEYS, *NOT_IMPLEMENTED_ZERO]]
     + [f"activation_checkpointing.{k}" for k in ACTIVATION_CHECKPOINTING_KEYS]
+    + [f"data_types.{k}" for k in DATA_TYPES_KEYS]
     + [f"optimizer.params.{k}" for k in [*ADAM_PARAMS, *NOT_IMPLEMENTED_OPTIMIZER_PARAMS]]
 )

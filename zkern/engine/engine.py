@@ -23,7 +23,7 @@ from zkern.engine.comm import Comm, init_distributed
 from zkern.engine.divergence import signatures_differ
 from zkern.engine.offload import HostStep
 from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
-from zkern.engine.precision import LossScaler, working_dtype
+from zkern.engine.precision import LossScaler, gradient_dtypes, working_dtype
 from zkern.engine.sharded_init import is_sharded
 from zkern.engine.stage3 import Stage3Runtime
 from zkern.engine.stage12 import Stage12Runtime
@@ -57,6 +57,7 @@ class Engine:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.dtype = working_dtype(cfg)
         mixed = self.dtype != torch.float32
+        comm_dtype, accum_dtype = gradient_dtypes(cfg, self.dtype)
         if not mixed:
             build.check_dtypes(groups, model)
         zero = cfg.zero_optimization
@@ -73,7 +74,8 @@ class Engine:
             # Partitions from the fp32 values, then casts what is left whole (buffers, empty parameters).
             self.runtime = Stage3Runtime(model, groups, comm=self.comm, dtype=self.dtype, mixed=mixed, zero=zero,
                                          overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
-                                         bucket_numel=zero.reduce_bucket_size)
+                                         bucket_numel=zero.reduce_bucket_size, comm_dtype=comm_dtype,
+                                         accum_dtype=accum_dtype)
             model.to(self.dtype)
         else:
             master_from = [[p.detach().float().clone() for p in g] for g in groups] if mixed else [[] for _ in groups]
@@ -82,7 +84,8 @@ class Engine:
             self.runtime = Stage12Runtime(model, groups, build.param_names(model), master_from, stage=zero.stage,
                                           comm=self.comm, dtype=self.dtype, mixed=mixed, bucket_numel=bucket,
                                           overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
-                                          offload=self.offload, pin_memory=pin and zero.offload_optimizer_pin_memory)
+                                          offload=self.offload, pin_memory=pin and zero.offload_optimizer_pin_memory,
+                                          comm_dtype=comm_dtype, accum_dtype=accum_dtype)
             del master_from
         self._log_layout()
         shard_groups = self.runtime.shard_groups
@@ -145,8 +148,12 @@ class Engine:
             raise ValueError("engine.backward: the loss does not require grad (computed under torch.no_grad(), or "
                              "no trainable parameter took part in it)")
         self.runtime.begin_backward(self.is_gradient_accumulation_boundary())
+        # The loss scale, the mean over micro-steps and the division before the sum over ranks, in one factor
+        # (gradient_predivide_factor, by default the world size: no sum of ranks' 16-bit gradients grows past the
+        # largest of them).
+        factor = self.scaler.scale / (self.gradient_accumulation_steps * self.config.gradient_predivide_factor)
         try:
-            (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+            (loss * factor).backward()
         except BaseException:
             self.runtime.abort_backward()  # stage 3: release what the failed pass held; nothing is reduced
             raise
@@ -187,9 +194,9 @@ class Engine:
             return
         sq = values[1]
         overflow = values[0] > 0 or not math.isfinite(sq)
-        # Gradients hold the sum over ranks of loss_scale * (micro-batch mean gradient): fold the average and the
-        # unscaling into one factor applied inside the Adam pass.
-        inv = 1.0 / (self.scaler.scale * self.world_size)
+        # Gradients hold the sum over ranks of loss_scale / predivide * (micro-batch mean gradient): fold the rest of
+        # the average and the unscaling into one factor applied inside the Adam pass.
+        inv = self.config.gradient_predivide_factor / (self.scaler.scale * self.world_size)
         norm = math.sqrt(sq) * inv if math.isfinite(sq) else float("inf")
         self.last_grad_norm = norm
         if overflow:
@@ -274,9 +281,7 @@ class Engine:
             if not (zero.stage3_gather_16bit_weights_on_model_save or zero.stage3_gather_fp16_weights_on_model_save):
                 raise RuntimeError("save_16bit_model at stage 3 gathers the whole model onto rank 0; set "
                                    "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to allow it")
-            values = self.runtime.full_working()
-        else:
-            values = {id(p): p.detach() for p in self.runtime.params}
+        values = self.runtime.full_working()
         path = os.path.join(os.fspath(save_dir), save_filename)
         if self.rank == 0:
             state = {name: values.get(id(t), t).detach().clone().cpu() for name, t in self._module_state().items()}

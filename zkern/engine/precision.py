@@ -28,6 +28,17 @@ def working_dtype(cfg: Config) -> torch.dtype:
             raise ValueError(f"unknown precision {other!r}")
 
 
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def gradient_dtypes(cfg: Config, working: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(communication dtype, accumulation dtype) of gradients: communication_data_type and
+    data_types.grad_accum_dtype, each the working dtype when not set."""
+    comm = _TORCH_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else working
+    accum = _TORCH_DTYPES[cfg.grad_accum_dtype] if cfg.grad_accum_dtype else working
+    return comm, accum
+
+
 class LossScaleAtMinimum(RuntimeError):
     """fp16 overflowed with the loss scale already at fp16.min_loss_scale."""
 

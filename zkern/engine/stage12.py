@@ -34,6 +34,7 @@ from zkern.engine.offload import host_tensor
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.partition import Bucket, Layout, plan_layout
 from zkern.engine.schedule import ReduceSchedule
+from zkern.engine.whole import WholeBucket, gather_whole
 
 log = logging.getLogger("zkern")
 
@@ -43,9 +44,13 @@ class FlatGroup:
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, stage: int, comm: Comm,
                  dtype: torch.dtype, master_from: list[torch.Tensor], mixed: bool, bucket_numel: int,
-                 overlap: bool, reduce_scatter: bool, offload: bool = False, pin_memory: bool = False):
+                 overlap: bool, reduce_scatter: bool, offload: bool = False, pin_memory: bool = False,
+                 comm_dtype: torch.dtype | None = None, accum_dtype: torch.dtype | None = None):
+        """comm_dtype: the dtype gradients are reduced in (communication_data_type); accum_dtype: the dtype they
+        accumulate in across micro-steps (data_types.grad_accum_dtype); both default to the working dtype."""
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
         self.dtype, self.mixed, self.overlap, self.reduce_scatter = dtype, mixed, overlap, reduce_scatter
+        self.comm_dtype, self.accum_dtype = comm_dtype or dtype, accum_dtype or dtype
         self.shard_world = 1 if stage == 0 else comm.world
         self.shard_rank = 0 if stage == 0 else comm.rank
         self.layout: Layout = plan_layout([p.numel() for p in params], self.shard_world, bucket_numel)
@@ -76,17 +81,23 @@ class FlatGroup:
                     self.master[b.shard_offset:b.shard_offset + size].copy_(self.param_flat[lo:lo + size])
 
         # Gradients: a full flat buffer whose views are the params' .grad (stages 0, 1), or a shard (stage 2).
+        # Gradients: stages 0-1 a full flat buffer, stage 2 a shard, in the accumulation dtype. Where that is the
+        # working dtype, the flat buffer's views are the parameters' .grad and autograd accumulates into them;
+        # otherwise each gradient is added into the buffer as it arrives and freed.
         self.grad_flat = self.grad_shard = None
+        self._grad_views = None
         if stage < 2:
-            self.grad_flat = torch.zeros(layout.total, dtype=dtype, device=device)
-            self._attach_grad_views()
+            self.grad_flat = torch.zeros(layout.total, dtype=self.accum_dtype, device=device)
+            if self.accum_dtype == dtype:
+                self._attach_grad_views()
         else:
-            self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+            self.grad_shard = torch.zeros(layout.shard_numel, dtype=self.accum_dtype, device=device)
         self._bucket_capacity = max(b.padded for b in layout.buckets)  # every stage-2 bucket buffer's size
         self._free_buffers: list[torch.Tensor] = []  # stage 2 bucket buffers not in use
         self._buffer_count = 0
         self._open: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> buffer being filled
-        self._in_flight: deque[tuple[Bucket, Work, torch.Tensor | None]] = deque()
+        # (bucket, work, stage-2 buffer, (reduced copy, where it goes) when reduced in another dtype)
+        self._in_flight: deque[tuple[Bucket, Work, torch.Tensor | None, tuple | None]] = deque()
 
         self.bucket_of = [b for b in layout.buckets for _ in range(b.first, b.last)]
         self.fired = [False] * len(params)  # got a gradient in this backward
@@ -159,7 +170,7 @@ class FlatGroup:
     def begin_backward(self) -> None:
         self.fired = [False] * len(self.params)
         self.counted = [False] * len(self.params)
-        if self.grad_flat is not None:  # autograd accumulates into p.grad in place, keeping the view object
+        if self._grad_views is not None:  # autograd accumulates into p.grad in place, keeping the view object
             for i, p in enumerate(self.params):
                 if p.grad is not self._grad_views[i]:
                     raise RuntimeError(
@@ -184,6 +195,9 @@ class FlatGroup:
             else:
                 slot.copy_(p.grad.reshape(-1))
             p.grad = None  # stage 2 keeps only the shard: this parameter's full gradient is freed here
+        elif self._grad_views is None:  # stages 0-1 accumulating in another dtype than the working one
+            self._param_view(self.grad_flat, i).add_(p.grad)
+            p.grad = None
         return not again
 
     def launch(self, b: Bucket) -> None:
@@ -200,15 +214,21 @@ class FlatGroup:
                 work = self.comm.reduce_scatter(out, data, purpose, async_op=self.overlap)
             else:  # reduce_scatter=false: all-reduce the bucket, then keep this rank's chunk of it
                 work = self.comm.all_reduce(data, purpose, async_op=self.overlap)
-            self._in_flight.append((b, work, buf))
+            self._in_flight.append((b, work, buf, None))
         else:
             data = self.grad_flat[b.offset:b.offset + b.padded]
-            if self.stage == 1 and self.reduce_scatter:
-                work = self.comm.reduce_scatter(self._own_chunk(self.grad_flat, b), data, purpose,
-                                                async_op=self.overlap)
+            # Reduced in place, or, in another communication dtype, through a copy cast back on arrival.
+            wire = data if data.dtype == self.comm_dtype else data.to(self.comm_dtype)
+            scatter = self.stage == 1 and self.reduce_scatter
+            if scatter:
+                out = wire[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
+                work = self.comm.reduce_scatter(out, wire, purpose, async_op=self.overlap)
             else:
-                work = self.comm.all_reduce(data, purpose, async_op=self.overlap)
-            self._in_flight.append((b, work, None))
+                work = self.comm.all_reduce(wire, purpose, async_op=self.overlap)
+            back = None
+            if wire is not data:
+                back = (out, self._own_chunk(self.grad_flat, b)) if scatter else (wire, data)
+            self._in_flight.append((b, work, None, back))
         if not self.overlap:
             self._retire_oldest()
 
@@ -227,11 +247,13 @@ class FlatGroup:
         if self._free_buffers:
             return self._free_buffers.pop()
         self._buffer_count += 1
-        return torch.empty(self._bucket_capacity, dtype=self.dtype, device=self.param_flat.device)
+        return torch.empty(self._bucket_capacity, dtype=self.comm_dtype, device=self.param_flat.device)
 
     def _retire_oldest(self) -> None:
-        b, work, buf = self._in_flight.popleft()
+        b, work, buf, back = self._in_flight.popleft()
         work.wait()
+        if back is not None:
+            back[1].copy_(back[0])
         if buf is not None:  # stage 2: fold this micro-step's reduced chunk into the gradient shard
             chunk = buf[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
             shard = self.grad_shard[b.shard_offset:b.shard_offset + b.chunk]
@@ -268,25 +290,44 @@ class FlatGroup:
         self._micro_since_step = 0  # stage 2: the next reduced chunk overwrites the shard
         self.used = [False] * len(self.params)
 
-    def full_fp32(self, rank0_only: bool) -> list[torch.Tensor] | None:
-        """Every parameter of the group in fp32 (collective; with rank0_only, None on other ranks)."""
-        keep = not rank0_only or self.comm.rank == 0
-        out: list[torch.Tensor | None] = [None] * len(self.params)
-        for b in self.layout.buckets:
-            if self.master is None:
-                data = self.param_flat[b.offset:b.offset + b.padded]
-            else:
-                data = torch.empty(b.padded, dtype=torch.float32, device=self.param_flat.device)
-                mine = self.master[b.shard_offset:b.shard_offset + b.chunk].to(data.device)  # offloaded: on the host
-                if self.shard_world == 1:
-                    data.copy_(mine)
-                else:
-                    self.comm.all_gather(data, mine, f"fp32 weights of bucket {b.index} for full_state_dict")
-            if keep:
-                for i in range(b.first, b.last):
-                    off = self.layout.offsets[i] - b.offset
-                    out[i] = data[off:off + self.layout.numels[i]].float().clone().view(self.params[i].shape)
-        return out if keep else None
+    def whole(self, what: str, keep: bool) -> dict[int, torch.Tensor]:
+        """id(parameter) -> whole value (collective where shards must be gathered): "fp32" weights, "working"
+        weights, or the reduced "grads" as the optimizer reads them (loss-scaled, summed over ranks). Parameters
+        are whole on every rank at stages 0-2, so only the fp32 master and the gradient shards are gathered."""
+        device = self.param_flat.device
+        match what:
+            case "fp32" if self.master is not None:
+                return gather_whole(self.comm, self.shard_world, self._whole_buckets(False),
+                                    lambda i: self.master[self._shard_slice(i)], torch.float32, device,
+                                    "fp32 weights", keep)
+            case "fp32" | "working":
+                dtype = torch.float32 if what == "fp32" else self.dtype
+                return gather_whole(self.comm, 1, self._whole_buckets(True), lambda i: self._bucket(self.param_flat, i),
+                                    dtype, device, f"{what} weights", keep)
+            case "grads" if self.stage == 0:
+                return gather_whole(self.comm, 1, self._whole_buckets(True), lambda i: self._bucket(self.grad_flat, i),
+                                    self.accum_dtype, device, "gradients", keep)
+            case "grads":
+                return gather_whole(self.comm, self.shard_world, self._whole_buckets(False),
+                                    lambda i: self.grad_chunk(self.layout.buckets[i]), self.accum_dtype, device,
+                                    "reduced gradients", keep)
+            case _:
+                raise ValueError(f"whole() takes 'fp32', 'working' or 'grads', got {what!r}")
+
+    def _whole_buckets(self, whole: bool) -> list[WholeBucket]:
+        """Each bucket's tensors and where they lie in it; chunk: what each rank contributes (the whole padded
+        bucket where nothing needs gathering)."""
+        return [WholeBucket(b.padded if whole else b.chunk,
+                            tuple((id(self.params[i]), self.layout.offsets[i] - b.offset, self.params[i].shape)
+                                  for i in range(b.first, b.last))) for b in self.layout.buckets]
+
+    def _bucket(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        b = self.layout.buckets[i]
+        return flat[b.offset:b.offset + b.padded]
+
+    def _shard_slice(self, i: int) -> slice:
+        b = self.layout.buckets[i]
+        return slice(b.shard_offset, b.shard_offset + b.chunk)
 
     # -- accounting -------------------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -294,7 +335,7 @@ class FlatGroup:
             return 0 if t is None else t.numel() * t.element_size()
 
         grads = nbytes(self.grad_flat) + nbytes(self.grad_shard)
-        buffers = self._buffer_count * self._bucket_capacity * self.param_flat.element_size()
+        buffers = self._buffer_count * self._bucket_capacity * self.comm_dtype.itemsize
         return {"params": nbytes(self.param_flat), "grads": grads, "master": nbytes(self.master),
                 "comm_buffers": buffers}
 
@@ -439,14 +480,19 @@ class Stage12Runtime:
 
     def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
         """id(parameter) -> its fp32 value (collective; None off rank 0 with rank0_only)."""
-        values: dict[int, torch.Tensor] = {}
-        keep = True
-        for g in self.groups:
-            full = g.full_fp32(rank0_only)
-            keep = full is not None
-            if keep:
-                values.update({id(p): t for p, t in zip(g.params, full)})
+        keep = not rank0_only or self.groups[0].comm.rank == 0
+        values = {k: v for g in self.groups for k, v in g.whole("fp32", keep).items()}
         return values if keep else None
+
+    def full_working(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> value in the working dtype, for saving 16-bit weights."""
+        return {k: v for g in self.groups for k, v in g.whole("working", True).items()}
+
+    def full_grads(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> the reduced gradient as the optimizer reads it: the sum over ranks of loss_scale /
+        gradient_predivide_factor times each rank's gradient, in the accumulation dtype (a collective; for tests
+        and debugging, between the last backward and step())."""
+        return {k: v for g in self.groups for k, v in g.whole("grads", True).items()}
 
     def memory(self) -> dict[str, int]:
         report: dict[str, int] = {}

@@ -36,6 +36,7 @@ from zkern.engine.sharded_init import forget_sharding, full_shape, gather_built,
 from zkern.engine.stage3_hooks import Stage3Hooks
 from zkern.engine.stage3_reduce import GradReducer
 from zkern.engine.units import plan_units
+from zkern.engine.whole import WholeBucket, gather_whole
 
 log = logging.getLogger("zkern")
 
@@ -44,7 +45,8 @@ class Stage3Runtime:
     """Stage 3 behind the engine's runtime interface (see Stage12Runtime)."""
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], *, comm: Comm,
-                 dtype: torch.dtype, mixed: bool, zero, overlap: bool, reduce_scatter: bool, bucket_numel: int):
+                 dtype: torch.dtype, mixed: bool, zero, overlap: bool, reduce_scatter: bool, bucket_numel: int,
+                 comm_dtype: torch.dtype | None = None, accum_dtype: torch.dtype | None = None):
         if comm.world > MAX_SIGNATURE_WORLD:
             raise ValueError(f"stage 3 checks its gathers across at most {MAX_SIGNATURE_WORLD} ranks, got {comm.world}")
         self.params_on_host = zero.offload_param_device == "cpu"
@@ -95,7 +97,7 @@ class Stage3Runtime:
             self.master = host_tensor(shard, torch.float32, pin=zero.offload_optimizer_pin_memory and cuda)
         elif mixed:
             self.master = torch.zeros(shard, dtype=torch.float32, device=device)
-        self.grad_shard = torch.zeros(shard, dtype=dtype, device=device)
+        self.grad_shard = torch.zeros(shard, dtype=accum_dtype or dtype, device=device)  # data_types.grad_accum_dtype
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self._partition()
 
@@ -108,7 +110,8 @@ class Stage3Runtime:
             if u.persistent:
                 self.gatherer.gather(u, async_op=False)
         self.hooks = Stage3Hooks(model, self.units, needs, self.gatherer, merge_divergent=self.merge_divergent)
-        self.reducer = GradReducer(self.units, comm.sibling(), grad_shard=self.grad_shard, bucket_numel=bucket_numel,
+        self.reducer = GradReducer(self.units, comm.sibling(), grad_shard=self.grad_shard,
+                                   comm_dtype=comm_dtype or dtype, bucket_numel=bucket_numel,
                                    overlap=overlap, reduce_scatter=reduce_scatter, offsets=self._offset,
                                    params=self.params,
                                    names={id(p): n for p, n in zip(self.all_params, self.all_names)})
@@ -339,27 +342,29 @@ class Stage3Runtime:
     def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
         """id(parameter) -> fp32 value (collective; None off rank 0 with rank0_only)."""
         source = self.master if self.master is not None else self.param_shard
-        values = self._gather_all(source, torch.float32, "fp32 weights for full_state_dict",
-                                  keep=not rank0_only or self.comm.rank == 0)
-        return values if not rank0_only or self.comm.rank == 0 else None
+        keep = not rank0_only or self.comm.rank == 0
+        values = self._whole(source, torch.float32, "fp32 weights for full_state_dict", keep)
+        return values if keep else None
 
     def full_working(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> value in the working dtype (collective), for saving 16-bit weights."""
-        return self._gather_all(self.param_shard, self.dtype, "16-bit weights for save_16bit_model", keep=True)
+        return self._whole(self.param_shard, self.dtype, "16-bit weights for save_16bit_model", True)
 
-    def _gather_all(self, source: torch.Tensor, dtype: torch.dtype, purpose: str, keep: bool) -> dict:
-        """Every unit whole from `source` shards, one unit at a time; keep=False drops them (other ranks)."""
-        values = {}
-        for u in self.units:
-            b = u.bucket
-            data = torch.empty(b.padded, dtype=dtype, device=self._empty.device)  # offloaded sources: copied up
-            self.comm.all_gather(data, source[b.shard_offset:b.shard_offset + b.chunk].to(data.device, dtype),
-                                 f"{purpose}, unit '{u.name}'")
-            if keep:
-                for p in u.plan.params:
-                    shape, off = self._full_shape[id(p)], self._offset[id(p)]
-                    values[id(p)] = data[off:off + shape.numel()].clone().view(shape)
-        return values
+    def full_grads(self) -> dict[int, torch.Tensor]:
+        """id(trainable parameter) -> the reduced gradient as the optimizer reads it (see Stage12Runtime)."""
+        grads = self._whole(self.grad_shard, self.grad_shard.dtype, "reduced gradients", True)
+        return {k: v for k, v in grads.items() if k in {id(p) for p in self.params}}
+
+    def _whole(self, source: torch.Tensor, dtype: torch.dtype, purpose: str, keep: bool) -> dict:
+        """Every unit whole from `source` shards, one unit at a time (offloaded sources are copied up)."""
+        buckets = [WholeBucket(u.bucket.chunk, tuple((id(p), self._offset[id(p)], self._full_shape[id(p)])
+                                                     for p in u.plan.params)) for u in self.units]
+
+        def chunk_of(i: int) -> torch.Tensor:
+            b = self.units[i].bucket
+            return source[b.shard_offset:b.shard_offset + b.chunk]
+
+        return gather_whole(self.comm, self.comm.world, buckets, chunk_of, dtype, self._empty.device, purpose, keep)
 
     # -- accounting -------------------------------------------------------------------------------------------
     @property

@@ -41,12 +41,12 @@ class ReduceGroup:
 
 
 class GradReducer:
-    def __init__(self, units: list[Unit], comm: Comm, *, grad_shard: torch.Tensor, bucket_numel: int, overlap: bool,
-                 reduce_scatter: bool, offsets: dict[int, int], params: list[torch.nn.Parameter],
-                 names: dict[int, str]):
+    def __init__(self, units: list[Unit], comm: Comm, *, grad_shard: torch.Tensor, comm_dtype: torch.dtype,
+                 bucket_numel: int, overlap: bool, reduce_scatter: bool, offsets: dict[int, int],
+                 params: list[torch.nn.Parameter], names: dict[int, str]):
         """offsets: id(parameter) -> offset inside its unit; params: the trainable parameters, in the order of the
         `used` flags the engine's step control reduces."""
-        self.units, self.comm, self.grad_shard = units, comm, grad_shard
+        self.units, self.comm, self.grad_shard, self.comm_dtype = units, comm, grad_shard, comm_dtype
         self.overlap, self.reduce_scatter = overlap, reduce_scatter
         self.offsets, self.names = offsets, names
         self.groups = self._plan(bucket_numel)
@@ -137,8 +137,7 @@ class GradReducer:
         """The group's rank-major gradient buffer, made at its first gradient of the pass (or at launch, for a group
         that got none). Zeros: padding and parameters without a gradient reduce as zero."""
         if g.buffer is None:
-            g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.grad_shard.dtype,
-                                   device=self.grad_shard.device)
+            g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.comm_dtype, device=self.grad_shard.device)
 
     def _launch(self, g: ReduceGroup) -> None:
         self._ensure_buffer(g)

@@ -12,6 +12,7 @@ and a reciprocal square root of the bias correction round differently from torch
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 
@@ -259,3 +260,19 @@ def test_reference_and_extension_agree_through_ops():
                          grad_scale=0.5)
     assert_f32_rounding(p, p2, 1e-3, "param")
     assert torch.equal(out, p.bfloat16())
+
+
+def test_the_thread_count_comes_from_the_cores_this_process_may_use(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("ZKERN_CPU_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # as under torchrun (OMP_NUM_THREADS=1): not used
+    assert _ext.cpu_threads() == cores
+    if cores == os.cpu_count():  # unpinned ranks of one node share the cores
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
+        assert _ext.cpu_threads() == 1
+    monkeypatch.setenv("ZKERN_CPU_THREADS", "3")
+    assert _ext.cpu_threads() == 3
+    monkeypatch.setenv("ZKERN_CPU_THREADS", "three")
+    with pytest.raises(ValueError, match="ZKERN_CPU_THREADS must be a whole number"):
+        _ext.cpu_threads()

@@ -39,6 +39,15 @@ def cpu_model() -> str:
         return platform.machine()
 
 
+def _cpu_adam_threads() -> int | str:
+    from zkern.cpu import _ext
+
+    try:
+        return _ext.cpu_threads()
+    except ValueError as e:
+        return f"invalid: {e}"
+
+
 def _backend_or_error(op: str) -> str:
     try:
         return ops.backend_for(torch.empty(0), op)
@@ -66,7 +75,7 @@ def report() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
-        "cpu": {"model": cpu_model(), "threads": torch.get_num_threads(),
+        "cpu": {"model": cpu_model(), "threads": torch.get_num_threads(), "cpu_adam_threads": _cpu_adam_threads(),
                 "isa": cpu_flags()},
         "cuda": {"available": cuda, "version": torch.version.cuda,
                  "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []},

@@ -34,6 +34,35 @@ def available() -> bool:
     return EXT is not None
 
 
+_said_threads = False
+
+
+def cpu_threads() -> int:
+    """Threads the CPU Adam uses when a call names none: ZKERN_CPU_THREADS if set; else the cores this process may
+    run on (os.sched_getaffinity), shared among the ranks of this node (LOCAL_WORLD_SIZE) unless the ranks were
+    pinned to cores of their own. Not torch.get_num_threads(): torchrun sets OMP_NUM_THREADS=1, which would leave
+    an offloaded optimizer step on one core per rank. Said once in the log."""
+    global _said_threads
+    env = os.environ.get("ZKERN_CPU_THREADS")
+    if env is not None:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"ZKERN_CPU_THREADS must be a whole number of threads >= 1, got {env!r}")
+        threads, why = int(env), "ZKERN_CPU_THREADS"
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if cores >= (os.cpu_count() or cores) and ranks > 1:  # every rank may use every core: share them
+            threads, why = max(1, cores // ranks), f"{cores} cores shared by {ranks} ranks on this node"
+        else:
+            threads, why = cores, f"{cores} cores this process may use"
+    if not _said_threads:
+        _said_threads = True
+        import logging
+
+        logging.getLogger("zkern").info("zkern CPU Adam: %d threads (%s; ZKERN_CPU_THREADS overrides)", threads, why)
+    return threads
+
+
 def active_isa() -> str:
     """The ISA path calls take: ZKERN_CPU_ISA if set (checked), else the fastest this CPU supports."""
     if EXT is None:
@@ -81,8 +110,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                threads: int | None = None) -> None:
     """zkern.reference.adam_step_'s semantics in one fused pass (to float32 rounding; see csrc/adam_kernel.h).
 
-    isa: a path to use instead of active_isa() (tests step every path); threads: default torch's thread count
-    (which honours OMP_NUM_THREADS and torch.set_num_threads).
+    isa: a path to use instead of active_isa() (tests step every path); threads: default cpu_threads().
     """
     n = param.numel()
     _check("param", param, n, (torch.float32,))
@@ -100,4 +128,4 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                   exp_avg_sq.data_ptr(), 0 if param_out is None else param_out.data_ptr(),
                   -1 if param_out is None else DTYPE_CODES[param_out.dtype], n, int(step), float(lr),
                   float(betas[0]), float(betas[1]), float(eps), float(weight_decay), bool(adamw),
-                  float(grad_scale), threads or torch.get_num_threads())
+                  float(grad_scale), threads or cpu_threads())

@@ -28,6 +28,14 @@ def pick_device(model: torch.nn.Module, want: str) -> torch.device:
         raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
                          f"zkern trains a model that lives on one device per rank")
     current = devices.pop() if devices else torch.device("cpu")
+    if current.type == "cuda" and want != "cpu":
+        return current
+    return device_from_config(want)
+
+
+def device_from_config(want: str) -> torch.device:
+    """Config key 'device' for a model still on the host (or not built yet, as under init_sharded): "cpu", or
+    cuda:LOCAL_RANK for "cuda", and for "auto" where CUDA is available."""
     local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     match want:
         case "cpu":
@@ -36,11 +44,9 @@ def pick_device(model: torch.nn.Module, want: str) -> torch.device:
             if not torch.cuda.is_available():
                 raise RuntimeError("config 'device' is \"cuda\" but torch sees no CUDA device; use \"cpu\" or "
                                    "\"auto\"")
-            return current if current.type == "cuda" else local
-        case "auto":
-            if current.type == "cuda" or not torch.cuda.is_available():
-                return current
             return local
+        case "auto":
+            return local if torch.cuda.is_available() else torch.device("cpu")
         case other:
             raise ValueError(f"device must be auto, cpu or cuda, got {other!r}")
 

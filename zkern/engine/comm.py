@@ -34,19 +34,29 @@ class CommError(RuntimeError):
     """A collective failed or timed out; the message names the rank, the collective and its purpose."""
 
 
-def init_distributed(device: torch.device, timeout_s: float) -> tuple[object | None, int, int]:
-    """(group, rank, world) for the engine's collectives, creating the process group when needed.
+def backend_for(device: torch.device) -> str:
+    """The process-group backends for a rank training on `device`: on a GPU, nccl for device tensors and gloo for
+    host ones (init_sharded broadcasts parameters as modules build them on the host); on a CPU, gloo."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
-    - A process group exists: the engine gets its own group over the same ranks, with comm_timeout_s.
-    - No group, torchrun environment with WORLD_SIZE > 1: init one (nccl for CUDA, gloo for CPU).
+
+def init_distributed(device: torch.device, timeout_s: float) -> tuple[object | None, int, int]:
+    """(group, rank, world) for the engine's collectives, creating the process group when needed. A CUDA device
+    becomes this process's current device first, whoever made the group, so streams and kernels land on it.
+
+    - A process group exists (the user's, or init_sharded's): the engine gets its own group over the same ranks,
+      with comm_timeout_s and the backends its device needs (backend_for), whatever the user's group uses.
+    - No group, torchrun environment with WORLD_SIZE > 1: init one with backend_for(device).
     - Otherwise: world size 1, no group.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
         if world == 1:
             return None, 0, 1
-        return dist.new_group(timeout=timeout), dist.get_rank(), world
+        return dist.new_group(timeout=timeout, backend=backend_for(device)), dist.get_rank(), world
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return None, 0, 1
@@ -54,10 +64,7 @@ def init_distributed(device: torch.device, timeout_s: float) -> tuple[object | N
     if missing:
         raise CommError(f"WORLD_SIZE={world} but {', '.join(missing)} not set; launch with torchrun, or call "
                         f"torch.distributed.init_process_group() before creating the zkern.Engine")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, timeout=timeout)
+    dist.init_process_group(backend=backend_for(device), timeout=timeout)
     return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
 
 
@@ -87,8 +94,9 @@ class Work:
 class Comm:
     """The engine's collectives over one process group (or none, at world size 1)."""
 
-    def __init__(self, group: object | None, rank: int, world: int, timeout_s: float):
-        self.group, self.rank, self.world, self.timeout_s = group, rank, world, timeout_s
+    def __init__(self, group: object | None, rank: int, world: int, timeout_s: float, backend: str | None = None):
+        """backend: what sibling() groups are made with (backend_for(device)); None: the default group's."""
+        self.group, self.rank, self.world, self.timeout_s, self.backend = group, rank, world, timeout_s, backend
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
@@ -99,8 +107,8 @@ class Comm:
         backward reaches a reduction at a different moment on each."""
         group = None
         if self.world > 1:
-            group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s))
-        twin = Comm(group, self.rank, self.world, self.timeout_s)
+            group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s), backend=self.backend)
+        twin = Comm(group, self.rank, self.world, self.timeout_s, self.backend)
         twin.bytes, twin.calls = self.bytes, self.calls
         return twin
 

@@ -19,7 +19,7 @@ import torch
 from zkern import checkpointing, ops
 from zkern.config import Config
 from zkern.engine import build
-from zkern.engine.comm import Comm, init_distributed
+from zkern.engine.comm import Comm, backend_for, init_distributed
 from zkern.engine.divergence import signatures_differ
 from zkern.engine.offload import HostStep
 from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
@@ -47,7 +47,7 @@ class Engine:
         self.device = build.pick_device(model, cfg.device)
         group, rank, world = init_distributed(self.device, cfg.comm_timeout_s)
         self.config = cfg = cfg.resolve(world, model)
-        self.comm = Comm(group, rank, world, cfg.comm_timeout_s)
+        self.comm = Comm(group, rank, world, cfg.comm_timeout_s, backend_for(self.device))
         self.rank, self.world_size = rank, world
         self.module = model.to(self.device)
         build.broadcast_state(model, self.comm)

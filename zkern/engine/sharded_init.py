@@ -24,7 +24,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zkern.config import Config
-from zkern.engine.comm import Comm, init_distributed
+from zkern.engine.build import device_from_config
+from zkern.engine.comm import Comm, backend_for, init_distributed
 
 _SHAPE_QUERIES = {"shape", "size", "dim", "ndim", "numel", "dtype", "device", "requires_grad", "is_leaf"}
 
@@ -156,8 +157,11 @@ def init_sharded(config: Config | dict | str):
     if cfg.zero_optimization.stage != 3:
         raise ValueError(f"init_sharded partitions parameters for ZeRO stage 3; the config says stage "
                          f"{cfg.zero_optimization.stage}")
-    group, rank, world = init_distributed(torch.device("cpu"), cfg.comm_timeout_s)
-    sharder = _Sharder(Comm(group, rank, world, cfg.comm_timeout_s))
+    # The group is made for the device the engine will train on (nccl and gloo on a GPU): modules build their
+    # parameters on the host, which gloo broadcasts, and the engine's own group, made from this one, needs nccl.
+    device = device_from_config(cfg.device)
+    group, rank, world = init_distributed(device, cfg.comm_timeout_s)
+    sharder = _Sharder(Comm(group, rank, world, cfg.comm_timeout_s, backend_for(device)))
     depth: dict[int, int] = {}
     wrapped: dict[type, object] = {}
 

@@ -22,7 +22,7 @@ def free_port() -> int:
 
 def _child(rank: int, world: int, port: int, fn, args, queue, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     try:
         result = fn(rank, world, *args)

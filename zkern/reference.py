@@ -33,13 +33,23 @@ def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None, *, al
     if dtype is None and len(dtypes) > 1:
         raise TypeError(f"flatten got mixed dtypes {sorted(map(str, dtypes))}; pass dtype= to cast them")
     out_dtype = dtype or tensors[0].dtype
-    if align == 1 and pad_to == 1:
-        return torch.cat([t.reshape(-1).to(out_dtype) for t in tensors])
-    parts = []
+    offsets, end = [], 0
     for t in tensors:
-        parts += [t.reshape(-1).to(out_dtype), torch.zeros((-t.numel()) % align, dtype=out_dtype, device=t.device)]
-    flat = torch.cat(parts)
-    return torch.cat([flat, torch.zeros((-flat.numel()) % pad_to, dtype=out_dtype, device=flat.device)])
+        end += (-end) % align
+        offsets.append(end)
+        end += t.numel()
+    end += (-end) % align  # every tensor's slot is a multiple of align, the last one's too
+    total = end + (-end) % pad_to
+    # One buffer, written in place (a cat per gap would hold the data twice: a 64 MiB model built for stage 3
+    # peaked a whole unit higher); only the gaps need zeros.
+    out = torch.empty(total, dtype=out_dtype, device=tensors[0].device)
+    gap_start = 0
+    for t, off in zip(tensors, offsets):
+        out[gap_start:off].zero_()
+        out[off:off + t.numel()].copy_(t.reshape(-1))
+        gap_start = off + t.numel()
+    out[gap_start:].zero_()
+    return out
 
 
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

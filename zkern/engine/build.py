@@ -51,22 +51,33 @@ def device_from_config(want: str) -> torch.device:
             raise ValueError(f"device must be auto, cpu or cuda, got {other!r}")
 
 
-def broadcast_state(model: torch.nn.Module, comm: Comm) -> None:
-    """Give every rank rank 0's parameters and buffers (one flat broadcast per dtype), as DDP does."""
+def broadcast_state(model: torch.nn.Module, comm: Comm, chunk_numel: int, params: bool = True) -> None:
+    """Give every rank rank 0's parameters (unless params is false) and buffers, as DDP does: per dtype and device,
+    flattened in chunks of at most chunk_numel elements (a larger tensor alone, in place), so the copy never holds
+    more than one chunk beside the model."""
     if comm.world == 1:
         return
-    tensors = list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        by_dtype[t.dtype].append(t)
-    for dtype, group in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-        flat = ops.flatten([t.detach() for t in group])
-        comm.broadcast(flat, f"initial {dtype} parameters and buffers from rank 0")
-        offset = 0
-        with torch.no_grad():
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view(t.shape))
-                offset += t.numel()
+    tensors = [*(model.parameters() if params else ()), *model.buffers()]
+    by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for t in {id(t): t for t in tensors}.values():
+        by_kind[(str(t.dtype), str(t.device))].append(t)
+    with torch.no_grad():
+        for (dtype, device), group in sorted(by_kind.items()):
+            chunk: list[torch.Tensor] = []
+            for t in group + [None]:
+                if t is not None and t.numel() >= chunk_numel and t.is_contiguous():
+                    comm.broadcast(t.data, f"initial {dtype} values on {device} from rank 0")
+                    continue
+                if chunk and (t is None or sum(c.numel() for c in chunk) + t.numel() > chunk_numel):
+                    flat = ops.flatten([c.detach() for c in chunk])
+                    comm.broadcast(flat, f"initial {dtype} values on {device} from rank 0")
+                    offset = 0
+                    for c in chunk:
+                        c.copy_(flat[offset:offset + c.numel()].view(c.shape))
+                        offset += c.numel()
+                    chunk = []
+                if t is not None:
+                    chunk.append(t)
 
 
 def param_names(model: torch.nn.Module) -> dict[int, str]:

@@ -24,7 +24,7 @@ from zkern.engine.divergence import signatures_differ
 from zkern.engine.offload import HostStep
 from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
 from zkern.engine.precision import LossScaler, gradient_dtypes, working_dtype
-from zkern.engine.sharded_init import is_sharded
+from zkern.engine.sharded_init import is_sharded, release_freed_memory
 from zkern.engine.stage3 import Stage3Runtime
 from zkern.engine.stage12 import Stage12Runtime
 
@@ -49,8 +49,12 @@ class Engine:
         self.config = cfg = cfg.resolve(world, model)
         self.comm = Comm(group, rank, world, cfg.comm_timeout_s, backend_for(self.device))
         self.rank, self.world_size = rank, world
-        self.module = model.to(self.device)
-        build.broadcast_state(model, self.comm)
+        self.module = model
+        zero = cfg.zero_optimization
+        bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
+        # Rank 0's values everywhere, a bucket at a time; stage 3 broadcasts parameters unit by unit as it
+        # partitions them, so only buffers go here.
+        build.broadcast_state(model, self.comm, bucket, params=zero.stage != 3)
 
         groups = build.trainable_groups(model, optimizer)
         if not any(groups):
@@ -60,7 +64,6 @@ class Engine:
         comm_dtype, accum_dtype = gradient_dtypes(cfg, self.dtype)
         if not mixed:
             build.check_dtypes(groups, model)
-        zero = cfg.zero_optimization
         if not zero.contiguous_gradients:
             log.warning("zkern: zero_optimization.contiguous_gradients=false has no effect: zkern always reduces "
                         "gradients from contiguous buckets, which costs no extra memory")
@@ -70,23 +73,23 @@ class Engine:
         self.offload = zero.offload_optimizer_device == "cpu"
         # Page-locked host buffers speed up the copies to and from a GPU; without CUDA there is nothing to pin for.
         pin = self.device.type == "cuda"
+        # The runtimes build their buffers on the device from the parameters where they are (the host, typically),
+        # a bucket or a unit at a time, from the fp32 values; then what is still whole (buffers, frozen parameters,
+        # stage 3's empty stand-ins) moves to the device and the working dtype. The model is never whole on the
+        # device first (at stage 3 it never is).
         if zero.stage == 3:
-            # Partitions from the fp32 values, then casts what is left whole (buffers, empty parameters).
             self.runtime = Stage3Runtime(model, groups, comm=self.comm, dtype=self.dtype, mixed=mixed, zero=zero,
                                          overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
                                          bucket_numel=zero.reduce_bucket_size, comm_dtype=comm_dtype,
-                                         accum_dtype=accum_dtype)
-            model.to(self.dtype)
+                                         accum_dtype=accum_dtype, device=self.device)
         else:
-            master_from = [[p.detach().float().clone() for p in g] for g in groups] if mixed else [[] for _ in groups]
-            model.to(self.dtype)
-            bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
-            self.runtime = Stage12Runtime(model, groups, build.param_names(model), master_from, stage=zero.stage,
+            self.runtime = Stage12Runtime(model, groups, build.param_names(model), stage=zero.stage,
                                           comm=self.comm, dtype=self.dtype, mixed=mixed, bucket_numel=bucket,
                                           overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
                                           offload=self.offload, pin_memory=pin and zero.offload_optimizer_pin_memory,
-                                          comm_dtype=comm_dtype, accum_dtype=accum_dtype)
-            del master_from
+                                          comm_dtype=comm_dtype, accum_dtype=accum_dtype, device=self.device)
+        model.to(self.device).to(self.dtype)
+        release_freed_memory()
         self._log_layout()
         shard_groups = self.runtime.shard_groups
         self.host_step = None

@@ -43,44 +43,47 @@ class FlatGroup:
     """One group of trainable parameters packed into flat buffers, for ZeRO stages 0, 1 and 2."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, stage: int, comm: Comm,
-                 dtype: torch.dtype, master_from: list[torch.Tensor], mixed: bool, bucket_numel: int,
-                 overlap: bool, reduce_scatter: bool, offload: bool = False, pin_memory: bool = False,
-                 comm_dtype: torch.dtype | None = None, accum_dtype: torch.dtype | None = None):
+                 dtype: torch.dtype, mixed: bool, bucket_numel: int, overlap: bool, reduce_scatter: bool,
+                 offload: bool = False, pin_memory: bool = False, comm_dtype: torch.dtype | None = None,
+                 accum_dtype: torch.dtype | None = None, device: torch.device | None = None):
         """comm_dtype: the dtype gradients are reduced in (communication_data_type); accum_dtype: the dtype they
-        accumulate in across micro-steps (data_types.grad_accum_dtype); both default to the working dtype."""
+        accumulate in across micro-steps (data_types.grad_accum_dtype); both default to the working dtype. device:
+        where the buffers live (default: where the parameters are)."""
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
         self.dtype, self.mixed, self.overlap, self.reduce_scatter = dtype, mixed, overlap, reduce_scatter
         self.comm_dtype, self.accum_dtype = comm_dtype or dtype, accum_dtype or dtype
         self.shard_world = 1 if stage == 0 else comm.world
         self.shard_rank = 0 if stage == 0 else comm.rank
         self.layout: Layout = plan_layout([p.numel() for p in params], self.shard_world, bucket_numel)
-        device = params[0].device
         layout = self.layout
+        device = torch.device(device) if device is not None else params[0].device
 
-        # Flat working-dtype parameters; padding stays zero.
-        self.param_flat = torch.zeros(layout.total, dtype=dtype, device=device)
-        for b in layout.buckets:
-            self.param_flat[b.offset:b.offset + b.numel].copy_(
-                ops.flatten([p.detach() for p in params[b.first:b.last]], dtype))
-        for i, p in enumerate(params):
-            p.data = self._param_view(self.param_flat, i)
-
-        # fp32 master shard (mixed precision, or offloaded: then on the host even in fp32) from the caller's fp32
-        # values, before any rounding to 16 bits.
+        # The flat working-dtype parameters and the fp32 master shard (mixed precision, or offloaded: then on the
+        # host even in fp32), written one bucket at a time from the parameters' own values (fp32, before any
+        # rounding to 16 bits; on the host or the device): each bucket's parameters become views into the flat
+        # buffer as soon as it is written, so their old storage goes at once and building holds one bucket of fp32
+        # beside the model. torch.empty commits pages only as they are written.
+        self.param_flat = torch.empty(layout.total, dtype=dtype, device=device)
         self.master = None
         if mixed or offload:
             self.master = host_tensor(layout.shard_numel, torch.float32, pin=pin_memory) if offload else \
-                torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-            for b in layout.buckets:
+                torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
+        for b in layout.buckets:
+            values = ops.flatten([p.detach() for p in params[b.first:b.last]], torch.float32).to(device)
+            bucket = self.param_flat[b.offset:b.offset + b.padded]
+            bucket[:b.numel].copy_(values)
+            bucket[b.numel:].zero_()  # padding stays zero
+            if self.master is not None:
                 lo, size = layout.chunk_range(b, self.shard_rank)
-                if mixed:
-                    full = ops.flatten(master_from[b.first:b.last], torch.float32)
-                    mine = full[lo - b.offset:lo - b.offset + size]
-                    self.master[b.shard_offset:b.shard_offset + size].narrow(0, 0, mine.numel()).copy_(mine)
-                else:
-                    self.master[b.shard_offset:b.shard_offset + size].copy_(self.param_flat[lo:lo + size])
+                start = lo - b.offset
+                real = max(0, min(size, b.numel - start))  # the rest of the chunk is padding
+                mine = self.master[b.shard_offset:b.shard_offset + size]
+                mine[:real].copy_(values[start:start + real])
+                mine[real:].zero_()
+            del values
+            for i in range(b.first, b.last):
+                params[i].data = self._param_view(self.param_flat, i)
 
-        # Gradients: a full flat buffer whose views are the params' .grad (stages 0, 1), or a shard (stage 2).
         # Gradients: stages 0-1 a full flat buffer, stage 2 a shard, in the accumulation dtype. Where that is the
         # working dtype, the flat buffer's views are the parameters' .grad and autograd accumulates into them;
         # otherwise each gradient is added into the buffer as it arrives and freed.
@@ -345,11 +348,10 @@ class Stage12Runtime:
     reduced in one ReduceSchedule."""
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], names: dict[int, str],
-                 master_from: list[list], **kwargs):
+                 **kwargs):
         # Reverse registration order: backward produces gradients roughly last layer first, so buckets fill in
         # order. Empty optimizer groups get no FlatGroup and stay empty in the optimizer.
-        self.flat = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], master_from=m[::-1], **kwargs) if g
-                     else None for g, m in zip(groups, master_from)]
+        self.flat = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], **kwargs) if g else None for g in groups]
         self.groups = [g for g in self.flat if g is not None]
         self.shard_groups = [g.shard_group if g is not None else ShardGroup([], [], 0) for g in self.flat]
         self.params = [p for g in self.groups for p in g.params]

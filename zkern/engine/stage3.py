@@ -32,7 +32,7 @@ from zkern.engine.lifecycle import DataState, Unit, check_pass_end
 from zkern.engine.offload import host_tensor
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.partition import plan_unit_layout
-from zkern.engine.sharded_init import forget_sharding, full_shape, gather_built, is_sharded
+from zkern.engine.sharded_init import forget_sharding, full_shape, gather_built, is_sharded, release_freed_memory
 from zkern.engine.stage3_hooks import Stage3Hooks
 from zkern.engine.stage3_reduce import GradReducer
 from zkern.engine.units import plan_units
@@ -46,7 +46,8 @@ class Stage3Runtime:
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], *, comm: Comm,
                  dtype: torch.dtype, mixed: bool, zero, overlap: bool, reduce_scatter: bool, bucket_numel: int,
-                 comm_dtype: torch.dtype | None = None, accum_dtype: torch.dtype | None = None):
+                 comm_dtype: torch.dtype | None = None, accum_dtype: torch.dtype | None = None,
+                 device: torch.device | None = None):
         if comm.world > MAX_SIGNATURE_WORLD:
             raise ValueError(f"stage 3 checks its gathers across at most {MAX_SIGNATURE_WORLD} ranks, got {comm.world}")
         self.params_on_host = zero.offload_param_device == "cpu"
@@ -84,7 +85,7 @@ class Stage3Runtime:
                 self._offset[id(p)] = off
                 off += self._full_shape[id(p)].numel()
 
-        device = self.all_params[0].device
+        device = torch.device(device) if device is not None else self.all_params[0].device
         shard = self.layout.shard_numel
         cuda = device.type == "cuda"  # page-locked host memory only helps (and only exists) with a GPU
         if self.params_on_host:  # offload_param: the working shard rests on the host, copied up per gather
@@ -128,17 +129,21 @@ class Stage3Runtime:
     # -- layout -----------------------------------------------------------------------------------------------
     def _partition(self) -> None:
         """Keep this rank's chunk of every unit (fp32 master and working copy); parameters go to rest. One unit
-        is whole at a time: parameters partitioned by init_sharded are gathered for it and dropped again."""
+        is whole at a time, on the device (the parameters may be on the host: the model is never whole on the
+        device): rank 0's values are broadcast for it, and parameters partitioned by init_sharded (equal on every
+        rank already) are gathered for it and dropped again."""
         rank = self.comm.rank
         device = self._empty.device
         with torch.no_grad():
             for u in self.units:
                 b = u.bucket
-                full = torch.zeros(b.padded, dtype=torch.float32, device=device)
+                built = [is_sharded(p) for p in u.plan.params]
                 values = [gather_built(p, self.comm, "a parameter built under init_sharded, for the stage-3 layout")
-                          .to(device) if is_sharded(p) else p.detach() for p in u.plan.params]
-                full[:b.numel].copy_(ops.flatten(values, torch.float32))
+                          if sharded else p.detach() for p, sharded in zip(u.plan.params, built)]
+                full = ops.flatten(values, torch.float32, pad_to=self.comm.world).to(device)  # (b.padded,)
                 del values
+                if not all(built):
+                    self.comm.broadcast(full, f"initial values of unit '{u.plan.name}' from rank 0")
                 mine = full[rank * b.chunk:(rank + 1) * b.chunk]
                 self.param_shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
                 if self.master is not None:
@@ -147,6 +152,8 @@ class Stage3Runtime:
                     p.data = self._empty
                     if is_sharded(p):
                         forget_sharding(p)
+                del full, mine
+                release_freed_memory()  # the unit's whole values go back to the OS now, not when building ends
 
     def _make_shard_groups(self, groups: list[list[torch.nn.Parameter]]) -> list[ShardGroup]:
         """Per optimizer group: its pieces, and per unit the contiguous sub-range of its pieces."""

@@ -22,8 +22,19 @@ $(STAMP): setup.py pyproject.toml $(wildcard zkern/cpu/csrc/*)
 	$(PY) -m pip install -e ".[test]"
 	@touch $(STAMP)
 
+# The whole suite, then the tests of the CPU kernels again on the paths this CPU would not pick: zkern's AVX2 Adam
+# with torch's AVX2 kernels, and zkern's scalar Adam with torch's scalar kernels (a CPU without AVX2).
+CPU_KERNEL_TESTS := tests/test_cpu_adam.py tests/test_reference.py tests/test_offload.py
+
 test: setup
 	$(PY) -m pytest -q
+	@for isa in avx2 scalar; do \
+	  if $(PY) -c "import sys; from zkern.cpu import _ext; sys.exit('$$isa' not in _ext.SUPPORTED)"; then \
+	    cap=$$( [ $$isa = avx2 ] && echo avx2 || echo default ); \
+	    echo "== the CPU kernel tests on zkern's $$isa path, with torch's $$cap kernels"; \
+	    ZKERN_CPU_ISA=$$isa ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q $(CPU_KERNEL_TESTS) || exit 1; \
+	  fi; \
+	done
 
 bench: setup
 	$(PY) bench/run.py --stage 3 $(BENCH_ARGS)

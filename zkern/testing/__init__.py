@@ -5,7 +5,15 @@ define their own models and never import it.
     python -c "from zkern.testing import TinyGPT; print(sum(p.numel() for p in TinyGPT().parameters()))"
 """
 
-from zkern.testing.compare import assert_f32_rounding, assert_params_close, compare_params, fp32_sum_rtol
+from zkern.testing.compare import (
+    adam_drift_bound,
+    assert_f32_rounding,
+    assert_params_close,
+    assert_within,
+    compare_params,
+    fp32_sum_rtol,
+    same_bits_or_nan,
+)
 from zkern.testing.models import (
     Block,
     Expert,
@@ -36,8 +44,9 @@ from zkern.testing.runs import (
     torch_training_loop,
 )
 
-__all__ = ["Block", "Expert", "MoEBlock", "TinyGPT", "TinyMoE", "TrainSpec", "assert_f32_rounding",
+__all__ = ["Block", "Expert", "MoEBlock", "TinyGPT", "TinyMoE", "TrainSpec", "adam_drift_bound", "assert_within",
+           "assert_f32_rounding",
            "assert_params_close", "compare_params", "ddp_run", "engine_run", "engine_training_loop", "fp32_sum_rtol",
            "free_port", "global_batch", "hf_gpt2", "init_peer_group", "make_batches", "mean_losses",
            "model_state_bytes", "peak_rss_bytes", "peaks", "peer_autocast", "rank_device", "reference_run",
-           "reset_peak_rss", "reset_peaks", "run_block", "spawn", "torch_training_loop"]
+           "reset_peak_rss", "reset_peaks", "run_block", "same_bits_or_nan", "spawn", "torch_training_loop"]

@@ -57,14 +57,17 @@ def recording(calls: list):
             return fn(tensor, *args, group=group, **kwargs)
         return recorded
 
-    saved = (dist.all_reduce, dist.broadcast, comm._all_gather_single, comm._reduce_scatter_single)
+    names = ("_all_gather_single", "_reduce_scatter_single", "_all_gather_list", "_reduce_scatter_list")
+    saved = (dist.all_reduce, dist.broadcast, *(getattr(comm, n) for n in names))
     dist.all_reduce, dist.broadcast = wrap("all_reduce", saved[0]), wrap("broadcast", saved[1])
-    comm._all_gather_single = wrap("all_gather", saved[2])
-    comm._reduce_scatter_single = wrap("reduce_scatter", saved[3])
+    for name, fn in zip(names, saved[2:]):
+        setattr(comm, name, wrap("all_gather" if "gather" in name else "reduce_scatter", fn))
     try:
         yield
     finally:
-        dist.all_reduce, dist.broadcast, comm._all_gather_single, comm._reduce_scatter_single = saved
+        dist.all_reduce, dist.broadcast = saved[:2]
+        for name, fn in zip(names, saved[2:]):
+            setattr(comm, name, fn)
 
 
 def recording_worker(rank, world, specs):

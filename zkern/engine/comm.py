@@ -30,6 +30,17 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
 
 
+# Host tensors (gloo) go through the list forms over views of the same buffers instead: gloo's tensor forms copy
+# through a staging buffer (measured here, world 2, 4M fp32 elements: reduce-scatter 24.0 ms as a tensor, 16.8 ms
+# as a list, all-reduce 16.5; all-gather 14.4 and 11.1 ms), while nccl's tensor forms are its fast ones.
+def _reduce_scatter_list(out: torch.Tensor, inp: torch.Tensor, *, group=None, async_op: bool = False):
+    return dist.reduce_scatter(out, list(inp.chunk(inp.numel() // out.numel())), group=group, async_op=async_op)
+
+
+def _all_gather_list(out: torch.Tensor, inp: torch.Tensor, *, group=None, async_op: bool = False):
+    return dist.all_gather(list(out.chunk(out.numel() // inp.numel())), inp, group=group, async_op=async_op)
+
+
 class CommError(RuntimeError):
     """A collective failed or timed out; the message names the rank, the collective and its purpose."""
 
@@ -152,7 +163,7 @@ class Comm:
             return Work(self, None, "")
         self._count("reduce_scatter", (self.world - 1) * inp.numel() * inp.element_size() // self.world)
         what = f"reduce_scatter of {inp.numel()} {inp.dtype} elements ({purpose})"
-        return self._run(_reduce_scatter_single, what, async_op, out, inp)
+        return self._run(_reduce_scatter_single if inp.is_cuda else _reduce_scatter_list, what, async_op, out, inp)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, purpose: str, *, kind: str = "all_gather",
                    async_op: bool = False) -> Work:
@@ -167,7 +178,7 @@ class Comm:
             return Work(self, None, "")
         self._count(kind, (self.world - 1) * out.numel() * out.element_size() // self.world)
         what = f"all_gather of {out.numel()} {out.dtype} elements ({purpose})"
-        return self._run(_all_gather_single, what, async_op, out, inp)
+        return self._run(_all_gather_single if out.is_cuda else _all_gather_list, what, async_op, out, inp)
 
     def broadcast(self, t: torch.Tensor, purpose: str, *, src: int = 0) -> None:
         """In-place broadcast of t from rank src (used once, at construction, so every rank starts equal)."""

@@ -213,7 +213,7 @@ class Engine:
             if self.host_step is not None:
                 self.host_step.step(self.optimizer, grad_scale=inv * coef, active=active)
             elif isinstance(self.optimizer, ShardAdam):
-                self.optimizer.step(grad_scale=inv * coef, active=active)
+                self.optimizer.step(grad_scale=inv * coef, active=active, after_chunk=self.runtime.chunk_stepped)
             else:
                 step_torch_optimizer(self.optimizer, self.runtime.shard_groups, grad_scale=inv * coef, active=active)
             self.scaler.update(False)

@@ -108,6 +108,8 @@ class FlatGroup:
         self.touched = [False] * len(params)  # a module that owns or declares it ran forward in this micro-step
         self.used = [False] * len(params)  # got a gradient in any micro-step since the last optimizer step
         self._micro_since_step = 0  # stage 2: reduced micro-steps accumulated into grad_shard
+        self._gathers: list[Work] = []  # post-step all-gathers in flight
+        self._gathered = [False] * len(layout.buckets)
         self.pieces = layout.pieces(self.shard_rank)
         self.shard_group = self._make_shard_group()
 
@@ -275,17 +277,26 @@ class FlatGroup:
         self.touched = [False] * len(self.params)
 
     # -- step -------------------------------------------------------------------------------------------------
-    def gather_params(self) -> None:
-        """After the step: all-gather every rank's updated chunk into the full flat parameter buffer."""
-        if self.stage == 0:
+    def gather_bucket(self, index: int) -> None:
+        """Bucket `index`'s chunk is stepped: all-gather every rank's updated chunk into the flat parameter
+        buffer, asynchronously (gather_params waits), while the optimizer steps the next chunk."""
+        if self.stage == 0 or self._gathered[index]:
             return
-        works = []
-        for b in self.layout.buckets:
-            data = self.param_flat[b.offset:b.offset + b.padded]
-            works.append(self.comm.all_gather(data, self._own_chunk(self.param_flat, b),
-                                              f"updated parameters of bucket {b.index}", async_op=True))
-        for w in works:
+        self._gathered[index] = True
+        b = self.layout.buckets[index]
+        data = self.param_flat[b.offset:b.offset + b.padded]
+        self._gathers.append(self.comm.all_gather(data, self._own_chunk(self.param_flat, b),
+                                                  f"updated parameters of bucket {b.index}", async_op=True))
+
+    def gather_params(self) -> None:
+        """After the step: every bucket gathered (those the optimizer did not hand over chunk by chunk now), and
+        waited for."""
+        for index in range(len(self.layout.buckets)):
+            self.gather_bucket(index)
+        for w in self._gathers:
             w.wait()
+        self._gathers.clear()
+        self._gathered = [False] * len(self.layout.buckets)
 
     def zero_grad(self) -> None:
         if self.grad_flat is not None:
@@ -471,6 +482,13 @@ class Stage12Runtime:
 
     def grad_segments(self) -> list[torch.Tensor]:
         return [s for g in self.groups for s in g.grad_segments()]
+
+    def chunk_stepped(self, group: int, chunk: int) -> None:
+        """The optimizer finished chunk `chunk` of optimizer group `group` (a bucket): start gathering it, so the
+        all-gathers run while the optimizer steps the rest."""
+        flat = self.flat[group]
+        if flat is not None:
+            flat.gather_bucket(chunk)
 
     def after_step(self) -> None:
         for g in self.groups:

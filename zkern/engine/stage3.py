@@ -248,6 +248,9 @@ class Stage3Runtime:
             log.error("%s; every pass now checks its gathers across ranks until the divergence is found and merged",
                       message)
 
+    def chunk_stepped(self, group: int, chunk: int) -> None:
+        """Stage 3 gathers nothing chunk by chunk: the next forward gathers each unit as it needs it."""
+
     def after_step(self) -> None:
         self.gatherer.after_step()
 

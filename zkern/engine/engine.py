@@ -9,7 +9,6 @@ The stage runtime (stage12.Stage12Runtime, stage3.Stage3Runtime) owns buffers an
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -24,6 +23,7 @@ from zkern.engine.divergence import signatures_differ
 from zkern.engine.offload import HostStep
 from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
 from zkern.engine.precision import LossScaler, gradient_dtypes, working_dtype
+from zkern.engine.runtime import Runtime
 from zkern.engine.sharded_init import is_sharded, release_freed_memory
 from zkern.engine.stage3 import Stage3Runtime
 from zkern.engine.stage12 import Stage12Runtime
@@ -77,6 +77,7 @@ class Engine:
         # a bucket or a unit at a time, from the fp32 values; then what is still whole (buffers, frozen parameters,
         # stage 3's empty stand-ins) moves to the device and the working dtype. The model is never whole on the
         # device first (at stage 3 it never is).
+        self.runtime: Runtime
         if zero.stage == 3:
             self.runtime = Stage3Runtime(model, groups, comm=self.comm, dtype=self.dtype, mixed=mixed, zero=zero,
                                          overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
@@ -252,7 +253,9 @@ class Engine:
         they are still reported apart."""
         device = {"params": 0, "grads": 0, "optimizer": 0, "master": 0, "comm_buffers": 0}
         host = {"params": 0, "optimizer": 0, "master": 0, "offload_buffers": 0}
-        for key, value in self.runtime.memory().items():
+        held = self.runtime.memory()
+        on_host = held.pop("host_params")
+        for key, value in held.items():
             device[key] += value
         trainable = {id(p) for p in self.runtime.params}
         device["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters()
@@ -264,10 +267,7 @@ class Engine:
             host["offload_buffers"] = self.host_step.staging_bytes
         else:
             device["optimizer"] = optimizer
-        if getattr(self.runtime, "params_on_host", False):
-            shard = self.runtime.param_shard
-            moved = shard.numel() * shard.element_size()
-            host["params"], device["params"] = moved, device["params"] - moved
+        host["params"], device["params"] = on_host, device["params"] - on_host
         device["total"], host["total"] = sum(device.values()), sum(host.values())
         # offload_param needs offload_optimizer, so only an offloaded run has anything on the host
         return {self.device.type: device, "host": host} if self.offload else {self.device.type: device}
@@ -295,8 +295,7 @@ class Engine:
     def _module_state(self) -> dict[str, torch.Tensor]:
         """model.state_dict(keep_vars=True): the names and the tensor objects (stage 3 parameters at rest are empty;
         the caller substitutes gathered values by id)."""
-        unguarded = getattr(self.runtime, "unguarded", contextlib.nullcontext)
-        with unguarded():
+        with self.runtime.unguarded():
             return self.module.state_dict(keep_vars=True)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:

@@ -23,6 +23,7 @@ collectives run async while backward continues; without it, each runs to complet
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 
@@ -480,6 +481,13 @@ class Stage12Runtime:
         """Stages 0-2 gather no parameters during the passes: nothing for the step's control to compare."""
         return 0
 
+    def diverged_step(self) -> None:
+        raise AssertionError("stages 0-2 report no gather signature, so the ranks' cannot differ")
+
+    def unguarded(self) -> contextlib.AbstractContextManager:
+        """Stages 0-2 keep parameters whole: model.state_dict() needs no guard."""
+        return contextlib.nullcontext()
+
     def grad_segments(self) -> list[torch.Tensor]:
         return [s for g in self.groups for s in g.grad_segments()]
 
@@ -515,7 +523,7 @@ class Stage12Runtime:
         return {k: v for g in self.groups for k, v in g.whole("grads", True).items()}
 
     def memory(self) -> dict[str, int]:
-        report: dict[str, int] = {}
+        report: dict[str, int] = {"host_params": 0}
         for g in self.groups:
             for key, value in g.memory().items():
                 report[key] = report.get(key, 0) + value

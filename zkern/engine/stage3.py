@@ -402,7 +402,8 @@ class Stage3Runtime:
         persistent = sum(nbytes(u.buffer) for u in self.units if u.persistent)
         live = sum(nbytes(u.buffer) for u in self.units if not u.persistent)
         return {"params": nbytes(self.param_shard) + persistent, "grads": nbytes(self.grad_shard),
-                "master": nbytes(self.master), "comm_buffers": live + self.reducer.buffer_bytes()}
+                "master": nbytes(self.master), "comm_buffers": live + self.reducer.buffer_bytes(),
+                "host_params": nbytes(self.param_shard) if self.params_on_host else 0}
 
     def describe(self) -> list[str]:
         persistent = sum(u.plan.numel for u in self.units if u.persistent)

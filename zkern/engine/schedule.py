@@ -75,3 +75,13 @@ class ReduceSchedule:
         self.comm.broadcast(order, "the gradient reduction order rank 0 observed in its first backward")
         self.plan = order.tolist()
         self.observed = True
+
+
+def fold_reduced(shard: torch.Tensor, reduced: torch.Tensor, first_micro_step: bool) -> None:
+    """This rank's part of a reduced bucket into its gradient shard: the first micro-step since the optimizer step
+    overwrites it, later ones accumulate (stages 2 and 3 reduce every micro-step). Casts to the shard's dtype
+    (data_types.grad_accum_dtype)."""
+    if first_micro_step:
+        shard.copy_(reduced)
+    else:
+        shard.add_(reduced)

@@ -34,7 +34,7 @@ from zkern.engine.comm import Comm, Work
 from zkern.engine.offload import host_tensor
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.partition import Bucket, Layout, plan_layout
-from zkern.engine.schedule import ReduceSchedule
+from zkern.engine.schedule import ReduceSchedule, fold_reduced
 from zkern.engine.whole import WholeBucket, gather_whole
 
 log = logging.getLogger("zkern")
@@ -261,12 +261,8 @@ class FlatGroup:
         if back is not None:
             back[1].copy_(back[0])
         if buf is not None:  # stage 2: fold this micro-step's reduced chunk into the gradient shard
-            chunk = buf[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
-            shard = self.grad_shard[b.shard_offset:b.shard_offset + b.chunk]
-            if self._micro_since_step == 0:
-                shard.copy_(chunk)
-            else:
-                shard.add_(chunk)
+            fold_reduced(self.grad_shard[b.shard_offset:b.shard_offset + b.chunk],
+                         buf[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk], self._micro_since_step == 0)
             self._free_buffers.append(buf)
 
     def end_backward(self) -> None:

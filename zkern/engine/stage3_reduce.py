@@ -26,7 +26,7 @@ import torch
 
 from zkern.engine.comm import Comm, Work
 from zkern.engine.lifecycle import GradState, Unit
-from zkern.engine.schedule import ReduceSchedule
+from zkern.engine.schedule import ReduceSchedule, fold_reduced
 from zkern.engine.units import plan_reduce_groups
 
 
@@ -161,12 +161,8 @@ class GradReducer:
         g, work = self._pending.popleft()
         work.wait()
         rank = self.comm.rank
-        section = g.buffer[rank * g.section:(rank + 1) * g.section]
-        shard = self.grad_shard[g.shard_offset:g.shard_offset + g.section]
-        if self.micro_since_step == 0:
-            shard.copy_(section)
-        else:
-            shard.add_(section)
+        fold_reduced(self.grad_shard[g.shard_offset:g.shard_offset + g.section],
+                     g.buffer[rank * g.section:(rank + 1) * g.section], self.micro_since_step == 0)
         g.buffer = None
 
     def end_backward(self) -> None:

@@ -2,20 +2,42 @@
 
     engine = zkern.Engine(model, "ds_config.json"); engine.backward(engine(x).sum()); engine.step()
 
-`import zkern` needs torch alone; optional backends are reported by `python -m zkern.env_report`.
+`import zkern` needs torch alone; optional backends are reported by `python -m zkern.env_report`. The names below
+are imported on first use, so tools that need no torch (`python -m zkern.checkpoint consolidate` of an fp32
+checkpoint) do not pay for importing it.
 """
 
-from zkern import checkpointing, ops
-from zkern.config import Config, ConfigError
-from zkern.engine.comm import CommError
-from zkern.engine.engine import Engine
-from zkern.engine.gathered import GatheredParameters
-from zkern.engine.lifecycle import InvariantError
-from zkern.engine.partition import estimate_memory
-from zkern.engine.precision import LossScaleAtMinimum
-from zkern.engine.sharded_init import init_sharded
-from zkern.engine.units import register_external_parameter
+import importlib
 
-__all__ = ["Engine", "Config", "ConfigError", "CommError", "InvariantError", "LossScaleAtMinimum", "GatheredParameters",
-           "estimate_memory", "init_sharded", "register_external_parameter", "checkpointing", "ops"]
+_EXPORTS = {
+    "Engine": "zkern.engine.engine",
+    "Config": "zkern.config",
+    "ConfigError": "zkern.config",
+    "CommError": "zkern.engine.comm",
+    "InvariantError": "zkern.engine.lifecycle",
+    "LossScaleAtMinimum": "zkern.engine.precision",
+    "GatheredParameters": "zkern.engine.gathered",
+    "estimate_memory": "zkern.engine.partition",
+    "init_sharded": "zkern.engine.sharded_init",
+    "register_external_parameter": "zkern.engine.units",
+    "CheckpointError": "zkern.checkpoint.errors",
+}
+_MODULES = {"checkpointing", "ops", "checkpoint"}
+
+__all__ = [*_EXPORTS, *sorted(_MODULES)]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f"zkern.{name}")
+    else:
+        raise AttributeError(f"module 'zkern' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -107,6 +107,8 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self._checkpoint_comm = None  # the checkpoint's own process group, made by the first save or load
+        self._pending_save = None  # an asynchronous save in flight
 
     def _log_layout(self) -> None:
         """Say once how the parameters were laid out (padding included) and warn about costly layouts."""
@@ -291,6 +293,69 @@ class Engine:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, path)
         return path
+
+    # -- checkpoints (zkern/checkpoint/) ----------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: bool = False) -> str | None:
+        """Save the whole training state under save_dir/tag (a collective: every rank calls it, after step() at an
+        accumulation boundary). tag defaults to global_step<N>; client_state is plain JSON data returned by
+        load_checkpoint. The checkpoint loads at any world size, stage and offload setting. async_save: copy the
+        state to host buffers and write in a background thread (returns None; wait_checkpoint() gives the path,
+        the next save or load waits for it, and its error surfaces there). Returns the tag's directory."""
+        from zkern.checkpoint.errors import CheckpointError
+        from zkern.checkpoint.manifest import check_plain
+        from zkern.checkpoint.save import AsyncSave, checked_tag, snapshot, write
+
+        self.wait_checkpoint()
+        if self.micro_steps % self.gradient_accumulation_steps:
+            raise CheckpointError(
+                f"save_checkpoint at micro-step {self.micro_steps % self.gradient_accumulation_steps} of an "
+                f"accumulation of {self.gradient_accumulation_steps}: the gradients accumulated since the last "
+                f"optimizer step are not part of a checkpoint; save after the engine.step() that ends an accumulation")
+        tag = checked_tag(tag, self.global_steps)
+        client_state = {} if client_state is None else client_state
+        check_plain(client_state, "client_state")
+        ctrl = self._checkpoint_group()
+        snap = snapshot(self, client_state=client_state, exclude_frozen=exclude_frozen_parameters, copy=async_save)
+        save_dir = os.fspath(save_dir)
+        if async_save:
+            self._pending_save = AsyncSave(lambda: write(ctrl, snap, save_dir, tag, save_latest),
+                                           f"save_checkpoint of tag {tag!r} to {save_dir!r}")
+            return None
+        return write(ctrl, snap, save_dir, tag, save_latest)
+
+    def wait_checkpoint(self) -> str | None:
+        """Wait for the asynchronous save in flight, if any; returns its directory, or raises its error."""
+        pending, self._pending_save = self._pending_save, None
+        return None if pending is None else pending.wait()
+
+    @property
+    def checkpoint_in_flight(self) -> bool:
+        """An asynchronous save is still writing."""
+        return self._pending_save is not None and not self._pending_save.done()
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """Load a checkpoint saved at any world size, stage or offload setting (a collective). tag None: the one
+        `latest` names. Returns (its directory, client_state), or (None, None) with a warning when there is nothing
+        to load. Everything is verified (checksums, names, shapes) before the engine changes; on any error no
+        rank's state changes. load_module_only: weights only (optimizer, scaler, scheduler and counters as they
+        are); load_optimizer_states=False: fresh optimizer state."""
+        from zkern.checkpoint.load import load
+
+        self.wait_checkpoint()
+        return load(self, self._checkpoint_group(), load_dir, tag, strict=load_module_strict,
+                    load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only)
+
+    def _checkpoint_group(self):
+        if self._checkpoint_comm is None:
+            from zkern.checkpoint.control import control_comm
+
+            self._checkpoint_comm = control_comm(self.comm)
+        return self._checkpoint_comm
 
     def _module_state(self) -> dict[str, torch.Tensor]:
         """model.state_dict(keep_vars=True): the names and the tensor objects (stage 3 parameters at rest are empty;

@@ -7,11 +7,24 @@ the engine calls these and reaches into neither runtime's fields.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from zkern.engine.optimizer import ShardGroup
+
+
+@dataclass
+class ShardMap:
+    """Where this rank's optimizer shard lies in the model's own tensors: what checkpoints save and load by."""
+
+    pieces: list[list[tuple[int, int, bool]]]  # per shard group, per piece: (trainable index, first element of
+    # that parameter (flattened) the piece holds, whether this rank writes it in a checkpoint: stage 0 holds every
+    # piece on every rank, and each piece is written by one)
+    shapes: list[torch.Size]  # per trainable parameter: its full shape (stage 3 parameters at rest are empty)
+    resting: list[tuple[torch.nn.Parameter, torch.Size, int, torch.Tensor]]  # stage 3: frozen parameters' shards
+    # at rest (parameter, full shape, first element held, the working-dtype view); elsewhere frozen ones are whole
 
 
 class Runtime(Protocol):
@@ -54,6 +67,9 @@ class Runtime(Protocol):
 
     def after_step(self) -> None:
         """The shards changed: bring every whole copy up to date."""
+
+    def shard_map(self) -> ShardMap:
+        """This rank's shard in terms of the model's tensors (checkpoints)."""
 
     def zero_grad(self) -> None:
         """The step is over: the next micro-step's gradients start from zero."""

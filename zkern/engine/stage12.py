@@ -34,6 +34,7 @@ from zkern.engine.comm import Comm, Work
 from zkern.engine.offload import host_tensor
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.partition import Bucket, Layout, plan_layout
+from zkern.engine.runtime import ShardMap
 from zkern.engine.schedule import ReduceSchedule, fold_reduced
 from zkern.engine.whole import WholeBucket, gather_whole
 
@@ -497,6 +498,20 @@ class Stage12Runtime:
     def after_step(self) -> None:
         for g in self.groups:
             g.gather_params()
+
+    def shard_map(self) -> ShardMap:
+        """Stage 0 keeps every piece on every rank: bucket k (counted across groups) is written by rank k % world."""
+        comm, pieces, first, bucket = self.groups[0].comm, [], 0, 0
+        for g in self.flat:
+            if g is None:
+                pieces.append([])
+                continue
+            writer = {b.index: (bucket + b.index) % comm.world for b in g.layout.buckets}
+            mine = [writer[p.bucket] == comm.rank if self.stage == 0 else True for p in g.pieces]
+            pieces.append([(first + p.param, p.param_start, m) for p, m in zip(g.pieces, mine)])
+            first += len(g.params)
+            bucket += len(g.layout.buckets)
+        return ShardMap(pieces=pieces, shapes=[p.shape for p in self.params], resting=[])
 
     def zero_grad(self) -> None:
         for g in self.groups:

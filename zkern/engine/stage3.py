@@ -32,6 +32,7 @@ from zkern.engine.lifecycle import DataState, Unit, check_pass_end
 from zkern.engine.offload import host_tensor
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.partition import plan_unit_layout
+from zkern.engine.runtime import ShardMap
 from zkern.engine.sharded_init import forget_sharding, full_shape, gather_built, is_sharded, release_freed_memory
 from zkern.engine.stage3_hooks import Stage3Hooks
 from zkern.engine.stage3_reduce import GradReducer
@@ -163,6 +164,7 @@ class Stage3Runtime:
         pieces: list[list[torch.Tensor]] = [[] for _ in groups]
         spans: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (group, unit) -> (piece, shard, numel)
         self._pieces_param: list[list[int]] = [[] for _ in groups]  # trainable index of each piece
+        self._pieces_start: list[list[int]] = [[] for _ in groups]  # first element of the parameter it holds
         for piece in self.layout.pieces(self.comm.rank):
             p = self.all_params[piece.param]
             gi = group_of.get(id(p))
@@ -174,6 +176,7 @@ class Stage3Runtime:
             spans.setdefault((gi, piece.bucket), []).append((len(pieces[gi]), piece.shard_start, piece.numel))
             pieces[gi].append(t)
             self._pieces_param[gi].append(self._trainable_index[id(p)])
+            self._pieces_start[gi].append(piece.param_start)
         result = []
         for gi in range(len(groups)):
             chunks = []
@@ -253,6 +256,17 @@ class Stage3Runtime:
 
     def after_step(self) -> None:
         self.gatherer.after_step()
+
+    def shard_map(self) -> ShardMap:
+        pieces = [[(i, s, True) for i, s in zip(idx, starts)]
+                  for idx, starts in zip(self._pieces_param, self._pieces_start)]
+        resting = []
+        for piece in self.layout.pieces(self.comm.rank):
+            p = self.all_params[piece.param]
+            if not p.requires_grad:
+                view = self.param_shard[piece.shard_start:piece.shard_start + piece.numel]
+                resting.append((p, self._full_shape[id(p)], piece.param_start, view))
+        return ShardMap(pieces=pieces, shapes=[self._full_shape[id(p)] for p in self.params], resting=resting)
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()

@@ -1,0 +1,265 @@
+"""engine.load_checkpoint: find this rank's shard in a checkpoint written at any world size, stage or offload
+setting, read it into staging buffers, verify everything, and only then change the engine's state.
+
+    python -m pytest tests/test_checkpoint.py tests/test_checkpoint_topology.py -q
+
+Each rank asks, for every piece of its own shard (runtime.shard_map), for the elements [start, start + numel) of
+that parameter in the checkpoint's entries (ranges.RangeReader): the saver's partition is never replayed. Names and
+shapes are checked against the model, every file's size and header and every entry's sha256 against the manifest,
+before anything is allocated from the checkpoint's numbers or copied into the engine; then the ranks exchange
+their outcome, and either all apply or all raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from zkern.checkpoint.control import all_gather_json
+from zkern.checkpoint.errors import CheckpointError
+from zkern.checkpoint.manifest import check_sizes, read_latest, read_manifest, tag_dir
+from zkern.checkpoint.ranges import TORCH_DTYPES, RangeReader
+from zkern.engine.optimizer import ShardAdam
+
+log = logging.getLogger("zkern")
+
+# Optimizers whose per-parameter state is exp_avg, exp_avg_sq and step with the same meaning: a checkpoint of one
+# resumes the other.
+ADAM_FAMILY = {"ShardAdam", "Adam", "AdamW", "CPUAdam"}
+
+
+class _Plan:
+    """What this rank will apply once every rank has read and verified its part."""
+
+    def __init__(self):
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, staged values)
+        self.optim: list[tuple[int, int, torch.Tensor, dict]] = []  # (group, piece index, piece, state to set)
+        self.rng: dict[str, torch.Tensor] = {}  # "cpu" / "cuda" -> this rank's saved generator state
+
+
+def load(engine, ctrl, load_dir, tag, *, strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+         load_module_only: bool):
+    load_dir = os.fspath(load_dir)
+    status, manifest, path, plan = {}, None, None, None
+    try:
+        wanted = tag if tag is not None else read_latest(load_dir)
+        path = None if wanted is None else tag_dir(load_dir, str(wanted))
+        if wanted is None:
+            status["missing"] = (f"no 'latest' file in {load_dir!r}: nothing to load (pass tag= to load a "
+                                 f"particular checkpoint)")
+        elif path is None:
+            if tag is None:
+                raise CheckpointError(f"{os.path.join(load_dir, 'latest')} names tag {wanted!r}, which is not in "
+                                      f"{load_dir!r}: the directory was changed by hand")
+            status["missing"] = f"no checkpoint tagged {wanted!r} in {load_dir!r}: nothing to load"
+        else:
+            manifest = read_manifest(path)
+            check_sizes(manifest, os.path.join(path, "manifest.json"))
+            plan = _stage(engine, manifest, path, strict=strict,
+                          optimizer=load_optimizer_states and not load_module_only)
+    except (CheckpointError, OSError) as e:
+        status["error"] = str(e)
+    statuses = all_gather_json(ctrl, status, "checkpoint load: every rank's outcome")
+    errors = [(r, s["error"]) for r, s in enumerate(statuses) if "error" in s]
+    if errors:
+        own = status.get("error")
+        others = "; ".join(f"rank {r}: {e}" for r, e in errors if e != own)
+        raise CheckpointError(f"load_checkpoint({load_dir!r}, tag={tag!r}) failed; the engine is unchanged. "
+                              f"{own or ''}{' | other ranks: ' + others if others else ''}")
+    if any("missing" in s for s in statuses):
+        if engine.rank == 0:
+            log.warning("zkern: %s", next(s["missing"] for s in statuses if "missing" in s))
+        return None, None
+    _apply(engine, manifest, plan, load_module_only=load_module_only,
+           load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states)
+    return path, manifest["client_state"]
+
+
+def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) -> _Plan:
+    rt = engine.runtime
+    smap = rt.shard_map()
+    where = os.path.join(path, "manifest.json")
+    saved_params, saved_module, aliases = manifest["params"], manifest["module"], manifest["aliases"]
+    module_state = engine._module_state()
+    trainable = {id(p) for p in rt.params}
+    # Names: the model's (state_dict) against the checkpoint's, tied names resolved through either side's aliases.
+    model_names = set(module_state)
+    saved_names = set(saved_params) | set(saved_module) | set(aliases)
+    frozen_excluded = manifest["excluded_frozen"]
+    missing = sorted(n for n, t in module_state.items() if n not in saved_names
+                     and not (frozen_excluded and isinstance(t, torch.nn.Parameter) and id(t) not in trainable))
+    unexpected = sorted(n for n in saved_names if n not in model_names)
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"{where}: does not match the model (load_module_strict=True): missing from the "
+                              f"checkpoint {missing[:20]}{' ...' if len(missing) > 20 else ''}, in the checkpoint "
+                              f"but not the model {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
+    if missing and engine.rank == 0:
+        log.warning("zkern: load_checkpoint: %d tensors of the model are not in the checkpoint and keep their "
+                    "values: %s", len(missing), missing[:20])
+
+    def saved_name(name: str) -> str | None:
+        """The checkpoint's name for the model's tensor `name` (through tied aliases)."""
+        if name in saved_params or name in saved_module:
+            return name
+        return aliases.get(name)
+
+    # The model's name for each trainable parameter, found through every name it has in state_dict.
+    names_of: dict[int, list[str]] = {}
+    for name, t in module_state.items():
+        names_of.setdefault(id(t), []).append(name)
+    reader = RangeReader(path, manifest)
+    plan = _Plan()
+    source: dict[int, str | None] = {}
+    for i, p in enumerate(rt.params):
+        found = next((saved_name(n) for n in names_of.get(id(p), [rt.names[i]]) if saved_name(n)), None)
+        source[i] = found
+        if found is None:
+            continue
+        table = saved_params if found in saved_params else saved_module
+        if list(table[found]["shape"]) != list(smap.shapes[i]):
+            raise CheckpointError(f"{where}: {found!r} has shape {table[found]['shape']}, the model's "
+                                  f"{rt.names[i]!r} has {list(smap.shapes[i])}")
+    if optimizer:
+        _check_optimizer(engine, manifest, where)
+    for gi, group in enumerate(rt.shard_groups):
+        for k, piece in enumerate(group.pieces):
+            index, start, _ = smap.pieces[gi][k]
+            name = source[index]
+            if name is None:
+                continue
+            kind = "master" if name in saved_params else "module"
+            staged = torch.empty(piece.numel(), dtype=torch.float32)
+            reader.request(kind, name, start, staged)
+            plan.copies.append((piece.reshape(-1), staged))
+            if optimizer:
+                plan.optim.append((gi, k, piece, _stage_optimizer(engine, reader, manifest, name, start, piece)))
+    resting = {id(p): [] for p, _, _, _ in smap.resting}
+    for p, _, start, view in smap.resting:
+        resting[id(p)].append((start, view))
+    done: set[int] = set()
+    for name, t in module_state.items():
+        if id(t) in trainable or id(t) in done:
+            continue
+        found = saved_name(name)
+        if found is None or found not in saved_module:
+            continue
+        done.add(id(t))
+        shape = saved_module[found]["shape"]
+        full = next((s for p, s, _, _ in smap.resting if p is t), t.shape)
+        if list(shape) != list(full):
+            raise CheckpointError(f"{where}: {found!r} has shape {shape}, the model's {name!r} has {list(full)}")
+        for start, live in resting.get(id(t), [(0, t.detach().reshape(-1))]):
+            staged = torch.empty(live.numel(), dtype=live.dtype)
+            reader.request("module", found, start, staged)
+            plan.copies.append((live, staged))
+    rank_name = f"rank{engine.rank}"
+    for e in manifest["tensors"]:
+        if e["name"] == rank_name and e["kind"] in ("rng.cpu", "rng.cuda"):
+            plan.rng[e["kind"][4:]] = staged = torch.empty(e["numel"], dtype=torch.uint8)
+            reader.request(e["kind"], rank_name, 0, staged)
+    reader.check_files()
+    reader.run()
+    return plan
+
+
+def _check_optimizer(engine, manifest: dict, where: str) -> None:
+    saved = manifest["optimizer"]
+    mine = type(engine.optimizer).__name__
+    if saved["type"] != mine and not {saved["type"], mine} <= ADAM_FAMILY:
+        raise CheckpointError(f"{where}: the checkpoint's optimizer is {saved['type']}, the engine's {mine}: their "
+                              f"states do not correspond; pass load_optimizer_states=False to load the weights only")
+    if len(saved["param_groups"]) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"{where}: the checkpoint's optimizer has {len(saved['param_groups'])} parameter "
+                              f"groups, the engine's {len(engine.optimizer.param_groups)}; pass "
+                              f"load_optimizer_states=False to load the weights only")
+
+
+def _stage_optimizer(engine, reader: RangeReader, manifest: dict, name: str, start: int, piece: torch.Tensor) -> dict:
+    """This piece's optimizer state from the checkpoint, staged; {} when the checkpoint has none for it (it never
+    stepped): the state is then reset, as for a fresh parameter."""
+    opt = manifest["optimizer"]
+    state: dict = {}
+    for kind in sorted(k for k in reader.kinds_of.get(name, ()) if k.startswith("optim.")):
+        staged = torch.empty(piece.numel(), dtype=torch.float32)
+        reader.request(kind, name, start, staged)
+        state[kind[len("optim."):]] = staged
+    for key, value in opt["scalars"].get(name, {}).items():
+        dtype = opt["scalar_types"].get(key)
+        state[key] = value if dtype is None else torch.tensor(value, dtype=TORCH_DTYPES[dtype])
+    if isinstance(engine.optimizer, ShardAdam) and state and not {"exp_avg", "exp_avg_sq", "step"} <= set(state):
+        raise CheckpointError(f"the checkpoint's optimizer state of {name!r} has {sorted(state)}; zkern's Adam "
+                              f"needs exp_avg, exp_avg_sq and step")
+    return state
+
+
+def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_optimizer_states: bool,
+           load_lr_scheduler_states: bool) -> None:
+    rt, opt = engine.runtime, engine.optimizer
+    with torch.no_grad():
+        for live, staged in plan.copies:
+            live.copy_(staged)
+        # The working-dtype copies follow the masters (as the optimizer's own step writes them).
+        groups = [*rt.shard_groups, *(engine.host_step.host_groups if engine.host_step is not None else [])]
+        for g in groups:
+            for chunk in g.chunks:
+                if chunk.out is not None:
+                    chunk.out.copy_(chunk.param)
+        if load_optimizer_states and not load_module_only:
+            for gi, k, piece, state in plan.optim:
+                _set_optimizer_state(opt, gi, k, piece, state)
+            for group, saved in zip(opt.param_groups, manifest["optimizer"]["param_groups"]):
+                for key, value in saved.items():
+                    group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+    rt.after_step()  # every whole copy (stage 1-2 buckets, stage 3 persistent units) from the loaded shards
+    if load_module_only:
+        return
+    if manifest["precision"] == "fp16" and engine.config.precision == "fp16":
+        engine.scaler.load_state_dict(manifest["loss_scaler"])
+    saved_sched = manifest["lr_scheduler"]
+    if load_lr_scheduler_states and saved_sched is not None:
+        if engine.lr_scheduler is None:
+            log.warning("zkern: the checkpoint has a %s state but the engine has no lr scheduler; it is not loaded",
+                        manifest["lr_scheduler_type"])
+        else:
+            engine.lr_scheduler.load_state_dict(saved_sched)
+    engine.global_steps = manifest["global_steps"]
+    engine.skipped_steps = manifest["skipped_steps"]
+    engine.micro_steps = manifest["micro_steps"]
+    _restore_rng(engine, manifest, plan)
+
+
+def _set_optimizer_state(opt, gi: int, k: int, piece: torch.Tensor, state: dict) -> None:
+    if isinstance(opt, ShardAdam):
+        exp_avg, exp_avg_sq = opt._views[id(piece)]
+        if state:
+            exp_avg.reshape(-1).copy_(state["exp_avg"])
+            exp_avg_sq.reshape(-1).copy_(state["exp_avg_sq"])
+            opt.steps[gi][k] = int(state["step"])
+        else:
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+            opt.steps[gi][k] = 0
+        return
+    new = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            value = value.to(piece.device).view(piece.shape)
+        elif key == "step" and not isinstance(value, torch.Tensor):  # zkern's Adam counts in ints, torch's in tensors
+            value = torch.tensor(float(value))
+        new[key] = value
+    if new:
+        opt.state[piece] = new
+    else:
+        opt.state.pop(piece, None)
+
+
+def _restore_rng(engine, manifest: dict, plan: _Plan) -> None:
+    if "cpu" not in plan.rng:
+        log.warning("zkern: rank %d: the checkpoint was saved by %d ranks and holds no generator state for this "
+                    "rank; its torch RNG continues from where it is", engine.rank, manifest["world_size"])
+        return
+    torch.set_rng_state(plan.rng["cpu"])
+    if "cuda" in plan.rng and engine.device.type == "cuda":
+        torch.cuda.set_rng_state(plan.rng["cuda"], engine.device)

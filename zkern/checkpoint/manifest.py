@@ -1,0 +1,226 @@
+"""A checkpoint's directory layout, its manifest (JSON, self-checked) and the `latest` pointer; no torch.
+
+    python -m zkern.checkpoint inspect CKPT_DIR
+
+    CKPT_DIR/latest                       the newest complete tag (text), replaced by rename
+    CKPT_DIR/<tag>/manifest.json          everything but tensors, plus each file's and each tensor's sha256
+    CKPT_DIR/<tag>/rank00000.safetensors  what rank 0 held: ranges of parameters and optimizer states, RNG
+    CKPT_DIR/.tmp-<tag>-<nonce>/          a save in progress (renamed to <tag> when complete; never read)
+
+A tensor entry is one contiguous range of one tensor of model.state_dict(), flattened: (kind, name, start, numel)
+in the manifest, stored under the key "kind:name:start" in a rank's file. kinds: "master" (fp32 weights of a
+trained parameter), "optim.<state>" (an optimizer state shaped like its parameter, e.g. optim.exp_avg), "module"
+(frozen parameters and buffers, in their own dtype), "rng.cpu" / "rng.cuda" (a rank's generator states, name
+"rank<r>"). Nothing here depends on the world size or stage that wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+
+from zkern.checkpoint.errors import CheckpointError
+from zkern.checkpoint.tensorfile import DTYPE_SIZES
+
+FORMAT = "zkern-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"  # a tag being replaced by a save of the same tag, for the moment between two renames
+_RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
+_TAG = re.compile(r"[A-Za-z0-9_.+=-]{1,200}")
+MAX_MANIFEST = 1 << 30
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def entry_key(kind: str, name: str, start: int) -> str:
+    return f"{kind}:{name}:{start}"
+
+
+def check_tag(tag: str) -> str:
+    """A tag names a directory beside others: letters, digits and _ . + = - only (no path separators)."""
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag in (".", "..") or tag.startswith("."):
+        raise CheckpointError(f"checkpoint tag {tag!r} is not usable as a directory name: use letters, digits and "
+                              f"_ . + = - (not starting with '.'), e.g. 'global_step100'")
+    return tag
+
+
+def check_plain(value, where: str) -> None:
+    """Raise unless value is plain JSON data: None, bool, int, finite float, str, list, dict with str keys. A
+    tuple would come back a list and an int key a str, so they are refused rather than silently changed."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise CheckpointError(f"{where} is {value}, which JSON cannot hold exactly")
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            check_plain(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise CheckpointError(f"{where} has the key {k!r} ({type(k).__name__}): checkpoint data is stored as "
+                                      f"JSON, whose keys are strings; use str keys")
+            check_plain(v, f"{where}[{k!r}]")
+        return
+    hint = " (use a list)" if isinstance(value, tuple) else \
+        " (store tensors with engine.save_checkpoint's own state, or convert with .tolist())" \
+        if type(value).__name__ in ("Tensor", "Parameter", "ndarray") else ""
+    raise CheckpointError(f"{where} is a {type(value).__name__}, which a checkpoint cannot store: it keeps only "
+                          f"plain JSON data (None, bool, int, float, str, list, dict with str keys), so that loading "
+                          f"one never runs code{hint}")
+
+
+def _digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def manifest_bytes(body: dict) -> bytes:
+    return json.dumps({"sha256": _digest(body), "manifest": body}, indent=1, sort_keys=True).encode()
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(tag_dir: str) -> dict:
+    """The manifest of one tag, its checksum and structure verified."""
+    path = os.path.join(tag_dir, MANIFEST)
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_MANIFEST:
+            raise CheckpointError(f"{path}: {size} bytes, larger than any manifest zkern writes")
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (the directory is not a complete zkern checkpoint)") from None
+    try:
+        outer = json.loads(raw)
+        body, stored = outer["manifest"], outer["sha256"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a zkern manifest ({type(e).__name__}: {e}); the file is damaged or "
+                              f"was not written by zkern") from None
+    if not isinstance(body, dict) or _digest(body) != stored:
+        raise CheckpointError(f"{path}: its sha256 does not match its content (stored {stored}, computed "
+                              f"{_digest(body) if isinstance(body, dict) else 'n/a'}): the manifest was altered")
+    _validate(body, path)
+    return body
+
+
+def _validate(body: dict, path: str) -> None:
+    def need(obj, key, kind, where):
+        if not isinstance(obj, dict) or not isinstance(obj.get(key), kind):
+            raise CheckpointError(f"{path}: {where}{key!r} is missing or not a {getattr(kind, '__name__', kind)}")
+        return obj[key]
+
+    if body.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {body.get('format')!r}, expected {FORMAT!r}")
+    if body.get("version") != VERSION:
+        raise CheckpointError(f"{path}: format version {body.get('version')!r}; this zkern reads version {VERSION}")
+    for key in ("world_size", "stage", "global_steps", "skipped_steps", "micro_steps"):
+        need(body, key, int, "")
+    files = need(body, "files", dict, "")
+    for name, info in files.items():
+        if not _RANK_FILE.fullmatch(name):
+            raise CheckpointError(f"{path}: lists the file {name!r}, which is not a rank file name; refusing to "
+                                  f"read outside the checkpoint")
+        need(info, "bytes", int, f"files[{name!r}].")
+        need(info, "sha256", str, f"files[{name!r}].")
+    for key in ("params", "module"):
+        for name, info in need(body, key, dict, "").items():
+            shape = need(info, "shape", list, f"{key}[{name!r}].")
+            if not all(isinstance(s, int) and s >= 0 for s in shape):
+                raise CheckpointError(f"{path}: {key}[{name!r}] has shape {shape}: not a shape")
+    for i, e in enumerate(need(body, "tensors", list, "")):
+        where = f"tensors[{i}]."
+        for key, kind in (("file", str), ("kind", str), ("name", str), ("start", int), ("numel", int),
+                          ("dtype", str), ("sha256", str)):
+            need(e, key, kind, where)
+        if e["file"] not in files or e["dtype"] not in DTYPE_SIZES or e["start"] < 0 or e["numel"] < 0:
+            raise CheckpointError(f"{path}: tensor entry {e.get('kind')}:{e.get('name')} names file {e['file']!r} "
+                                  f"/ dtype {e['dtype']!r} / range start {e['start']} numel {e['numel']}: not valid")
+
+
+def read_latest(ckpt_dir: str) -> str | None:
+    path = os.path.join(ckpt_dir, LATEST)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4096)
+    except FileNotFoundError:
+        return None
+    try:
+        return check_tag(raw.decode().strip())
+    except (UnicodeDecodeError, CheckpointError):
+        raise CheckpointError(f"{path}: does not hold a tag name ({raw[:80]!r}): the file is damaged") from None
+
+
+def write_latest(ckpt_dir: str, tag: str) -> None:
+    """Point `latest` at tag by writing a temporary file and renaming it over the old one (atomic)."""
+    tmp = os.path.join(ckpt_dir, f".{LATEST}.tmp")
+    write_file_durably(tmp, tag.encode())
+    os.replace(tmp, os.path.join(ckpt_dir, LATEST))
+    fsync_dir(ckpt_dir)
+
+
+def tag_dir(ckpt_dir: str, tag: str) -> str | None:
+    """The directory holding tag's complete checkpoint: <tag>, or, if a save of the same tag was killed between
+    moving the old one aside and renaming the new one in, the old one; None when neither exists."""
+    path = os.path.join(ckpt_dir, check_tag(tag))
+    if os.path.isdir(path):
+        return path
+    prefix = f"{OLD_PREFIX}{tag}-"
+    aside = sorted(n for n in os.listdir(ckpt_dir) if n.startswith(prefix)) if os.path.isdir(ckpt_dir) else []
+    return os.path.join(ckpt_dir, aside[-1]) if aside else None
+
+
+def list_tags(ckpt_dir: str) -> list[str]:
+    """Tags with a manifest, oldest first (by the manifest's time)."""
+    tags = []
+    for name in os.listdir(ckpt_dir):
+        if not name.startswith(".") and os.path.isfile(os.path.join(ckpt_dir, name, MANIFEST)):
+            tags.append((os.path.getmtime(os.path.join(ckpt_dir, name, MANIFEST)), name))
+    return [name for _, name in sorted(tags)]
+
+
+def check_sizes(manifest: dict, path: str) -> None:
+    """Every entry's range lies inside its tensor's shape (a manifest cannot make a loader allocate more than
+    the model it describes)."""
+    numels = {}
+    for table in ("params", "module"):
+        for name, info in manifest[table].items():
+            n = 1
+            for s in info["shape"]:
+                n *= s
+            numels[name] = n
+    for e in manifest["tensors"]:
+        if e["kind"].startswith("rng."):
+            if e["numel"] > 1 << 20 or e["dtype"] != "U8":
+                raise CheckpointError(f"{path}: generator state {e['name']} is {e['dtype']} x {e['numel']}: not one")
+            continue
+        n = numels.get(e["name"])
+        if n is None or e["start"] + e["numel"] > n:
+            raise CheckpointError(f"{path}: tensor entry {e['kind']}:{e['name']} covers elements "
+                                  f"[{e['start']}, {e['start'] + e['numel']}) of a tensor of "
+                                  f"{'unknown size' if n is None else f'{n} elements'}: the manifest is damaged")
+        if DTYPE_SIZES.get(e["dtype"]) is None:
+            raise CheckpointError(f"{path}: tensor entry {e['kind']}:{e['name']} has dtype {e['dtype']!r}")

@@ -1,0 +1,335 @@
+"""engine.save_checkpoint: what a rank holds, as ranges of the model's own tensors, written atomically.
+
+    python -m pytest tests/test_checkpoint.py -q
+
+The protocol (every rank calls it; the checkpoint group's messages keep ranks in step, none waits forever):
+  1. ranks agree on the tag; rank 0 removes what killed saves left (.tmp-* directories) and names a fresh
+     temporary directory .tmp-<tag>-<nonce> beside the tags;
+  2. each rank writes rank<r>.safetensors there (its master and optimizer ranges, frozen-parameter shards, buffers
+     on rank 0, its generator states), hashing as it writes, and fsyncs it;
+  3. rank 0 gathers every rank's index, checks each file is visible and whole, writes manifest.json, fsyncs the
+     directory, renames it to <tag> (a tag saved before is moved aside first and removed after), fsyncs the parent,
+     then points `latest` at the tag by writing a temporary file and renaming it;
+  4. the outcome goes to every rank: all return, or all raise with the failing rank's reason.
+A kill at any moment leaves every complete tag and `latest` as they were, or the new tag complete: nothing is
+renamed into place before it is whole and durable.
+
+Asynchronous saves (async_save=True) copy the state into host buffers first (page-locked on CUDA), then run steps
+1-4 in a writer thread on the checkpoint's own process group while training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from zkern.checkpoint.control import all_gather_json, broadcast_json
+from zkern.checkpoint.errors import CheckpointError
+from zkern.checkpoint.manifest import (
+    FORMAT,
+    MANIFEST,
+    OLD_PREFIX,
+    TMP_PREFIX,
+    VERSION,
+    check_plain,
+    check_tag,
+    entry_key,
+    fsync_dir,
+    manifest_bytes,
+    rank_file,
+    write_file_durably,
+    write_latest,
+)
+from zkern.checkpoint.ranges import byte_view, dtype_name
+from zkern.checkpoint.tensorfile import StreamWriter
+from zkern.engine.optimizer import ShardAdam
+
+log = logging.getLogger("zkern")
+
+
+@dataclass
+class Snapshot:
+    """One rank's part of a checkpoint, ready to write."""
+
+    entries: list[tuple[str, str, int, torch.Tensor]]  # (kind, name, first element, 1-D values)
+    scalars: dict[str, dict] = field(default_factory=dict)  # parameter name -> optimizer scalars (e.g. step)
+    scalar_types: dict[str, str | None] = field(default_factory=dict)  # scalar key -> tensor dtype, None: a number
+    body: dict = field(default_factory=dict)  # the manifest's fields (rank 0's are the ones written)
+
+
+def plain(value, where: str):
+    """Hyper-parameters and scheduler states as JSON: tuples become lists (they are restored by the object's own
+    load), anything not plain data is an error."""
+    if isinstance(value, tuple):
+        value = list(value)
+    if isinstance(value, list):
+        return [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {k: plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+    check_plain(value, where)
+    return value
+
+
+def optimizer_piece_state(optimizer: torch.optim.Optimizer, group: int, index: int, piece: torch.Tensor) -> dict:
+    """The optimizer's state of one shard piece: per-element tensors and scalars."""
+    if isinstance(optimizer, ShardAdam):
+        exp_avg, exp_avg_sq = optimizer._views[id(piece)]
+        return {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "step": optimizer.steps[group][index]}
+    return dict(optimizer.state.get(piece, {}))
+
+
+def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snapshot:
+    """What this rank writes. copy: values are copied into fresh host buffers (an asynchronous save), else the
+    entries are views of the live state (written before the call returns)."""
+    rt, opt = engine.runtime, engine.optimizer
+    smap = rt.shard_map()
+    snap = Snapshot(entries=[])
+    for gi, group in enumerate(rt.shard_groups):
+        for i, piece in enumerate(group.pieces):
+            index, start, mine = smap.pieces[gi][i]
+            if not mine:
+                continue
+            name = rt.names[index]
+            snap.entries.append(("master", name, start, piece.reshape(-1)))
+            for key, value in optimizer_piece_state(opt, gi, i, piece).items():
+                # One value per element: shaped like the piece (a 0-dim parameter's state is 0-dim too, but its
+                # step count, like every optimizer's step, is a scalar).
+                per_element = isinstance(value, torch.Tensor) and value.numel() == piece.numel() and \
+                    (value.dim() > 0 or (piece.dim() == 0 and key != "step"))
+                if per_element:
+                    snap.entries.append((f"optim.{key}", name, start, value.reshape(-1)))
+                elif isinstance(value, torch.Tensor) and value.dim() == 0:
+                    snap.scalars.setdefault(name, {})[key] = value.item()
+                    snap.scalar_types[key] = dtype_name(value.dtype)
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    snap.scalars.setdefault(name, {})[key] = value
+                    snap.scalar_types[key] = None
+                else:
+                    raise CheckpointError(f"optimizer state {key!r} of {name!r} is {type(value).__name__} "
+                                          f"{tuple(getattr(value, 'shape', ()))}: neither one value per element nor "
+                                          f"a scalar, so it cannot be saved by element range")
+    resting = {id(p): (p, shape, []) for p, shape, _, _ in smap.resting}
+    for p, _, start, view in smap.resting:
+        resting[id(p)][2].append((start, view))
+    params, module, aliases, order, seen = {}, {}, {}, [], {}
+    for i, name in enumerate(rt.names):
+        params[name] = {"shape": list(smap.shapes[i])}
+        seen[id(rt.params[i])] = name
+    for name, t in engine._module_state().items():
+        order.append(name)
+        if id(t) in seen:
+            if seen[id(t)] != name:
+                aliases[name] = seen[id(t)]
+            continue
+        seen[id(t)] = name
+        frozen = isinstance(t, torch.nn.Parameter)
+        if frozen and exclude_frozen:
+            continue
+        if id(t) in resting:
+            p, shape, ranges = resting[id(t)]
+            module[name] = {"shape": list(shape), "dtype": dtype_name(p.dtype), "frozen": True}
+            snap.entries.extend(("module", name, start, view) for start, view in ranges)
+        else:
+            module[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "frozen": frozen}
+            if engine.rank == 0:
+                snap.entries.append(("module", name, 0, t.detach().reshape(-1)))
+    snap.entries.append(("rng.cpu", f"rank{engine.rank}", 0, torch.get_rng_state()))
+    if engine.device.type == "cuda":
+        snap.entries.append(("rng.cuda", f"rank{engine.rank}", 0, torch.cuda.get_rng_state(engine.device)))
+    if copy:
+        snap.entries = _to_host(snap.entries, pin=engine.device.type == "cuda")
+    cfg = engine.config
+    zero = cfg.zero_optimization
+    scheduler = engine.lr_scheduler
+    snap.body = {
+        "format": FORMAT, "version": VERSION, "global_steps": engine.global_steps,
+        "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps, "world_size": engine.world_size,
+        "stage": zero.stage, "precision": cfg.precision, "offload_optimizer": zero.offload_optimizer_device,
+        "offload_param": zero.offload_param_device, "saved_at": time.time(), "torch": torch.__version__,
+        "loss_scaler": engine.scaler.state_dict(),
+        "lr_scheduler": None if scheduler is None else plain(scheduler.state_dict(), "the lr scheduler's state"),
+        "lr_scheduler_type": None if scheduler is None else type(scheduler).__name__,
+        "optimizer": {"type": type(opt).__name__,
+                      "param_groups": [plain({k: v for k, v in g.items() if k != "params"}, f"param_groups[{gi}]")
+                                       for gi, g in enumerate(opt.param_groups)]},
+        "client_state": client_state,
+        "params": params, "module": module, "aliases": aliases, "order": order,
+        "excluded_frozen": bool(exclude_frozen),
+        "config": plain(_jsonable(cfg.to_dict()), "the config"),
+    }
+    return snap
+
+
+def _jsonable(value):
+    """The config as plain data (enums and other objects by their str)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and value == value
+                                                                 and abs(value) != float("inf")):
+        return value
+    return str(value)
+
+
+def _to_host(entries, *, pin: bool):
+    out = []
+    for kind, name, start, t in entries:
+        buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
+        buf.copy_(t.reshape(-1), non_blocking=pin)
+        out.append((kind, name, start, buf))
+    if pin:
+        torch.cuda.synchronize()
+    return out
+
+
+def _write_rank_file(directory: str, rank: int, snap: Snapshot) -> dict:
+    name = rank_file(rank)
+    path = os.path.join(directory, name)
+    keys = [entry_key(k, n, s) for k, n, s, _ in snap.entries]
+    writer = StreamWriter(path, [(key, dtype_name(t.dtype), (t.numel(),)) for key, (_, _, _, t) in
+                                 zip(keys, snap.entries)], {"format": FORMAT, "rank": str(rank)})
+    try:
+        for key, (_, _, _, t) in zip(keys, snap.entries):
+            host = t if t.device.type == "cpu" else t.cpu()
+            writer.begin(key)
+            writer.write(byte_view(host.contiguous()))
+        sha = writer.close(fsync=True)
+    except BaseException:
+        writer.abort()
+        raise
+    tensors = [{"file": name, "kind": k, "name": n, "start": s, "numel": t.numel(), "dtype": dtype_name(t.dtype),
+                "sha256": writer.hashes[key]} for key, (k, n, s, t) in zip(keys, snap.entries)]
+    return {"file": name, "bytes": writer.nbytes, "sha256": sha, "tensors": tensors}
+
+
+def write(ctrl, snap: Snapshot, save_dir: str, tag: str, save_latest: bool) -> str:
+    """Steps 1-4 of the protocol; returns the tag's directory. Raises CheckpointError on every rank if any failed."""
+    save_dir = os.fspath(save_dir)
+    rank = ctrl.rank
+    plan: dict = {"tag": tag}
+    if rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            _sweep(save_dir)
+            plan["tmp"] = f"{TMP_PREFIX}{tag}-{secrets.token_hex(4)}"
+        except OSError as e:
+            plan["error"] = f"rank 0 cannot prepare {save_dir!r}: {e}"
+    plans = all_gather_json(ctrl, plan, "checkpoint: the tag and the temporary directory")
+    tags = [p["tag"] for p in plans]
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"save_checkpoint: the ranks passed different tags {tags}: every rank must save the "
+                              f"same tag (pass tag=None for global_step<N>)")
+    if "error" in plans[0]:
+        raise CheckpointError(f"save_checkpoint: {plans[0]['error']}")
+    tmp = os.path.join(save_dir, plans[0]["tmp"])
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        status = {"ok": True, "index": _write_rank_file(tmp, rank, snap), "scalars": snap.scalars,
+                  "scalar_types": snap.scalar_types}
+    except (OSError, CheckpointError, ValueError) as e:
+        status = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    statuses = all_gather_json(ctrl, status, "checkpoint: every rank's file index")
+    outcome: dict = {}
+    if rank == 0:
+        failed = [f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if not s["ok"]]
+        try:
+            if failed:
+                raise CheckpointError("; ".join(failed))
+            outcome["path"] = _commit(save_dir, tmp, tag, snap.body, statuses, save_latest)
+        except (OSError, CheckpointError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome["error"] = f"{e}"
+    outcome = broadcast_json(ctrl, outcome, "checkpoint: the outcome")
+    if "error" in outcome:
+        raise CheckpointError(f"save_checkpoint({save_dir!r}, tag={tag!r}) failed, nothing was committed and "
+                              f"'latest' is unchanged: {outcome['error']}")
+    return outcome["path"]
+
+
+def _sweep(save_dir: str) -> None:
+    """Remove what killed saves left: temporary directories, and tags moved aside whose replacement is in place."""
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if name.startswith(TMP_PREFIX) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(OLD_PREFIX) and os.path.isdir(path):
+            tag = name[len(OLD_PREFIX):].rsplit("-", 1)[0]
+            if os.path.isfile(os.path.join(save_dir, tag, MANIFEST)):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _commit(save_dir: str, tmp: str, tag: str, body: dict, statuses: list[dict], save_latest: bool) -> str:
+    files, tensors, scalars, scalar_types = {}, [], {}, {}
+    for r, s in enumerate(statuses):
+        index = s["index"]
+        path = os.path.join(tmp, index["file"])
+        size = os.path.getsize(path) if os.path.exists(path) else None
+        if size != index["bytes"]:
+            raise CheckpointError(f"rank {r}'s file {path} is {'not visible' if size is None else f'{size} bytes'} "
+                                  f"from rank 0 (rank {r} wrote {index['bytes']} bytes): save_dir must be one file "
+                                  f"system every rank sees (a shared mount)")
+        files[index["file"]] = {"bytes": index["bytes"], "sha256": index["sha256"], "rank": r}
+        tensors.extend(index["tensors"])
+        for name, values in s["scalars"].items():
+            if scalars.setdefault(name, values) != values:
+                raise CheckpointError(f"optimizer scalars of {name!r} differ between ranks ({scalars[name]} and "
+                                      f"{values} on rank {r}): the ranks' optimizers are out of step")
+        scalar_types.update(s["scalar_types"])
+    body = {**body, "tag": tag, "files": files, "tensors": tensors}
+    body["optimizer"] = {**body["optimizer"], "scalars": scalars, "scalar_types": scalar_types}
+    write_file_durably(os.path.join(tmp, MANIFEST), manifest_bytes(body))
+    fsync_dir(tmp)
+    final = os.path.join(save_dir, tag)
+    if os.path.exists(final):  # a tag saved again: the old one stays loadable (manifest.tag_dir) until the swap ends
+        aside = os.path.join(save_dir, f"{OLD_PREFIX}{tag}-{os.path.basename(tmp).rsplit('-', 1)[1]}")
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        fsync_dir(save_dir)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(save_dir)
+    if save_latest:
+        write_latest(save_dir, tag)
+    return final
+
+
+class AsyncSave:
+    """A save running in a writer thread; wait() returns its path or raises its error (once)."""
+
+    def __init__(self, fn, what: str):
+        self.what, self.path, self.error = what, None, None
+        self.started = time.perf_counter()
+        self.seconds: float | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), name="zkern-checkpoint-writer", daemon=False)
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.path = fn()
+        except BaseException as e:  # surfaces at the next save, load or wait_checkpoint, and in the log now
+            self.error = e
+            log.error("zkern: asynchronous %s failed: %s", self.what, e)
+        self.seconds = time.perf_counter() - self.started
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> str:
+        self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise CheckpointError(f"the asynchronous {self.what} failed: {error}") from error
+        return self.path
+
+
+def checked_tag(tag, global_steps: int) -> str:
+    return check_tag(f"global_step{global_steps}" if tag is None else str(tag))

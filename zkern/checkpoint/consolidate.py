@@ -38,7 +38,27 @@ def open_tag(ckpt_dir, tag=None) -> tuple[str, dict]:
         raise CheckpointError(f"no checkpoint tagged {wanted!r} in {ckpt_dir!r}")
     manifest = read_manifest(path)
     check_sizes(manifest, os.path.join(path, MANIFEST))
+    _check_backed(path, manifest)
     return path, manifest
+
+
+def _check_backed(path: str, manifest: dict) -> None:
+    """Every file is there at the manifest's size and holds at least the bytes its entries claim, so whatever is
+    allocated from entries that tile a tensor is backed by bytes on disk (a manifest cannot ask for a 10 TB
+    buffer)."""
+    claimed: dict[str, int] = {}
+    for e in manifest["tensors"]:
+        claimed[e["file"]] = claimed.get(e["file"], 0) + e["numel"] * DTYPE_SIZES[e["dtype"]]
+    for name, info in manifest["files"].items():
+        file = os.path.join(path, name)
+        size = os.path.getsize(file) if os.path.exists(file) else None
+        if size != info["bytes"]:
+            short = " (truncated)" if size is not None and size < info["bytes"] else ""
+            raise CheckpointError(f"{file}: {'missing' if size is None else f'{size} bytes'}, the manifest says "
+                                  f"{info['bytes']} bytes{short}")
+        if claimed.get(name, 0) > size:
+            raise CheckpointError(f"{file}: the manifest places {claimed[name]} bytes of tensors in a {size}-byte "
+                                  f"file: the manifest is damaged")
 
 
 def _whole_tensors(manifest: dict) -> list[tuple[str, str, str, list[int], str]]:
@@ -207,6 +227,8 @@ def load_fp32_state_dict(ckpt_dir, tag=None) -> dict:
     path, manifest = open_tag(ckpt_dir, tag)
     reader = RangeReader(path, manifest)
     out, shared = {}, {}
+    for _, kind, source, shape, _ in _whole_tensors(manifest):  # every tensor tiled by entries before allocating
+        _ranges(manifest, kind, source, _numel(shape), path)
     for name, kind, source, shape, stored in _whole_tensors(manifest):
         if (kind, source) not in shared:
             dtype = torch.float32 if stored in FLOAT_DTYPES else TORCH_DTYPES[stored]
@@ -231,6 +253,7 @@ def load_optimizer_state_dict(ckpt_dir, tag=None) -> dict:
     for name, info in manifest["params"].items():
         state = out.setdefault(name, {})
         for kind in sorted(k for k in reader.kinds_of.get(name, ()) if k.startswith("optim.")):
+            _ranges(manifest, kind, name, _numel(info["shape"]), path)
             t = torch.empty(info["shape"], dtype=torch.float32)
             reader.request(kind, name, 0, t.view(-1))
             state[kind[len("optim."):]] = t
@@ -244,7 +267,10 @@ def inspect(ckpt_dir, verify: bool = True) -> list[str]:
     ckpt_dir = os.fspath(ckpt_dir)
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir!r} is not a directory")
-    latest = read_latest(ckpt_dir)
+    try:
+        latest = read_latest(ckpt_dir)
+    except CheckpointError as e:
+        latest = f"UNREADABLE: {e}"
     lines = [f"{ckpt_dir}: latest -> {latest}"]
     for tag in list_tags(ckpt_dir):
         path = os.path.join(ckpt_dir, tag)

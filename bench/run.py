@@ -5,6 +5,7 @@
     python bench/run.py --stage 0,1,2,3 --model tiny --json out.json --plot out.png --gate bench/gates.toml
 
     python bench/run.py --suite adam                 # the CPU Adam at 50M parameters vs torch (and DeepSpeed)
+    python bench/run.py --suite checkpoint           # save, load, async save and consolidation of the 25m model
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
@@ -24,9 +25,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import adam_suite, engine_suite, gates, kernels_suite, peers  # noqa: E402
+from bench import adam_suite, checkpoint_suite, engine_suite, gates, kernels_suite, peers  # noqa: E402
 
-SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite}
+SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite}
 
 
 def _stages(text: str) -> list[int]:
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                                       precision=args.precision, peak_tflops=args.peak_tflops)
         elif suite == "adam":
             record = adam_suite.run(args.adam_numel)
+        elif suite == "checkpoint":
+            record = checkpoint_suite.run(args.model or "25m", args.world or 2)
         else:
             record = kernels_suite.run(args.kernels_numel, interpret=args.interpret)
         print(SUITES[suite].table(record) + "\n")

@@ -116,5 +116,17 @@ def topology_target(rank: int, world: int, spec: TrainSpec, source: str, resaved
     return {"path": path, "after_load": after_load, "global_steps": global_steps, "final": engine.full_state_dict()}
 
 
+def assert_same_state(a: dict, b: dict, what: str) -> None:
+    """Nested dicts of tensors and plain values equal exactly (tensors: same dtype, same bits)."""
+    assert sorted(a) == sorted(b), what
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_same_state(a[k], b[k], f"{what}[{k}]")
+        elif isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}[{k}] differs"
+        else:
+            assert a[k] == b[k], f"{what}[{k}]: {a[k]} != {b[k]}"
+
+
 def with_stage(spec: TrainSpec, world: int, stage: int, **zero) -> TrainSpec:
     return replace(spec, stage=stage, micro_batch=GLOBAL_BATCH // (world * spec.accumulation), zero=zero)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoint_runs import SCHEDULER, build, resume_first_half, resume_second_half, spec_for, train
+from checkpoint_runs import SCHEDULER, assert_same_state, build, resume_first_half, resume_second_half, spec_for, train
 
 import zkern
 from zkern.checkpoint import CheckpointError, load_fp32_state_dict, load_optimizer_state_dict
@@ -35,17 +35,6 @@ def variants(world: int) -> dict:
     }
 
 
-def assert_same_tensors(a: dict, b: dict, what: str) -> None:
-    assert sorted(a) == sorted(b), what
-    for k in a:
-        if isinstance(a[k], dict):
-            assert_same_tensors(a[k], b[k], f"{what}[{k}]")
-        elif isinstance(a[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}[{k}] differs"
-        else:
-            assert a[k] == b[k], f"{what}[{k}]: {a[k]} != {b[k]}"
-
-
 def test_resume_is_bit_exact_at_every_stage(tmp_path):
     world = 2
     specs = variants(world)
@@ -64,8 +53,8 @@ def test_resume_is_bit_exact_at_every_stage(tmp_path):
                 assert b[key] == u[key], f"{name}: {key} {b[key]} != {u[key]}"
         # Masters, Adam moments and step counts, whole, as both runs saved them at the end.
         ends = [tmp_path / name / run for run in ("uninterrupted", "resumed")]
-        assert_same_tensors(load_fp32_state_dict(ends[0], "end"), load_fp32_state_dict(ends[1], "end"), name)
-        assert_same_tensors(load_optimizer_state_dict(ends[0], "end"), load_optimizer_state_dict(ends[1], "end"),
+        assert_same_state(load_fp32_state_dict(ends[0], "end"), load_fp32_state_dict(ends[1], "end"), name)
+        assert_same_state(load_optimizer_state_dict(ends[0], "end"), load_optimizer_state_dict(ends[1], "end"),
                             name)
     # The fp16 runs changed their loss scale inside the first 3 steps (a skip, or a growth), so the scaler's state
     # was part of what had to resume.
@@ -83,8 +72,8 @@ def test_async_save_writes_the_state_of_its_call_while_training_goes_on(tmp_path
     train(engine, spec, 2, 4, 0, 1)  # changes every master and moment while the writer may still run
     assert engine.wait_checkpoint() == str(tmp_path / "async" / "at2")
     got = load_fp32_state_dict(tmp_path / "async")
-    assert_same_tensors(got, expected_weights, "async weights")
-    assert_same_tensors(load_optimizer_state_dict(tmp_path / "async"), load_optimizer_state_dict(tmp_path / "sync"),
+    assert_same_state(got, expected_weights, "async weights")
+    assert_same_state(load_optimizer_state_dict(tmp_path / "async"), load_optimizer_state_dict(tmp_path / "sync"),
                         "async optimizer state")
 
 
@@ -137,7 +126,7 @@ def test_module_only_and_fresh_optimizer_loads(tmp_path):
     saved = engine.full_state_dict()
     fresh = build(spec, 1)
     fresh.load_checkpoint(tmp_path, load_module_only=True)
-    assert_same_tensors(fresh.full_state_dict(), saved, "weights")
+    assert_same_state(fresh.full_state_dict(), saved, "weights")
     assert fresh.global_steps == 0 and fresh.optimizer.steps[0][0] == 0
     assert float(fresh.optimizer.exp_avg[0].abs().sum()) == 0.0
     other = build(spec, 1)

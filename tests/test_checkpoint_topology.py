@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import torch
-from checkpoint_runs import spec_for, topology_source, topology_target, with_stage
+from checkpoint_runs import assert_same_state, spec_for, topology_source, topology_target, with_stage
 from safetensors.torch import load_file
 
 from zkern.checkpoint import consolidate, load_fp32_state_dict, load_optimizer_state_dict
@@ -20,22 +20,11 @@ from zkern.testing.ranks import spawn
 LR = 1e-3
 
 
-def same(a: dict, b: dict, what: str) -> None:
-    assert sorted(a) == sorted(b), what
-    for k in a:
-        if isinstance(a[k], dict):
-            same(a[k], b[k], f"{what}[{k}]")
-        elif isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
-        else:
-            assert a[k] == b[k], f"{what}: {k} {a[k]} != {b[k]}"
-
-
 def test_world2_stage3_resumes_at_world4_stage2_world1_stage0_world2_stage1_offload(tmp_path):
     source = spec_for(2, stage=3, lr=LR)
     src = spawn(topology_source, 2, source, str(tmp_path / "src"))[0]
     saved = load_fp32_state_dict(tmp_path / "src")
-    same(saved, src["at_save"], "the checkpoint's weights")
+    assert_same_state(saved, src["at_save"], "the checkpoint's weights")
     saved_optimizer = load_optimizer_state_dict(tmp_path / "src")
     targets = {"w4_stage2": (4, 2, {}), "w1_stage0": (1, 0, {}),
                "w2_stage1_offload": (2, 1, {"offload_optimizer": {"device": "cpu"}})}
@@ -43,9 +32,10 @@ def test_world2_stage3_resumes_at_world4_stage2_world1_stage0_world2_stage1_offl
         spec = with_stage(source, world, stage, **zero)
         out = spawn(topology_target, world, spec, str(tmp_path / "src"), str(tmp_path / name))[0]
         assert out["global_steps"] == 3
-        same(out["after_load"], saved, f"{name}: weights right after loading")
+        assert_same_state(out["after_load"], saved, f"{name}: weights right after loading")
         # What the loaded engine holds, saved again in its own layout: the same whole tensors, moments included.
-        same(load_optimizer_state_dict(tmp_path / name), saved_optimizer, f"{name}: optimizer state after loading")
+        assert_same_state(load_optimizer_state_dict(tmp_path / name), saved_optimizer,
+                          f"{name}: optimizer state after loading")
         assert_params_close(out["final"], src["final"], lr=LR, steps=3)
 
 
@@ -66,8 +56,8 @@ def test_every_stage_and_world_saves_and_loads_in_a_chain(tmp_path):
             previous = here
             continue
         out = spawn(chain_link, world, spec, str(previous), str(here), 3 + k - 1)[0]
-        same(out["after_load"], load_fp32_state_dict(previous), f"link {k} (world {world}, stage {stage})")
-        same(load_optimizer_state_dict(here, "loaded"), load_optimizer_state_dict(previous),
+        assert_same_state(out["after_load"], load_fp32_state_dict(previous), f"link {k} (world {world}, stage {stage})")
+        assert_same_state(load_optimizer_state_dict(here, "loaded"), load_optimizer_state_dict(previous),
              f"link {k} (world {world}, stage {stage}): optimizer state")
         previous = here
     steps = 3 + len(CHAIN) - 1
@@ -113,14 +103,15 @@ def test_consolidation_loads_with_safetensors_and_transformers(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "zkern.checkpoint", "consolidate", str(tmp_path / "ckpt"),
                           str(tmp_path / "one")], capture_output=True, text=True)
     assert cli.returncode == 0, cli.stderr
-    same(load_file(tmp_path / "one" / "model.safetensors"), expected, "consolidated fp32")
+    assert_same_state(load_file(tmp_path / "one" / "model.safetensors"), expected, "consolidated fp32")
     # Sharded, in bf16: an index and several files, every tensor there rounded as torch rounds it.
     files = consolidate(tmp_path / "ckpt", tmp_path / "sharded", dtype="bf16", max_shard_size="20kB")
     assert len(files) > 2 and files[-1].endswith("model.safetensors.index.json")
     got = {}
     for f in files[:-1]:
         got.update(load_file(f))
-    same(got, {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in expected.items()}, "bf16 shards")
+    rounded = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in expected.items()}
+    assert_same_state(got, rounded, "bf16 shards")
     # Hugging Face loads the directory without zkern.
     import transformers
 

@@ -173,13 +173,8 @@ class _Copier:
         self.files: dict[str, tuple] = {}
 
     def _open(self, file: str):
-        if file not in self.files:
+        if file not in self.files:  # open_tag has checked its size against the manifest (_check_backed)
             path = os.path.join(self.tag_path, file)
-            expected = self.manifest["files"][file]["bytes"]
-            size = os.path.getsize(path) if os.path.exists(path) else None
-            if size != expected:
-                raise CheckpointError(f"{path}: {'missing' if size is None else f'{size} bytes'}, the manifest says "
-                                      f"{expected} bytes")
             self.files[file] = (open(path, "rb"), read_header(path)[0], path)  # noqa: SIM115 - closed in close()
         return self.files[file]
 

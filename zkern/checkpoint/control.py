@@ -13,21 +13,16 @@ peer sends is ever unpickled.
 from __future__ import annotations
 
 import ctypes
-import datetime
 import json
 
 import torch
-import torch.distributed as dist
 
 from zkern.engine.comm import Comm
 
 
 def control_comm(engine_comm: Comm) -> Comm:
     """A Comm for checkpoint messages (a collective: every rank calls it, once per engine)."""
-    group = None
-    if engine_comm.world > 1:
-        group = dist.new_group(timeout=datetime.timedelta(seconds=engine_comm.timeout_s), backend="gloo")
-    return Comm(group, engine_comm.rank, engine_comm.world, engine_comm.timeout_s, "gloo")
+    return engine_comm.sibling(backend="gloo", share_counters=False)
 
 
 def _encode(obj) -> torch.Tensor:

@@ -111,16 +111,19 @@ class Comm:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def sibling(self) -> Comm:
-        """A Comm over a new process group of the same ranks, sharing this one's byte counters (a collective: every
-        rank calls it). Stage 3 reduces gradients on a group of their own, so the order of reductions never has to
-        interleave with the order of parameter gathers: each group's sequence is the same on every rank even when
-        backward reaches a reduction at a different moment on each."""
+    def sibling(self, *, backend: str | None = None, share_counters: bool = True) -> Comm:
+        """A Comm over a new process group of the same ranks (a collective: every rank calls it), by default with
+        this one's backends and byte counters. Stage 3 reduces gradients on a group of their own, so the order of
+        reductions never has to interleave with the order of parameter gathers: each group's sequence is the same
+        on every rank even when backward reaches a reduction at a different moment on each. Checkpoints talk on a
+        gloo group with counters apart (checkpoint/control.py)."""
+        backend = backend or self.backend
         group = None
         if self.world > 1:
-            group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s), backend=self.backend)
-        twin = Comm(group, self.rank, self.world, self.timeout_s, self.backend)
-        twin.bytes, twin.calls = self.bytes, self.calls
+            group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s), backend=backend)
+        twin = Comm(group, self.rank, self.world, self.timeout_s, backend)
+        if share_counters:
+            twin.bytes, twin.calls = self.bytes, self.calls
         return twin
 
     def error(self, what: str, cause: BaseException) -> CommError:

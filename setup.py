@@ -14,6 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 CSRC = "zkern/cpu/csrc"
 TRITON = "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"
+HF = ["transformers>=5.23,<6", "accelerate>=1.1"]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Per-file flags: the file name says which instruction set it may use.
 ISA_FLAGS = {
@@ -61,9 +62,12 @@ setup(
     # torch==2.13.0 first where none is present, because an unpinned torch pulls gigabytes of CUDA packages.
     install_requires=["torch>=2.4"],
     # Triton: zkern's GPU kernels; the tests run them on a CPU under TRITON_INTERPRET=1, so the test extra has it.
-    # transformers: the tests train Hugging Face's GPT-2 (built from a config; nothing is downloaded).
+    # transformers: the tests train Hugging Face's GPT-2 (built from a config; nothing is downloaded) and
+    # zkern.hf.Trainer against transformers.Trainer.
+    # hf: zkern.hf (Trainer, from_pretrained) overrides Trainer methods of transformers 5.x, which needs accelerate.
     extras_require={"triton": [TRITON],
-                    "test": ["pytest>=8", "ruff>=0.5", "numpy", "matplotlib", "transformers>=4.46", TRITON]},
+                    "hf": HF,
+                    "test": ["pytest>=8", "ruff>=0.5", "numpy", "matplotlib", *HF, TRITON]},
     ext_modules=[adam_ext],
     cmdclass={"build_ext": BuildWithIsaFlags},
 )

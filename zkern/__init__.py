@@ -11,6 +11,7 @@ import importlib
 
 _EXPORTS = {
     "Engine": "zkern.engine.engine",
+    "initialize": "zkern.engine.initialize",
     "Config": "zkern.config",
     "ConfigError": "zkern.config",
     "CommError": "zkern.engine.comm",
@@ -22,7 +23,7 @@ _EXPORTS = {
     "register_external_parameter": "zkern.engine.units",
     "CheckpointError": "zkern.checkpoint.errors",
 }
-_MODULES = {"checkpointing", "ops", "checkpoint"}
+_MODULES = {"checkpointing", "ops", "checkpoint", "hf"}
 
 __all__ = [*_EXPORTS, *sorted(_MODULES)]
 __version__ = "0.1.0"

@@ -227,6 +227,7 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
     engine.global_steps = manifest["global_steps"]
     engine.skipped_steps = manifest["skipped_steps"]
     engine.micro_steps = manifest["micro_steps"]
+    engine.pending_micro_steps = 0  # checkpoints are taken at accumulation boundaries
     _restore_rng(engine, manifest, plan)
 
 

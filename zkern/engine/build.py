@@ -85,33 +85,70 @@ def param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def trainable_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[list[torch.nn.Parameter]]:
-    """The parameter groups zkern trains: the client optimizer's groups, or one group of all trainable params.
+# What a param-group dict may set for the config's optimizer (the rest of its options come from the config).
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def requested_groups(model_parameters) -> list[dict]:
+    """deepspeed.initialize's model_parameters as a list of group dicts: an iterable of parameters (one group) or of
+    dicts with "params" and per-group options (GROUP_KEYS)."""
+    if isinstance(model_parameters, torch.Tensor):
+        raise TypeError("model_parameters is one tensor; pass an iterable of parameters or of param-group dicts")
+    items = list(model_parameters)
+    if not items:
+        raise ValueError("model_parameters is empty; pass the parameters to train (or leave it out to train all)")
+    if all(isinstance(i, torch.Tensor) for i in items):
+        return [{"params": items}]
+    if not all(isinstance(i, dict) for i in items):
+        raise TypeError("model_parameters mixes tensors and dicts; pass either parameters or param-group dicts")
+    groups = []
+    for gi, group in enumerate(items):
+        if "params" not in group:
+            raise ValueError(f"model_parameters group {gi} has no 'params' entry")
+        unknown = sorted(set(group) - {"params", "name", *GROUP_KEYS})
+        if unknown:
+            raise ValueError(f"model_parameters group {gi} sets {unknown}; the config's optimizer takes per-group "
+                             f"{list(GROUP_KEYS)} (and 'name')")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        groups.append({**group, "params": params})
+    return groups
+
+
+def trainable_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                     requested: list[dict] | None = None) -> list[list[torch.nn.Parameter]]:
+    """The parameter groups zkern trains: the client optimizer's groups, the requested groups
+    (model_parameters), or one group of all trainable params.
 
     Every parameter that requires grad must be in exactly one group; groups hold only the model's own
     trainable parameters.
     """
     names = param_names(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if optimizer is None:
+    if optimizer is None and requested is None:
         return [trainable]
+    what = "optimizer param group" if optimizer is not None else "model_parameters group"
+    source = optimizer.param_groups if optimizer is not None else requested
     groups, seen = [], set()
-    for gi, group in enumerate(optimizer.param_groups):
+    for gi, group in enumerate(source):
         params = list(group["params"])
         for p in params:
             if id(p) not in names:
-                raise ValueError(f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not "
-                                 f"a parameter of the model; build the optimizer from model.parameters()")
+                raise ValueError(f"{what} {gi} holds a tensor of shape {tuple(p.shape)} that is not "
+                                 f"a parameter of the model; build the groups from model.parameters()")
             if not p.requires_grad:
-                raise ValueError(f"optimizer param group {gi} holds frozen parameter '{names[id(p)]}'; remove it "
-                                 f"from the optimizer or set requires_grad=True")
+                raise ValueError(f"{what} {gi} holds frozen parameter '{names[id(p)]}'; remove it "
+                                 f"from the group or set requires_grad=True")
+            if id(p) in seen:
+                raise ValueError(f"parameter '{names[id(p)]}' is in two param groups ({what} {gi} and an earlier "
+                                 f"one); each parameter belongs to one group")
             seen.add(id(p))
         groups.append(params)
     missing = [names[id(p)] for p in trainable if id(p) not in seen]
     if missing:
-        raise ValueError(f"parameters {missing} require grad but are in no optimizer param group; add them to the "
-                         f"optimizer, or freeze them with requires_grad_(False)")
-    if optimizer.state:
+        raise ValueError(f"parameters {missing} require grad but are in no {what}; add them to a group, "
+                         f"or freeze them with requires_grad_(False)")
+    if optimizer is not None and optimizer.state:
         raise ValueError("the optimizer passed to zkern.Engine already has state; pass a fresh optimizer and "
                          "restore state through the engine")
     return groups
@@ -134,9 +171,10 @@ def group_options(cfg: Config) -> dict:
     return {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay, "adamw": o.adamw}
 
 
-def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None,
-                    shard_groups: list[ShardGroup]) -> torch.optim.Optimizer:
-    """zkern's fused ShardAdam from the config, or the client's torch optimizer re-pointed at the shard pieces."""
+def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_groups: list[ShardGroup],
+                    requested: list[dict] | None = None) -> torch.optim.Optimizer:
+    """zkern's fused ShardAdam from the config (one group per requested group, its options over the config's), or
+    the client's torch optimizer re-pointed at the shard pieces."""
     if client is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer is given twice: in the config's 'optimizer' section and as "
                           "Engine(optimizer=...); keep one")
@@ -144,11 +182,12 @@ def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None,
         raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. {\"type\": \"AdamW\", "
                           "\"params\": {\"lr\": 1e-4}}) or pass Engine(model, cfg, optimizer=torch_optimizer)")
     if client is None:
+        overrides = [{k: g[k] for k in GROUP_KEYS if k in g} for g in requested or [{}] * len(shard_groups)]
+        options = [{**group_options(cfg), **o} for o in overrides]
         if cfg.optimizer.torch_adam:
-            o = group_options(cfg)
-            cls = torch.optim.AdamW if o.pop("adamw") else torch.optim.Adam
-            return cls([p for g in shard_groups for p in g.pieces], **o)
-        return ShardAdam(shard_groups, [group_options(cfg) for _ in shard_groups])
+            cls = torch.optim.AdamW if options[0]["adamw"] else torch.optim.Adam
+            return cls([{"params": g.pieces, **{k: o[k] for k in GROUP_KEYS}} for g, o in zip(shard_groups, options)])
+        return ShardAdam(shard_groups, options)
     stage = cfg.zero_optimization.stage
     if stage >= 1 and not isinstance(client, (torch.optim.Adam, torch.optim.AdamW)) \
             and not cfg.zero_allow_untested_optimizer:

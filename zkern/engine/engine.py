@@ -31,16 +31,27 @@ from zkern.engine.stage12 import Stage12Runtime
 log = logging.getLogger("zkern")
 
 
-class Engine:
+class Engine(torch.nn.Module):
     """Train `model` with ZeRO stage 0, 1, 2 or 3 as the DeepSpeed-style `config` says.
 
-    Engine(model, config, optimizer=None, lr_scheduler=None): config is a dict, a JSON path or a zkern.Config.
-    optimizer: a torch optimizer over model.parameters() when the config has no 'optimizer' section.
-    lr_scheduler: a scheduler bound to that optimizer, or a callable optimizer -> scheduler.
+    Engine(model, config, optimizer=None, lr_scheduler=None, model_parameters=None): config is a dict, a JSON path
+    or a zkern.Config. optimizer: a torch optimizer over model.parameters() when the config has no 'optimizer'
+    section. lr_scheduler: a scheduler bound to that optimizer, or a callable optimizer -> scheduler.
+    model_parameters: parameters or param-group dicts (per-group lr, weight_decay, betas, eps) for the config's
+    optimizer, as deepspeed.initialize takes them.
+
+    The engine is a torch.nn.Module wrapping the model as DDP does: engine.module is the model, parameters() and
+    named_parameters() are its parameters ("module." prefixed names; at stage 3 the resting, empty stand-ins),
+    engine(...) runs its forward, train()/eval() switch its mode. state_dict()/load_state_dict() are errors that
+    name what to call instead (full_state_dict, save_checkpoint, load_checkpoint): a dict of the module's
+    tensors would be partial at stage 3 and in the working dtype rather than the fp32 masters.
     """
 
     def __init__(self, model: torch.nn.Module, config: Config | dict | str | os.PathLike,
-                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None):
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None, model_parameters=None):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"zkern.Engine trains a torch.nn.Module, got {type(model).__name__}")
         cfg = Config.load(config)
         if cfg.activation_checkpointing is not None:
             checkpointing.configure(None, deepspeed_config=cfg)
@@ -56,7 +67,11 @@ class Engine:
         # partitions them, so only buffers go here.
         build.broadcast_state(model, self.comm, bucket, params=zero.stage != 3)
 
-        groups = build.trainable_groups(model, optimizer)
+        if model_parameters is not None and optimizer is not None:
+            raise ValueError("model_parameters and optimizer are both given; model_parameters are the param groups "
+                             "of the config's optimizer: pass the groups to your torch optimizer instead")
+        requested = build.requested_groups(model_parameters) if model_parameters is not None else None
+        groups = build.trainable_groups(model, optimizer, requested)
         if not any(groups):
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.dtype = working_dtype(cfg)
@@ -99,11 +114,13 @@ class Engine:
             self.host_step = HostStep(shard_groups, pin=pin and zero.offload_optimizer_pin_memory,
                                       out_on_host=zero.offload_param_device == "cpu")
             shard_groups = self.host_step.host_groups
-        self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups)
+        self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups, requested)
         self.lr_scheduler = build.build_scheduler_for(cfg, lr_scheduler, self.optimizer)
         self.scaler = LossScaler.from_config(cfg)
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.micro_steps = 0
+        self.pending_micro_steps = 0  # micro-steps accumulated since the last optimizer step
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word, else the count decides
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -120,25 +137,50 @@ class Engine:
             log.warning("zkern: %s", line)
 
     # -- the training loop ------------------------------------------------------------------------------------
-    def __call__(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         try:
             return self.module(*args, **kwargs)
         except BaseException as e:
             self.runtime.abort_pass(e)  # stage 3: release what the failed pass gathered
             raise
 
-    forward = __call__
-
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        return self.train(False)
-
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next step() will update the parameters."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        if self._boundary is not None:
+            return self._boundary
+        return self.pending_micro_steps + 1 == self.gradient_accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say whether the coming micro-step ends an accumulation (DeepSpeed's method), for loops whose
+        accumulations are not all gradient_accumulation_steps long (the short last one of an epoch); None returns
+        to counting. backward() still divides the loss by gradient_accumulation_steps: scale a short
+        accumulation's losses yourself if you want its mean."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary takes True, False or None, got {is_boundary!r}")
+        self._boundary = is_boundary
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """step() clears the gradients it applied, so after a step this does nothing; mid-accumulation it drops
+        the gradients accumulated since the last step, as torch's zero_grad does."""
+        if self.pending_micro_steps:
+            self.runtime.zero_grad()
+            self.pending_micro_steps = 0
+
+    def state_dict(self, *args, **kwargs):
+        raise RuntimeError(
+            "engine.state_dict() is not provided: the module's own tensors are partial at ZeRO stage 3 and in the "
+            "working dtype. Call engine.full_state_dict() on every rank for the fp32 weights under the model's own "
+            "names (rank0_only=True to gather onto rank 0), or engine.save_checkpoint(dir) for the training state")
+
+    def load_state_dict(self, *args, **kwargs):
+        raise RuntimeError(
+            "engine.load_state_dict() is not provided: load weights into the model before building the engine "
+            "(zkern.hf.from_pretrained at stage 3), or resume with engine.load_checkpoint(dir)")
+
+    def _apply(self, fn, recurse=True):
+        raise RuntimeError("the engine placed and cast the model itself (config keys 'device', 'bf16', 'fp16'); "
+                           "moving or casting it afterwards (.to, .cuda, .half, ...) would detach it from the "
+                           "engine's buffers: move the model before building the engine")
 
     @property
     def loss_scale(self) -> float:
@@ -170,8 +212,10 @@ class Engine:
         Between boundaries: a no-op (gradients keep accumulating)."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self.pending_micro_steps += 1
         if not boundary:
             return
+        self.pending_micro_steps = 0
         self._optimizer_step()
         self.global_steps += 1
         if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0 and self.rank == 0:
@@ -308,9 +352,9 @@ class Engine:
         from zkern.checkpoint.save import AsyncSave, checked_tag, snapshot, write
 
         self.wait_checkpoint()
-        if self.micro_steps % self.gradient_accumulation_steps:
+        if self.pending_micro_steps:
             raise CheckpointError(
-                f"save_checkpoint at micro-step {self.micro_steps % self.gradient_accumulation_steps} of an "
+                f"save_checkpoint at micro-step {self.pending_micro_steps} of an "
                 f"accumulation of {self.gradient_accumulation_steps}: the gradients accumulated since the last "
                 f"optimizer step are not part of a checkpoint; save after the engine.step() that ends an accumulation")
         tag = checked_tag(tag, self.global_steps)

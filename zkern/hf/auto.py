@@ -1,0 +1,128 @@
+"""Fill a DeepSpeed-style config's "auto" values from Hugging Face TrainingArguments, as HF's DeepSpeed integration
+does, and refuse values that contradict them.
+
+    python -m pytest tests/test_hf_auto.py -q
+
+Pure dict work on duck-typed arguments (no transformers import), so it is tested without a Trainer. What the Trainer
+owns (batch sizes, accumulation, clipping, precision, the optimizer's and the warmup scheduler's hyper-parameters)
+comes from TrainingArguments: "auto" takes the argument's value, and so does a key the config leaves out inside a
+section it has (HF leaves such a key at DeepSpeed's default, which silently disagrees with the Trainer: no clipping
+while max_grad_norm says 1.0); a number that differs is an error naming both. The hidden-size keys
+(reduce_bucket_size = hidden², stage3_prefetch_bucket_size = 0.9·hidden², stage3_param_persistence_threshold =
+10·hidden) are filled from the model by zkern.Config.resolve.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+from zkern.config import ConfigError
+
+AUTO = "auto"
+
+
+def read_config(source: dict | str | os.PathLike) -> dict:
+    """The raw config as a dict (a deep copy: filling never changes the caller's dict)."""
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            with open(source) as f:
+                data = json.load(f)
+        except FileNotFoundError as e:
+            raise ConfigError(f"zkern_config file {os.fspath(source)!r} does not exist") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"zkern_config file {os.fspath(source)!r} is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"zkern_config file {os.fspath(source)!r} holds a {type(data).__name__}, not an object")
+        return data
+    raise ConfigError(f"zkern_config must be a dict or a path to a DeepSpeed-style JSON file, "
+                      f"not {type(source).__name__}")
+
+
+def _equal(config_value: Any, hf_value: Any) -> bool:
+    if isinstance(config_value, (list, tuple)) and isinstance(hf_value, (list, tuple)):
+        return len(config_value) == len(hf_value) and all(_equal(a, b) for a, b in zip(config_value, hf_value))
+    if isinstance(config_value, bool) or isinstance(hf_value, bool):
+        return config_value is hf_value or config_value == hf_value
+    if isinstance(config_value, (int, float)) and isinstance(hf_value, (int, float)):
+        return float(config_value) == float(hf_value)
+    return config_value == hf_value
+
+
+class _Filler:
+    def __init__(self, config: dict):
+        self.config = config
+        self.mismatches: list[str] = []
+
+    def _node(self, path: str) -> tuple[dict | None, str]:
+        """The dict holding path's last key, creating sub-sections (optimizer.params) inside a top-level section the
+        config has; None when that section is absent (the Trainer's own optimizer or scheduler then)."""
+        *sections, key = path.split(".")
+        node = self.config
+        for depth, s in enumerate(sections):
+            if s not in node and depth > 0:
+                node[s] = {}
+            node = node.get(s)
+            if not isinstance(node, dict):
+                return None, key
+        return node, key
+
+    def match(self, path: str, hf_value: Any, hf_name: str, fill_missing: bool = True) -> None:
+        """path "a.b.c": "auto" (or absent, when fill_missing) takes hf_value; any other value must equal it."""
+        node, key = self._node(path)
+        if node is None:
+            return
+        if key not in node:
+            if fill_missing:
+                node[key] = hf_value
+            return
+        if node[key] == AUTO:
+            node[key] = hf_value
+        elif not _equal(node[key], hf_value):
+            self.mismatches.append(f"'{path}' = {node[key]!r} in the config vs TrainingArguments.{hf_name} = "
+                                   f"{hf_value!r}")
+
+    def fill(self, path: str, value: Any) -> None:
+        """"auto" or absent takes value; a number stays (values the Trainer derives, never compared, as HF)."""
+        node, key = self._node(path)
+        if node is not None and node.get(key, AUTO) == AUTO:
+            node[key] = value
+
+
+def fill_auto(config: dict, args: Any, world_size: int, num_training_steps: int) -> dict:
+    """A copy of config with every TrainingArguments-owned "auto" filled; a ConfigError lists every contradiction.
+
+    args: a transformers.TrainingArguments (or anything with its attribute names). num_training_steps: the
+    Trainer's max_steps (for the scheduler's warmup and total steps)."""
+    cfg = copy.deepcopy(config)
+    f = _Filler(cfg)
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    f.match("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
+    f.match("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")
+    f.match("train_batch_size", micro * accumulation * world_size,
+            f"per_device_train_batch_size x gradient_accumulation_steps x world size ({world_size})")
+    f.match("gradient_clipping", args.max_grad_norm, "max_grad_norm")
+    f.match("optimizer.params.lr", args.learning_rate, "learning_rate")
+    f.match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1/adam_beta2")
+    f.match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
+    f.match("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
+    f.match("scheduler.params.warmup_min_lr", 0, "(warmup from 0)", fill_missing=False)
+    f.match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
+    f.fill("scheduler.params.warmup_num_steps", args.get_warmup_steps(num_training_steps))
+    if isinstance(cfg.get("scheduler"), dict) and cfg["scheduler"].get("type") == "WarmupDecayLR":
+        f.fill("scheduler.params.total_num_steps", num_training_steps)
+    # Precision: the section follows the Trainer's flags; an absent section is created only when a flag is on.
+    for kind in ("fp16", "bf16"):
+        want = bool(getattr(args, kind) or getattr(args, f"{kind}_full_eval", False))
+        if kind not in cfg and want:
+            cfg[kind] = {"enabled": True}
+        f.match(f"{kind}.enabled", want, f"{kind} (or {kind}_full_eval)")
+    if f.mismatches:
+        raise ConfigError("the zkern config contradicts the TrainingArguments:\n  - " + "\n  - ".join(f.mismatches)
+                          + "\nset these config values to \"auto\" (or leave them out) so the Trainer fills them, or "
+                          "change the TrainingArguments")
+    return cfg

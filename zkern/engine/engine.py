@@ -9,6 +9,7 @@ The stage runtime (stage12.Stage12Runtime, stage3.Stage3Runtime) owns buffers an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -165,6 +166,31 @@ class Engine(torch.nn.Module):
         if self.pending_micro_steps:
             self.runtime.zero_grad()
             self.pending_micro_steps = 0
+
+    @contextlib.contextmanager
+    def gathered_for_generation(self):
+        """Stage 3: gather every unit once and keep it whole until the block ends (a collective on entry and exit),
+        so that generate()'s many short forwards read whole weights instead of gathering and freeing each unit per
+        token. Within stage3_max_live_parameters: units that do not fit keep their per-use gathers. For inference:
+        the block runs under torch.no_grad(). Stages 0-2 hold whole parameters already; there it only disables
+        gradients.
+
+            with engine.gathered_for_generation():
+                out = engine.module.generate(input_ids, max_new_tokens=32)
+        """
+        if self.config.zero_optimization.stage != 3:
+            with torch.no_grad():
+                yield self
+            return
+        from zkern.engine.gathered import GatheredParameters
+
+        params, held, total = self.runtime.generation_params()
+        if held < total and self.rank == 0:
+            log.warning("zkern: gathered_for_generation keeps %d of %d elements whole (stage3_max_live_parameters="
+                        "%d); the other units are gathered at each use", held, total,
+                        self.config.zero_optimization.stage3_max_live_parameters)
+        with torch.no_grad(), GatheredParameters(params):
+            yield self
 
     def state_dict(self, *args, **kwargs):
         raise RuntimeError(

@@ -151,8 +151,11 @@ def _subclasses(cls: type) -> list[type]:
 
 
 @contextlib.contextmanager
-def init_sharded(config: Config | dict | str):
-    """Build a model with its parameters partitioned as they are created (ZeRO stage 3 only)."""
+def init_sharded(config: Config | dict | str, *, broadcast: bool = True):
+    """Build a model with its parameters partitioned as they are created (ZeRO stage 3 only).
+
+    broadcast=False: the values the modules build are placeholders that a loader overwrites shard by shard
+    (zkern.hf.from_pretrained), so they are not made equal across ranks: no rank touches a whole tensor's pages."""
     cfg = Config.load(config)
     if cfg.zero_optimization.stage != 3:
         raise ValueError(f"init_sharded partitions parameters for ZeRO stage 3; the config says stage "
@@ -162,6 +165,7 @@ def init_sharded(config: Config | dict | str):
     device = device_from_config(cfg.device)
     group, rank, world = init_distributed(device, cfg.comm_timeout_s)
     sharder = _Sharder(Comm(group, rank, world, cfg.comm_timeout_s, backend_for(device)))
+    built_src = 0 if broadcast else None  # None: each rank keeps its chunk of its own placeholder values
     depth: dict[int, int] = {}
     wrapped: dict[type, object] = {}
 
@@ -182,7 +186,7 @@ def init_sharded(config: Config | dict | str):
                 del depth[id(self)]
                 own = [p for p in self.parameters(recurse=False) if not is_sharded(p)]
                 for p in own:
-                    sharder.shard(p)
+                    sharder.shard(p, src=built_src)
                 if own:
                     del own
                     release_freed_memory()

@@ -273,6 +273,17 @@ class Stage3Runtime:
         self.gatherer.signature = 0
 
     # -- GatheredParameters -----------------------------------------------------------------------------------
+    def generation_params(self) -> tuple[list[torch.nn.Parameter], int, int]:
+        """The parameters of the units that fit stage3_max_live_parameters together, in unit order (all of them
+        unless the user set a bound below the model), with the elements they hold and the model's total."""
+        chosen, held = [], 0
+        for u in self.units:
+            if held + u.bucket.padded > self.gatherer.max_live:
+                continue  # too big for what is left of the bound: it stays gathered and freed per use
+            held += u.bucket.padded
+            chosen.extend(u.plan.params)
+        return chosen, held, sum(u.bucket.padded for u in self.units)
+
     def pin(self, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list[Unit]:
         """Make the units of params whole and keep them so (a collective, checked across ranks)."""
         units = sorted({id(self._unit_of[id(p)]): self._unit_of[id(p)] for p in params}.values(), key=lambda u: u.index)

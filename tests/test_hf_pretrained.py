@@ -1,0 +1,148 @@
+"""zkern.hf.from_pretrained: each rank reads only its shards of a 113 MiB GPT-2; its peak resident memory while
+loading stays within its share of the model plus the largest tensor; the weights equal transformers' own
+from_pretrained; missing tensors are initialised by the model; damaged or pickled checkpoints are refused.
+
+    python -m pytest tests/test_hf_pretrained.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from zkern.checkpoint.errors import CheckpointError
+from zkern.testing.ranks import spawn
+
+VOCAB, DIM, LAYERS = 8192, 512, 8  # 29.5M parameters: 113 MiB of fp32, the embedding (16 MiB) the largest tensor
+OVERHEAD_MIB = 8  # Python objects, the module tree, allocator slack (measured 4-8 MiB at worlds 1, 2 and 4)
+
+
+def gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=DIM, n_layer=LAYERS, n_head=8)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from transformers import GPT2LMHeadModel
+
+    path = str(tmp_path_factory.mktemp("gpt2"))
+    torch.manual_seed(0)
+    GPT2LMHeadModel(gpt2_config()).save_pretrained(path)
+    return path
+
+
+def stage3(world: int) -> dict:
+    return {"train_batch_size": world, "device": "cpu", "optimizer": {"type": "AdamW"},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": DIM * DIM}}
+
+
+def load_worker(rank: int, world: int, path: str) -> dict:
+    import torch.distributed as dist
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2 import modeling_gpt2  # noqa: F401  (imported before the measurement starts)
+
+    import zkern
+    import zkern.hf.pretrained  # noqa: F401
+    from zkern.testing import peak_rss_bytes, reset_peak_rss
+
+    transformers.utils.logging.set_verbosity_error()
+    if world > 1:
+        dist.init_process_group("gloo")
+    GPT2Config.from_pretrained(path)
+    reset_peak_rss()
+    before = peak_rss_bytes()
+    model = zkern.hf.from_pretrained(GPT2LMHeadModel, path, stage3(world))
+    grown = peak_rss_bytes() - before
+    shards = sum(p._zkern_shard.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
+    engine = zkern.Engine(model, stage3(world))
+    full = engine.full_state_dict(rank0_only=True)
+    return {"grown": grown, "shards": shards, "full": full}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_each_rank_reads_its_shards_within_its_share_of_memory_and_the_weights_are_exact(saved, world):
+    from transformers import GPT2LMHeadModel
+
+    results = spawn(load_worker, world, saved, subprocess=True, timeout=300)
+    reference = GPT2LMHeadModel.from_pretrained(saved)
+    model_bytes = sum(p.numel() * 4 for p in reference.parameters())  # tied lm_head counted once
+    largest = max(p.numel() * 4 for p in reference.parameters())
+    assert model_bytes > 100 * 2**20
+    for rank, r in enumerate(results):
+        assert abs(r["shards"] - model_bytes / world) <= 4 * world * len(list(reference.parameters()))  # padding
+        bound = model_bytes / world + largest + OVERHEAD_MIB * 2**20
+        assert r["grown"] <= bound, (world, rank, r["grown"] / 2**20, bound / 2**20)
+    want = reference.state_dict()
+    got = results[0]["full"]
+    assert set(got) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def missing_worker(rank: int, world: int, path: str) -> dict:
+    import transformers
+    from transformers import GPT2LMHeadModel
+
+    import zkern
+
+    transformers.utils.logging.set_verbosity_error()
+    model = zkern.hf.from_pretrained(GPT2LMHeadModel, path, stage3(world), resid_pdrop=0.0)
+    engine = zkern.Engine(model, stage3(world))
+    return {"full": engine.full_state_dict(), "dropout": model.config.resid_pdrop}
+
+
+@pytest.mark.dist
+def test_tensors_missing_from_the_checkpoint_are_initialised_by_the_model(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    small = GPT2Config(vocab_size=67, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    GPT2LMHeadModel(small).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    full = {k: v.clone() for k, v in weights.items()}
+    for name in ("transformer.ln_f.weight", "transformer.h.1.ln_2.bias"):
+        weights[name] = None
+    save_file({k: v for k, v in weights.items() if v is not None}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    results = spawn(missing_worker, 2, str(tmp_path), timeout=300)
+    got = results[0]["full"]
+    assert results[0]["dropout"] == 0.0  # a config override
+    torch.testing.assert_close(got["transformer.ln_f.weight"], torch.ones(32), rtol=0, atol=0)  # GPT-2's init
+    torch.testing.assert_close(got["transformer.h.1.ln_2.bias"], torch.zeros(32), rtol=0, atol=0)
+    for name, value in full.items():
+        if name not in ("transformer.ln_f.weight", "transformer.h.1.ln_2.bias"):
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(results[1]["full"]["transformer.ln_f.weight"], torch.ones(32), rtol=0, atol=0)
+
+
+def test_pickled_shape_mismatched_or_unknown_inputs_are_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import zkern
+
+    small = GPT2Config(vocab_size=67, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    small.save_pretrained(tmp_path)
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="pytorch_model.bin.*never unpickles"):
+        zkern.hf.from_pretrained(GPT2LMHeadModel, tmp_path, stage3(1))
+    with pytest.raises(FileNotFoundError, match="local model directory"):
+        zkern.hf.from_pretrained(GPT2LMHeadModel, tmp_path / "nothing", stage3(1))
+    other = tmp_path / "other"
+    GPT2LMHeadModel(GPT2Config(vocab_size=67, n_positions=16, n_embd=32, n_layer=1, n_head=2)).save_pretrained(other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] = 71
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"'transformer.wte.weight' has shape \[67, 32\].*\[71, 32\]"):
+        zkern.hf.from_pretrained(GPT2LMHeadModel, other, stage3(1))
+    with pytest.raises(TypeError, match="not_a_key"):
+        zkern.hf.from_pretrained(GPT2LMHeadModel, other, stage3(1), not_a_key=3)
+    assert os.path.isfile(other / "model.safetensors")

@@ -1,0 +1,172 @@
+"""zkern.hf.from_pretrained: an HF model built for ZeRO stage 3 with each rank reading only its own shards.
+
+    model = zkern.hf.from_pretrained(GPT2LMHeadModel, "path/to/model", "ds_config.json")
+    engine = zkern.Engine(model, "ds_config.json")        # or zkern.hf.Trainer(model=model, ...)
+    python -m pytest tests/test_hf_pretrained.py -q
+
+transformers' own from_pretrained under DeepSpeed ZeRO-3 loads every tensor whole on every rank and then partitions
+it, so a host with 8 ranks reads the model 8 times and holds 8 copies at once. Here the model is built under
+zkern.init_sharded with weight initialisation off (the checkpoint provides the values), then for each parameter this
+rank seeks to the byte range of its own chunk (the flattened tensor cut as init_sharded cuts it) in the safetensors
+file and reads those bytes alone. Parameters the checkpoint lacks are initialised by the model's _init_weights one
+module at a time (gathered whole, rank 0's values kept). Peak resident memory per rank: its shards (model bytes /
+world) plus the largest module's own parameters while the module is built (allocated, and written only by
+initialisers transformers does not switch off), plus Python and allocator overhead; bytes go from the file straight
+into the shard when the dtypes agree (one chunk's buffer when they do not).
+
+Only safetensors files in a local directory are read: a pickled checkpoint (pytorch_model.bin) is refused, never
+unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from zkern.checkpoint.errors import CheckpointError
+from zkern.checkpoint.ranges import TORCH_DTYPES, byte_view
+from zkern.checkpoint.tensorfile import TensorInfo, read_header
+from zkern.config import Config
+from zkern.engine.gathered import GatheredParameters
+from zkern.engine.sharded_init import init_sharded, is_sharded
+
+log = logging.getLogger("zkern")
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def checkpoint_files(path: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file that holds it, for an HF model directory (one file, or an index)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"zkern.hf.from_pretrained reads a local model directory; {path!r} is not one "
+                                f"(download it first, e.g. huggingface_hub.snapshot_download)")
+    single, index = os.path.join(path, SINGLE), os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    if os.path.isfile(single):
+        return {name: single for name in read_header(single)[0]}
+    pickled = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+    hint = (f"; it has {pickled}, pickled files zkern never unpickles: convert them to safetensors first"
+            if pickled else "")
+    raise FileNotFoundError(f"{path!r} has no {SINGLE} or {INDEX}{hint}")
+
+
+def _read_into(dest: torch.Tensor, path: str, info: TensorInfo, first: int, handles: dict) -> None:
+    """dest <- elements [first, first + dest.numel()) of a tensor stored in a safetensors file, read alone: straight
+    into dest's memory when the dtypes agree, else through one buffer of that many elements."""
+    dtype = TORCH_DTYPES.get(info.dtype)
+    if dtype is None:
+        raise CheckpointError(f"{path}: dtype {info.dtype} is not one zkern reads")
+    f = handles.get(path)
+    if f is None:
+        f = handles[path] = open(path, "rb")
+    size = torch.empty((), dtype=dtype).element_size()
+    f.seek(info.begin + first * size)
+    target = dest if dest.dtype == dtype and dest.is_contiguous() else torch.empty(dest.numel(), dtype=dtype)
+    view = byte_view(target)
+    if f.readinto(view) != len(view):
+        raise CheckpointError(f"{path}: ended inside a tensor's bytes (truncated?)")
+    if target is not dest:
+        dest.copy_(target.view(dest.shape))
+
+
+def from_pretrained(model_class, path: str | os.PathLike, zkern_config, **kwargs):
+    """model_class (a transformers PreTrainedModel class) from the local directory path, partitioned for ZeRO stage
+    3 as zkern_config (dict, JSON path or zkern.Config) says, each rank reading only its shards (a collective).
+    kwargs: config attributes to override (as transformers' from_pretrained takes them)."""
+    from transformers.initialization import no_init_weights
+
+    path = os.fspath(path)
+    cfg = Config.load(zkern_config)
+    files = checkpoint_files(path)
+    config, unused = model_class.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+    if unused:
+        raise TypeError(f"zkern.hf.from_pretrained: {sorted(unused)} are not attributes of "
+                        f"{model_class.config_class.__name__}; it takes config overrides only (the engine sets the "
+                        f"device and dtype from the zkern config)")
+    with init_sharded(cfg, broadcast=False), no_init_weights():
+        model = model_class(config)
+    model.tie_weights()  # as transformers' from_pretrained does after building (lm_head shares the embedding)
+    rank, world = _rank_world()
+    headers: dict[str, dict[str, TensorInfo]] = {}
+    handles: dict = {}
+    loaded, missing = set(), []
+    names_of: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(t), []).append(name)
+    try:
+        for name, p in _unique_tensors(model):
+            aliases = names_of.get(id(p), [name])
+            stored = next((n for n in aliases if n in files), None)
+            if stored is None:
+                missing.append(name)
+                continue
+            file = files[stored]
+            if file not in headers:
+                headers[file] = read_header(file)[0]
+            info = headers[file].get(stored)
+            if info is None:
+                raise CheckpointError(f"{file}: the index names {stored!r} but the file does not hold it")
+            shape = tuple(p._zkern_shape if is_sharded(p) else p.shape)
+            if tuple(info.shape) != shape:
+                raise CheckpointError(f"{file}: {stored!r} has shape {list(info.shape)}, the model's {name!r} has "
+                                      f"{list(shape)}: the checkpoint is for another configuration")
+            with torch.no_grad():
+                if is_sharded(p):
+                    shard = p._zkern_shard
+                    first = min(rank * shard.numel(), info.numel)
+                    count = min(info.numel, first + shard.numel()) - first
+                    _read_into(shard[:count], file, info, first, handles)
+                    shard[count:].zero_()  # the padding of the last chunk
+                else:  # buffers (and any parameter left whole) are read whole
+                    _read_into(p.data, file, info, 0, handles)
+            loaded.update(aliases)
+    finally:
+        for f in handles.values():
+            f.close()
+    unexpected = sorted(set(files) - loaded)
+    if unexpected and rank == 0:
+        log.warning("zkern: %s holds tensors the model does not use: %s", path, unexpected[:20])
+    if missing:
+        _init_missing(model, missing)
+    return model
+
+
+def _unique_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each distinct parameter and persistent buffer, under its first state_dict name."""
+    seen, out = set(), []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _init_missing(model, missing: list[str]) -> None:
+    """The model's own _init_weights for each module that owns a missing tensor, one module at a time: its
+    parameters gathered whole, rank 0 initialises, its values reach every rank's shard."""
+    rank, _ = _rank_world()
+    if rank == 0:
+        log.warning("zkern: %d tensors are not in the checkpoint and are initialised: %s", len(missing), missing[:20])
+    owners = {name.rpartition(".")[0] for name in missing}
+    for module_name, module in model.named_modules():
+        if module_name not in owners:
+            continue
+        with GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    model._init_weights(module)

@@ -28,6 +28,7 @@ from zkern.engine.runtime import Runtime
 from zkern.engine.sharded_init import is_sharded, release_freed_memory
 from zkern.engine.stage3 import Stage3Runtime
 from zkern.engine.stage12 import Stage12Runtime
+from zkern.engine.units import declare_known_readers
 
 log = logging.getLogger("zkern")
 
@@ -56,6 +57,7 @@ class Engine(torch.nn.Module):
         cfg = Config.load(config)
         if cfg.activation_checkpointing is not None:
             checkpointing.configure(None, deepspeed_config=cfg)
+        declare_known_readers(model)
         self.device = build.pick_device(model, cfg.device)
         group, rank, world = init_distributed(self.device, cfg.comm_timeout_s)
         self.config = cfg = cfg.resolve(world, model)

@@ -45,6 +45,16 @@ def register_external_parameter(module: torch.nn.Module, param: torch.nn.Paramet
         external.append(param)
 
 
+def declare_known_readers(model: torch.nn.Module) -> None:
+    """Declare the reads of torch's own modules whose forward uses a child's parameters without running the child:
+    nn.MultiheadAttention passes out_proj's weight and bias to F.multi_head_attention_forward, so out_proj's forward
+    never runs (nn.TransformerEncoderLayer and nn.Transformer hold one)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.MultiheadAttention):
+            for p in m.out_proj.parameters(recurse=False):
+                register_external_parameter(m, p)
+
+
 def plan_units(model: torch.nn.Module, fetch_classes: tuple[str, ...], persistence_threshold: int
                ) -> tuple[list[UnitPlan], dict[torch.nn.Module, list[int]]]:
     """(units, needs): the fetch units in first-owner order (the persistent unit, if any, last), and for every

@@ -77,6 +77,7 @@ class Trainer(transformers.Trainer):
         if self.engine is not None:
             return self.optimizer
         steps = self.state.max_steps
+        _check_world(self.args)
         config = fill_auto(self.zkern_config, self.args, self.args.world_size, steps)
         client_optimizer, groups = None, None
         if "optimizer" in config:
@@ -206,6 +207,19 @@ class Trainer(transformers.Trainer):
         """HF restores the RNG after skipping the batches already trained (the skip may draw from it)."""
         if checkpoint is not None and self._resumed_rng is not None:
             _set_rng_state(self._resumed_rng)
+
+
+def _check_world(args) -> None:
+    """The Trainer shards the data over args.world_size ranks; the engine over torch.distributed's. They must agree."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if args.world_size != world:
+        hint = (" (on a host without CUDA, transformers trains distributed only with TrainingArguments(use_cpu=True))"
+                if not torch.cuda.is_available() else "")
+        raise RuntimeError(f"the TrainingArguments see a world of {args.world_size} rank(s) (parallel mode "
+                           f"{args.parallel_mode}) but torch.distributed has {world}: the Trainer would not split the "
+                           f"data as the engine splits the model{hint}")
 
 
 class _OptimizerStandIn:

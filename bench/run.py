@@ -6,6 +6,7 @@
 
     python bench/run.py --suite adam                 # the CPU Adam at 50M parameters vs torch (and DeepSpeed)
     python bench/run.py --suite checkpoint           # save, load, async save and consolidation of the 25m model
+    python bench/run.py --suite hf                   # stage-3 generate() and sharded from_pretrained, 25m as GPT-2
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
@@ -25,9 +26,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import adam_suite, checkpoint_suite, engine_suite, gates, kernels_suite, peers  # noqa: E402
+from bench import adam_suite, checkpoint_suite, engine_suite, gates, hf_suite, kernels_suite, peers  # noqa: E402
 
-SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite}
+SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
+          "hf": hf_suite}
 
 
 def _stages(text: str) -> list[int]:
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             record = adam_suite.run(args.adam_numel)
         elif suite == "checkpoint":
             record = checkpoint_suite.run(args.model or "25m", args.world or 2)
+        elif suite == "hf":
+            record = hf_suite.run(args.model or "25m")
         else:
             record = kernels_suite.run(args.kernels_numel, interpret=args.interpret)
         print(SUITES[suite].table(record) + "\n")

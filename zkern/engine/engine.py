@@ -192,7 +192,11 @@ class Engine(torch.nn.Module):
                         "%d); the other units are gathered at each use", held, total,
                         self.config.zero_optimization.stage3_max_live_parameters)
         with torch.no_grad(), GatheredParameters(params):
-            yield self
+            if held == total:  # nothing left to gather per use: the per-module hooks step aside
+                with self.runtime.hooks_suspended():
+                    yield self
+            else:
+                yield self
 
     def state_dict(self, *args, **kwargs):
         raise RuntimeError(

@@ -28,7 +28,7 @@ from zkern.engine.comm import Comm, CommError
 from zkern.engine.divergence import MAX_SIGNATURE_WORLD, TagKind, describe_mismatch, exchange_tags
 from zkern.engine.gathered import register_owner
 from zkern.engine.gatherer import Gatherer
-from zkern.engine.lifecycle import DataState, Unit, check_pass_end
+from zkern.engine.lifecycle import DataState, InvariantError, Unit, check_pass_end
 from zkern.engine.offload import host_tensor
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.partition import plan_unit_layout
@@ -273,6 +273,18 @@ class Stage3Runtime:
         self.gatherer.signature = 0
 
     # -- GatheredParameters -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def hooks_suspended(self):
+        """While every unit is pinned whole and gradients are off (gathered_for_generation), a forward has nothing
+        to gather, free or record: the module hooks step aside, and the passes do not enter the order trace."""
+        if self.hooks.frames or any(u.pins == 0 and not u.plan.persistent for u in self.units):
+            raise InvariantError("zkern stage 3: hooks_suspended needs every unit pinned and no forward running")
+        self.hooks.suspended = True
+        try:
+            yield
+        finally:
+            self.hooks.suspended = False
+
     def generation_params(self) -> tuple[list[torch.nn.Parameter], int, int]:
         """The parameters of the units that fit stage3_max_live_parameters together, in unit order (all of them
         unless the user set a bound below the model), with the elements they hold and the model's total."""

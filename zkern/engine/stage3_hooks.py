@@ -96,6 +96,7 @@ class Stage3Hooks:
         self.verify = False  # this pass exchanges a tag before each gather (decided when the pass begins)
         self.recording = True  # this forward pass follows no record (it watches for external reads)
         self.in_hook = False
+        self.suspended = False  # every unit is pinned whole (gathered_for_generation): forwards need no hooks
         self.needs_changed = False
         self._watch: _WatchAtRest | None = None
         self._said: set[str] = set()
@@ -178,6 +179,8 @@ class Stage3Hooks:
 
     # -- forward hooks ----------------------------------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args) -> None:
+        if self.suspended:
+            return
         if module is self.root and self.phase == "forward" and not self.frames:
             self._begin_forward()
         frame = Frame(module)
@@ -194,6 +197,8 @@ class Stage3Hooks:
 
     def _post_forward(self, module: torch.nn.Module, args, output):
         # always_call: also runs when the module raised (then torch passes output=None and re-raises after us).
+        if self.suspended:
+            return output
         raised = output is None and sys.exc_info()[1] is not None
         self.in_hook = True
         try:

@@ -44,18 +44,22 @@ def assert_logs_match(got: list[dict], want: list[dict], what: str) -> None:
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     """One world-2 job: transformers.Trainer with DDP, then zkern.hf.Trainer at stages 0-3 (the Trainer's own
-    AdamW and scheduler), and at stage 2 with the config's fused AdamW."""
+    AdamW and scheduler), at stage 2 with the config's fused AdamW, and at stage 3 with HF's gradient
+    checkpointing (compared with the DDP run without it: recomputation changes no value)."""
     out = str(tmp_path_factory.mktemp("hf"))
     runs = [{"name": "ddp", "kind": "ddp"}]
     runs += [{"name": f"stage{s}", "kind": "zkern", "config": stage_config(s), "save": s == 3} for s in range(4)]
     runs.append({"name": "stage2_fused", "kind": "zkern", "config": stage_config(2, optimizer=ADAMW_AUTO)})
+    # HF's gradient_checkpointing_enable() (torch's checkpoint, which restores the RNG for the recomputation)
+    runs.append({"name": "stage3_checkpointing", "kind": "zkern", "config": stage_config(3),
+                 "args": {"gradient_checkpointing": True}})
     results = spawn(compare_worker, 2, out, runs, timeout=600)
     return out, results
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage2_fused"])
+@pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage2_fused", "stage3_checkpointing"])
 def test_logged_losses_equal_transformers_trainer_with_ddp(compared, name):
     _, results = compared
     want = results[0]["ddp"]["logs"]

@@ -71,31 +71,19 @@ def _generate_rank(rank: int, world: int, model: str) -> dict:
 
 
 def _load_rank(rank: int, world: int, path: str, how: str) -> dict:
-    import torch.distributed as dist
-    import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.models.gpt2 import modeling_gpt2  # noqa: F401
+    from zkern.testing import gpt2_load_peak
 
-    import zkern.hf.pretrained  # noqa: F401
-    from zkern.testing import peak_rss_bytes, reset_peak_rss
-
-    transformers.utils.logging.set_verbosity_error()
-    if world > 1:
-        dist.init_process_group("gloo")
-    GPT2Config.from_pretrained(path)
-    reset_peak_rss()
-    before = peak_rss_bytes()
-    start = time.perf_counter()
+    model, grown, seconds = gpt2_load_peak(path, _stage3(world) if how == "zkern" else None)
     if how == "zkern":
-        zkern.hf.from_pretrained(GPT2LMHeadModel, path, _stage3(world))
-        return {"grown": peak_rss_bytes() - before, "seconds": time.perf_counter() - start}
-    model = GPT2LMHeadModel.from_pretrained(path)
-    seconds, grown = time.perf_counter() - start, peak_rss_bytes() - before
+        return {"grown": grown, "seconds": seconds}
     # transformers maps the file and its tensors may stay file pages until read: read every weight once, as
     # training does (the optimizer then writes them, which makes them this process's own memory).
+    from zkern.testing import peak_rss_bytes
+
+    loaded = peak_rss_bytes()  # the peak is monotone: loaded = the count's start + grown
     with torch.no_grad():
         sum(float(p.sum()) for p in model.parameters())
-    return {"grown": grown, "grown_read": peak_rss_bytes() - before, "seconds": seconds}
+    return {"grown": grown, "grown_read": grown + peak_rss_bytes() - loaded, "seconds": seconds}
 
 
 def run(model: str = "25m") -> dict:

@@ -42,23 +42,10 @@ def stage3(world: int) -> dict:
 
 
 def load_worker(rank: int, world: int, path: str) -> dict:
-    import torch.distributed as dist
-    import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.models.gpt2 import modeling_gpt2  # noqa: F401  (imported before the measurement starts)
-
     import zkern
-    import zkern.hf.pretrained  # noqa: F401
-    from zkern.testing import peak_rss_bytes, reset_peak_rss
+    from zkern.testing import gpt2_load_peak
 
-    transformers.utils.logging.set_verbosity_error()
-    if world > 1:
-        dist.init_process_group("gloo")
-    GPT2Config.from_pretrained(path)
-    reset_peak_rss()
-    before = peak_rss_bytes()
-    model = zkern.hf.from_pretrained(GPT2LMHeadModel, path, stage3(world))
-    grown = peak_rss_bytes() - before
+    model, grown, _ = gpt2_load_peak(path, stage3(world))
     shards = sum(p._zkern_shard.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
     engine = zkern.Engine(model, stage3(world))
     full = engine.full_state_dict(rank0_only=True)

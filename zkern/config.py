@@ -137,13 +137,7 @@ class Config:
         if isinstance(source, Config):
             return source
         if isinstance(source, (str, os.PathLike)):
-            try:
-                with open(source) as f:
-                    source = json.load(f)
-            except FileNotFoundError as e:
-                raise ConfigError(f"config file {os.fspath(source)!r} does not exist") from e
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"config file is not valid JSON: {e}") from e
+            source = read_json(source, "config")
         if not isinstance(source, dict):
             raise ConfigError(f"config must be a dict, a JSON path or a zkern.Config, not {type(source).__name__}")
         return _parse(source)
@@ -159,6 +153,20 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def read_json(path: str | os.PathLike, what: str) -> dict:
+    """A JSON object from a file; ConfigError naming `what` and the path when it is missing, invalid or no object."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{what} file {os.fspath(path)!r} does not exist") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} file {os.fspath(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} file {os.fspath(path)!r} holds a {type(data).__name__}, not a JSON object")
+    return data
 
 
 # ----------------------------------------------------------------------------------------------------------------

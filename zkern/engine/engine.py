@@ -191,12 +191,10 @@ class Engine(torch.nn.Module):
             log.warning("zkern: gathered_for_generation keeps %d of %d elements whole (stage3_max_live_parameters="
                         "%d); the other units are gathered at each use", held, total,
                         self.config.zero_optimization.stage3_max_live_parameters)
-        with torch.no_grad(), GatheredParameters(params):
-            if held == total:  # nothing left to gather per use: the per-module hooks step aside
-                with self.runtime.hooks_suspended():
-                    yield self
-            else:
-                yield self
+        # Nothing left to gather per use when every unit fits: the per-module hooks step aside.
+        hooks = self.runtime.hooks_suspended() if held == total else contextlib.nullcontext()
+        with torch.no_grad(), GatheredParameters(params), hooks:
+            yield self
 
     def state_dict(self, *args, **kwargs):
         raise RuntimeError(

@@ -15,11 +15,10 @@ while max_grad_norm says 1.0); a number that differs is an error naming both. Th
 from __future__ import annotations
 
 import copy
-import json
 import os
 from typing import Any
 
-from zkern.config import ConfigError
+from zkern.config import ConfigError, read_json
 
 AUTO = "auto"
 
@@ -29,16 +28,7 @@ def read_config(source: dict | str | os.PathLike) -> dict:
     if isinstance(source, dict):
         return copy.deepcopy(source)
     if isinstance(source, (str, os.PathLike)):
-        try:
-            with open(source) as f:
-                data = json.load(f)
-        except FileNotFoundError as e:
-            raise ConfigError(f"zkern_config file {os.fspath(source)!r} does not exist") from e
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"zkern_config file {os.fspath(source)!r} is not valid JSON: {e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"zkern_config file {os.fspath(source)!r} holds a {type(data).__name__}, not an object")
-        return data
+        return read_json(source, "zkern_config")
     raise ConfigError(f"zkern_config must be a dict or a path to a DeepSpeed-style JSON file, "
                       f"not {type(source).__name__}")
 

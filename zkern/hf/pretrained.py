@@ -31,7 +31,8 @@ from zkern.checkpoint.ranges import TORCH_DTYPES, byte_view
 from zkern.checkpoint.tensorfile import TensorInfo, read_header
 from zkern.config import Config
 from zkern.engine.gathered import GatheredParameters
-from zkern.engine.sharded_init import init_sharded, is_sharded
+from zkern.engine.partition import shard_range
+from zkern.engine.sharded_init import full_shape, init_sharded, is_sharded, sharder_of
 
 log = logging.getLogger("zkern")
 
@@ -95,17 +96,12 @@ def from_pretrained(model_class, path: str | os.PathLike, zkern_config, **kwargs
     with init_sharded(cfg, broadcast=False), no_init_weights():
         model = model_class(config)
     model.tie_weights()  # as transformers' from_pretrained does after building (lm_head shares the embedding)
-    rank, world = _rank_world()
     headers: dict[str, dict[str, TensorInfo]] = {}
     handles: dict = {}
     loaded, missing = set(), []
-    names_of: dict[int, list[str]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        names_of.setdefault(id(t), []).append(name)
     try:
-        for name, p in _unique_tensors(model):
-            aliases = names_of.get(id(p), [name])
-            stored = next((n for n in aliases if n in files), None)
+        for p, aliases in _tensors_and_names(model):
+            name, stored = aliases[0], next((n for n in aliases if n in files), None)
             if stored is None:
                 missing.append(name)
                 continue
@@ -115,51 +111,43 @@ def from_pretrained(model_class, path: str | os.PathLike, zkern_config, **kwargs
             info = headers[file].get(stored)
             if info is None:
                 raise CheckpointError(f"{file}: the index names {stored!r} but the file does not hold it")
-            shape = tuple(p._zkern_shape if is_sharded(p) else p.shape)
+            shape = tuple(full_shape(p))
             if tuple(info.shape) != shape:
                 raise CheckpointError(f"{file}: {stored!r} has shape {list(info.shape)}, the model's {name!r} has "
                                       f"{list(shape)}: the checkpoint is for another configuration")
             with torch.no_grad():
-                if is_sharded(p):
-                    shard = p._zkern_shard
-                    first = min(rank * shard.numel(), info.numel)
-                    count = min(info.numel, first + shard.numel()) - first
-                    _read_into(shard[:count], file, info, first, handles)
-                    shard[count:].zero_()  # the padding of the last chunk
+                if is_sharded(p):  # this rank's chunk, cut as init_sharded cuts it
+                    comm = sharder_of(p).comm
+                    first, size = shard_range(info.numel, comm.rank, comm.world)
+                    count = max(0, min(size, info.numel - first))
+                    _read_into(p._zkern_shard[:count], file, info, first, handles)
+                    p._zkern_shard[count:].zero_()  # the padding of the last chunk
                 else:  # buffers (and any parameter left whole) are read whole
                     _read_into(p.data, file, info, 0, handles)
             loaded.update(aliases)
     finally:
         for f in handles.values():
             f.close()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     unexpected = sorted(set(files) - loaded)
     if unexpected and rank == 0:
         log.warning("zkern: %s holds tensors the model does not use: %s", path, unexpected[:20])
     if missing:
-        _init_missing(model, missing)
+        _init_missing(model, missing, rank)
     return model
 
 
-def _unique_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) for each distinct parameter and persistent buffer, under its first state_dict name."""
-    seen, out = set(), []
+def _tensors_and_names(model: torch.nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
+    """Each distinct parameter and persistent buffer with all its state_dict names (tied weights have several)."""
+    by_id: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append((name, t))
-    return out
+        by_id.setdefault(id(t), (t, []))[1].append(name)
+    return list(by_id.values())
 
 
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def _init_missing(model, missing: list[str]) -> None:
+def _init_missing(model, missing: list[str], rank: int) -> None:
     """The model's own _init_weights for each module that owns a missing tensor, one module at a time: its
     parameters gathered whole, rank 0 initialises, its values reach every rank's shard."""
-    rank, _ = _rank_world()
     if rank == 0:
         log.warning("zkern: %d tensors are not in the checkpoint and are initialised: %s", len(missing), missing[:20])
     owners = {name.rpartition(".")[0] for name in missing}

@@ -21,6 +21,7 @@ from zkern.testing.models import (
     TinyGPT,
     TinyMoE,
     global_batch,
+    gpt2_load_peak,
     hf_gpt2,
     make_batches,
     run_block,
@@ -47,6 +48,6 @@ from zkern.testing.runs import (
 __all__ = ["Block", "Expert", "MoEBlock", "TinyGPT", "TinyMoE", "TrainSpec", "adam_drift_bound", "assert_within",
            "assert_f32_rounding",
            "assert_params_close", "compare_params", "ddp_run", "engine_run", "engine_training_loop", "fp32_sum_rtol",
-           "free_port", "global_batch", "hf_gpt2", "init_peer_group", "make_batches", "mean_losses",
+           "free_port", "global_batch", "gpt2_load_peak", "hf_gpt2", "init_peer_group", "make_batches", "mean_losses",
            "model_state_bytes", "peak_rss_bytes", "peaks", "peer_autocast", "rank_device", "reference_run",
            "reset_peak_rss", "reset_peaks", "run_block", "same_bits_or_nan", "spawn", "torch_training_loop"]

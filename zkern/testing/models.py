@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -193,6 +194,33 @@ def hf_gpt2(vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, s
         case other:
             raise ValueError(f"unknown checkpoint flavour {other!r} for HF GPT-2")
     return model.train()
+
+
+def gpt2_load_peak(path: str, zkern_config: dict | None = None):
+    """Load the HF GPT-2 saved at path on this rank, with zkern.hf.from_pretrained(zkern_config) or, without a
+    config, transformers' own from_pretrained: (model, peak resident growth in bytes, seconds). The gloo group
+    (world > 1) and everything the loaders import come first, so the count holds the loading alone."""
+    import time
+
+    import torch.distributed as dist
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2 import modeling_gpt2  # noqa: F401
+
+    import zkern.hf.pretrained
+    from zkern.testing.runs import peak_rss_bytes, reset_peak_rss
+
+    transformers.utils.logging.set_verbosity_error()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    GPT2Config.from_pretrained(path)
+    reset_peak_rss()
+    before, start = peak_rss_bytes(), time.perf_counter()
+    if zkern_config is None:
+        model = GPT2LMHeadModel.from_pretrained(path)
+    else:
+        model = zkern.hf.pretrained.from_pretrained(GPT2LMHeadModel, path, zkern_config)
+    return model, peak_rss_bytes() - before, time.perf_counter() - start
 
 
 def make_batches(seed: int, steps: int, accumulation: int, world: int, micro_batch: int, seq: int, vocab: int):

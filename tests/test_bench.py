@@ -94,6 +94,27 @@ def test_adam_suite_measures_every_candidate_on_a_small_buffer():
     assert "| zkern offload |" in adam_suite.table(rec)
 
 
+def test_adam_suite_ratios_pair_the_candidates_within_each_round(monkeypatch):
+    """A shared machine's bandwidth swings between rounds: the ratios are medians of per-round pairs, not ratios
+    of each candidate's median (which here would read 2.0 for the roofline and 3.0 for the stock pipeline)."""
+    from bench import adam_suite
+
+    rounds = {"zkern offload": [1.0, 1.0, 2.0], "in-place bandwidth": [0.5, 2.0, 2.0],
+              "stock offload": [3.0, 3.0, 3.0], "zkern fp32": [1.0, 1.0, 1.0],
+              "torch fused fp32": [1.0, 1.0, 1.0], "zkern offload 1t": [1.0, 3.0, 2.0]}
+
+    def fake_rounds(candidates, reps, progress):
+        assert list(candidates)[:2] == ["zkern offload", "in-place bandwidth"]  # adjacent in every round
+        return {name: rounds[name] for name in candidates}
+
+    monkeypatch.setattr(adam_suite, "_time_round_robin", fake_rounds)
+    rec = adam_suite.run(numel=1_000, reps=3, progress=lambda line: None)
+    r = rec["ratios"]
+    assert r["offload_of_roofline"] == pytest.approx(1.0)  # pairs 0.5, 2, 1
+    assert r["offload_over_stock"] == pytest.approx(3.0)  # pairs 3, 3, 1.5
+    assert r["thread_speedup"] == pytest.approx(1.0)  # pairs 1, 3, 1
+
+
 def test_kernels_suite_runs_end_to_end_under_the_interpreter(monkeypatch):
     """The harness only (tiny sizes, interpreted kernels): every op measured against its stock twin, the
     record marked as interpreted, and the committed kernel gates applied to it (they fail: interpreted

@@ -15,6 +15,7 @@ one counts against another.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import platform
@@ -69,6 +70,25 @@ def _git_sha() -> str:
         return "unknown"
 
 
+# ZeRO++ variants for --zeropp (stage 3; world = 2 "nodes" of world / 2 ranks): a name, or names joined by "+".
+ZEROPP_KEYS = {"qwz": {"zero_quantized_weights": True}, "hpz": {"zero_hpz_partition_size": None},
+               "qgz": {"zero_quantized_gradients": True}}
+
+
+def zeropp_config(variant: str, world: int) -> dict:
+    """The zero_optimization keys of a --zeropp variant ("qwz", "hpz+qgz", ...); hpZ over the world / 2 ranks of
+    a node."""
+    keys = {}
+    for name in variant.split("+"):
+        if name not in ZEROPP_KEYS:
+            raise SystemExit(f"bench: --zeropp: unknown variant {name!r}; use qwz, hpz, qgz or names joined by +")
+        if name == "hpz" and world < 4:
+            raise SystemExit(f"bench: --zeropp hpz needs 2 nodes of at least 2 ranks (--world 4 or more), got world "
+                             f"{world}")
+        keys.update({k: (world // 2 if v is None else v) for k, v in ZEROPP_KEYS[name].items()})
+    return keys
+
+
 def make_spec(stage: int, model: str, steps: int | None, precision: str = "fp32", device: str = "cpu") -> TrainSpec:
     preset = MODELS[model]
     # Stage 3 gathers one transformer block per fetch unit, as the FSDP2 peer is wrapped.
@@ -93,13 +113,17 @@ def _summary(name: str, results: list[dict], warmup: int, tokens_per_step: int, 
     if "memory" in results[0]:  # zkern: its own report (model states only) and its own byte counters
         state = [sum(v for k, v in r["memory"][next(iter(r["memory"]))].items()
                      if k in ("params", "grads", "optimizer", "master")) for r in results]
-        sent = max(sum(r["comm_end"][k] - r["comm_start"][k] for k in ("all_reduce", "reduce_scatter", "all_gather",
-                                                                       "control")) for r in results)
+        kinds = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "control")
+        sent = max(sum(r["comm_end"][k] - r["comm_start"][k] for k in kinds) for r in results)
         comm = sent / len(results[0]["step_times"])
+        # per node boundary: the largest rank's bytes inside one node and across nodes (ranks_per_node)
+        split = {w: max(sum(r["comm_end"][w][k] - r["comm_start"][w][k] for k in kinds) for r in results)
+                 / len(results[0]["step_times"]) for w in ("intra", "inter")}
     else:
         state = [r["model_state_bytes"] for r in results]
         state = None if None in state else state  # a peer that cannot be measured from outside (DeepSpeed)
         comm = results[0].get("comm_bytes_per_step")
+        split = {"intra": None, "inter": None}
     tokens_per_s = tokens_per_step / times["median_s"]
     tflops = flops_per_token * tokens_per_s / len(results) / 1e12  # model FLOPs per second per rank
     cuda = [r["peak_cuda"] for r in results]
@@ -115,6 +139,9 @@ def _summary(name: str, results: list[dict], warmup: int, tokens_per_step: int, 
         "mfu_of_matmul": tflops / matmul_tflops if matmul_tflops else None,
         "comm_bytes_per_step": comm,
         "comm_measured": "memory" in results[0],
+        "comm_intra_bytes_per_step": split["intra"],
+        "comm_inter_bytes_per_step": split["inter"],
+        "memory_report": results[0].get("memory"),
         "final_loss": losses[-1],
         "max_loss_gap_vs_ddp": (None if ddp_losses is None else
                                 max(abs(a - b) / abs(b) for a, b in zip(losses, ddp_losses))),
@@ -134,8 +161,13 @@ def _does_not_fit(stage: int, numel: int, world: int, precision: str, device_byt
 
 
 def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peers: list[str] | None,
-              progress, hw: dict) -> dict:
+              progress, hw: dict, zeropp: list[str] | None = None) -> dict:
     spec = make_spec(stage, model, steps, hw["precision"], hw["device"])
+    if zeropp:  # two "nodes" of world / 2 ranks: comm_stats splits bytes at that boundary
+        if stage != 3 or world < 2 or world % 2:
+            raise SystemExit(f"bench: --zeropp adds ZeRO++ rows to stage 3 at an even world size; got stage {stage}, "
+                             f"world {world}")
+        spec = dataclasses.replace(spec, extra_config={"ranks_per_node": world // 2})
     preset = MODELS[model]
     warmup = min(preset["warmup"], spec.steps - 1)
     tokens_per_step = spec.micro_batch * preset["model"]["seq"] * world
@@ -163,11 +195,13 @@ def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peer
             continue
         runners[name] = fn
     runners[f"zkern stage {stage}"] = engine_run
+    variants = {f"zkern stage 3 + {v}": dataclasses.replace(spec, zero={**spec.zero, **zeropp_config(v, world)})
+                for v in zeropp or ()}
     runs = {}
-    for name, fn in runners.items():
+    for name, fn in [*runners.items(), *((v, engine_run) for v in variants)]:
         start = time.monotonic()
         progress(f"stage {stage}: {name} ({spec.steps} steps, world {world})")
-        runs[name] = spawn(fn, world, spec, timeout=3600, subprocess=True)
+        runs[name] = spawn(fn, world, variants.get(name, spec), timeout=3600, subprocess=True)
         progress(f"stage {stage}: {name} done in {time.monotonic() - start:.1f}s")
     ddp_losses = mean_losses(runs["ddp"]) if "ddp" in runs else None
     flops_per_token = flops.train_flops_per_token(preset["model"])
@@ -176,7 +210,7 @@ def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peer
     # The stage's own stock-PyTorch peer is what the ratios (and CI's gates) compare with: DDP where none other
     # ran (stage 0). DeepSpeed, an optional peer, gets its own step-time ratio.
     by_name = {s["system"]: s for s in systems}
-    zk = systems[-1]
+    zk = by_name[f"zkern stage {stage}"]
     stock = [n for n in runners if n not in ("ddp", "deepspeed") and not n.startswith("zkern")]
     peer = by_name.get(stock[0] if stock else "ddp")
     width = 4 if spec.precision == "fp32" else 2
@@ -201,6 +235,25 @@ def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peer
         },
         "formula_model_state_bytes": formula,
         "required_comm_bytes_per_step": required,
+        "zeropp": [_zeropp_ratios(name, by_name[name], zk) for name in variants],
+    }
+
+
+def _zeropp_ratios(name: str, row: dict, plain: dict) -> dict:
+    """A ZeRO++ row against plain stage 3 in the same run: bytes across and inside nodes, step time, loss curve."""
+    def ratio(a, b):
+        return None if a is None or not b else a / b
+
+    return {
+        "variant": name.removeprefix("zkern stage 3 + "),
+        "inter_over_plain": ratio(row["comm_inter_bytes_per_step"], plain["comm_inter_bytes_per_step"]),
+        "total_bytes_over_plain": ratio(row["comm_bytes_per_step"], plain["comm_bytes_per_step"]),
+        "step_time_over_plain": ratio(row["median_s"], plain["median_s"]),
+        "max_loss_gap_vs_plain": max(abs(a - b) / abs(b) for a, b in zip(row["losses"], plain["losses"])),
+        "final_loss_gap_vs_plain": (row["final_loss"] - plain["final_loss"]) / plain["final_loss"],
+        "model_states_over_plain": ratio(row["model_state_bytes_per_rank"], plain["model_state_bytes_per_rank"]),
+        "extra_memory": {k: v for where in (row["memory_report"] or {}).values() for k, v in where.items()
+                         if k in ("hpz_secondary", "loco_error")},
     }
 
 
@@ -248,7 +301,7 @@ def _gpu_facts(rank: int, world: int) -> dict:
 
 def run(stages: list[int], world: int | None, model: str, steps: int | None = None,
         wanted_peers: list[str] | None = None, progress=None, device: str | None = None,
-        precision: str | None = None, peak_tflops: float | None = None) -> dict:
+        precision: str | None = None, peak_tflops: float | None = None, zeropp: list[str] | None = None) -> dict:
     world, hw = hardware(device, world, model, precision, peak_tflops)
     progress = progress or (lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
     spec = make_spec(stages[0], model, steps, hw["precision"], hw["device"])
@@ -266,7 +319,8 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
                         if peers.installed("deepspeed") else {})},
         "git_sha": _git_sha(),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "stages": [run_stage(s, world, model, steps, wanted_peers, progress, hw) for s in stages],
+        "stages": [run_stage(s, world, model, steps, wanted_peers, progress, hw, zeropp if s == 3 else None)
+                   for s in stages],
     }
 
 
@@ -319,4 +373,15 @@ def table(record: dict) -> str:
                   f"{_x(r['model_state_zkern_over_peer'])}" if st["peer"] else "no peer ran")
         out.append(f"stage {st['stage']}: {versus}; model states / ZeRO formula "
                    f"x{r['model_state_over_formula']:.3f}; sent / required x{r['comm_over_required']:.3f}{skipped}")
+    zeropp = [z for st in record["stages"] for z in st.get("zeropp", [])]
+    if zeropp:
+        out += ["", f"ZeRO++ against plain stage 3 (same run; 2 nodes of {record['world'] // 2} ranks):", "",
+                "| variant | bytes across nodes | all bytes | step time | max loss gap | final loss gap | extra "
+                "memory |",
+                "|---|---|---|---|---|---|---|"]
+        for z in zeropp:
+            extra = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in z["extra_memory"].items()) or "—"
+            out.append(f"| {z['variant']} | {_x(z['inter_over_plain'])} | {_x(z['total_bytes_over_plain'])} | "
+                       f"{_x(z['step_time_over_plain'])} | {z['max_loss_gap_vs_plain']:.2%} | "
+                       f"{z['final_loss_gap_vs_plain']:+.2%} | {extra} |")
     return "\n".join(out)

@@ -7,6 +7,9 @@
     python bench/run.py --suite adam                 # the CPU Adam at 50M parameters vs torch (and DeepSpeed)
     python bench/run.py --suite checkpoint           # save, load, async save and consolidation of the 25m model
     python bench/run.py --suite hf                   # stage-3 generate() and sharded from_pretrained, 25m as GPT-2
+    python bench/run.py --stage 3 --world 4 --zeropp # + ZeRO++ rows (2 "nodes" of 2 ranks): qwZ+hpZ+qgZ together
+    python bench/run.py --stage 3 --world 4 --zeropp qwz,hpz,qgz   # each alone
+    python bench/run.py --suite scale --plot scale.png   # a model: stage 3 vs ZeRO++ from 8 to 1024 GPUs
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
@@ -26,10 +29,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import adam_suite, checkpoint_suite, engine_suite, gates, hf_suite, kernels_suite, peers  # noqa: E402
+from bench import (  # noqa: E402
+    adam_suite,
+    checkpoint_suite,
+    engine_suite,
+    gates,
+    hf_suite,
+    kernels_suite,
+    peers,
+    scale_suite,
+)
 
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
-          "hf": hf_suite}
+          "hf": hf_suite, "scale": scale_suite}
+MEASURED = [name for name in SUITES if name != "scale"]  # --suite all: the scale suite is a model, run by name
 
 
 def _stages(text: str) -> list[int]:
@@ -64,10 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interpret", action="store_true",
                         help="kernels suite without a GPU: tiny sizes under TRITON_INTERPRET=1 (timings meaningless)")
     parser.add_argument("--kernels-numel", type=int, default=None, help="elements per kernel operand")
+    parser.add_argument("--zeropp", nargs="?", const="qwz+hpz+qgz", default=None,
+                        help="stage 3: add ZeRO++ rows (alone: all three together; or a comma list of qwz, hpz, qgz "
+                             "and combinations joined by +)")
+    parser.add_argument("--intra-gbs", type=float, default=376.0, help="scale suite: GB/s per GPU inside a node")
+    parser.add_argument("--inter-gbs", type=float, default=50.0, help="scale suite: GB/s per node across nodes")
+    parser.add_argument("--intra-latency-us", type=float, default=3.0, help="scale suite: latency per hop inside")
+    parser.add_argument("--inter-latency-us", type=float, default=10.0, help="scale suite: latency per hop across")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="scale suite: GPUs per node")
+    parser.add_argument("--mfu", type=float, default=0.45, help="scale suite: model FLOPs utilisation of compute")
+    parser.add_argument("--no-check", action="store_true", help="scale suite: the model only, no world-4 check")
     parser.add_argument("--adam-numel", type=int, default=adam_suite.DEFAULT_NUMEL,
                         help="parameters the adam suite steps (default 50M)")
     args = parser.parse_args(argv)
-    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    suites = list(MEASURED) if args.suite == "all" else [args.suite]
     if args.suite == "all" and not torch.cuda.is_available():
         suites.remove("kernels")
         print("bench/run.py: --suite all on a machine without a GPU runs engine and adam (the kernels suite times "
@@ -85,13 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     for suite in suites:
         if suite == "engine":
             record = engine_suite.run(args.stage, args.world, model, args.steps, wanted, device=args.device,
-                                      precision=args.precision, peak_tflops=args.peak_tflops)
+                                      precision=args.precision, peak_tflops=args.peak_tflops,
+                                      zeropp=args.zeropp.split(",") if args.zeropp else None)
         elif suite == "adam":
             record = adam_suite.run(args.adam_numel)
         elif suite == "checkpoint":
             record = checkpoint_suite.run(args.model or "25m", args.world or 2)
         elif suite == "hf":
             record = hf_suite.run(args.model or "25m")
+        elif suite == "scale":
+            links = scale_suite.Links(args.intra_gbs, args.inter_gbs, args.intra_latency_us, args.inter_latency_us,
+                                      args.gpus_per_node)
+            record = scale_suite.run(links, args.peak_tflops or 989.0, args.mfu, measure=not args.no_check)
         else:
             record = kernels_suite.run(args.kernels_numel, interpret=args.interpret)
         print(SUITES[suite].table(record) + "\n")
@@ -104,9 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         from bench import plot
 
         engine = [r for r in records if r["suite"] == "engine"]
-        if not engine:
-            parser.error("--plot draws the engine suite; run it (--suite engine or all)")
-        plot.plot(engine[0], args.plot)
+        scale = [r for r in records if r["suite"] == "scale"]
+        if scale:
+            scale_suite.plot(scale[0], args.plot)
+        elif engine:
+            plot.plot(engine[0], args.plot)
+        else:
+            parser.error("--plot draws the engine or the scale suite; run one of them")
         print(f"wrote {args.plot}")
     if args.gate:
         committed = gates.load(args.gate)

@@ -190,3 +190,35 @@ def test_engine_suite_runs_bf16_against_autocast_peers():
         for s in st["systems"]:
             assert s["tflops_per_rank"] > 0 and s["mfu"] is None and s["peak_cuda_bytes_per_rank"] is None
     assert "| 3 | fsdp2 |" in engine_suite.table(rec)
+
+
+def test_scale_model_follows_its_stated_formulas_and_zeropp_cuts_cross_node_time():
+    from bench import scale_suite
+
+    links = scale_suite.Links()
+    rec = scale_suite.run(links, 989.0, 0.45, measure=False)
+    psi = 6.7e9
+    # stage 3 at 16 GPUs (2 nodes): 3 collectives of 15/16 * 2 * psi bytes at 50 GB/s shared by 8 GPUs, plus
+    # 3 * 32 layers * 15 hops of 10 us
+    want = 3 * 15 / 16 * 2 * psi / (50e9 / 8) + 3 * 32 * 15 * 10e-6
+    row = next(r for r in rec["rows"] if r["shape"] == "7B" and r["gpus"] == 16)
+    assert row["stage 3 comm_s"] == pytest.approx(want, rel=1e-12)
+    assert row["compute_s"] == pytest.approx(6 * psi * 4 * 2**20 / 16 / (989e12 * 0.45), rel=1e-12)
+    for r in rec["rows"]:
+        if r["gpus"] > links.gpus_per_node:
+            assert r["zero++ comm_s"] < 0.25 * r["stage 3 comm_s"]
+    stops = rec["stops_scaling_at"]
+    assert stops["7B stage 3"] < (stops["7B zero++"] or 2048)
+    assert "stops scaling at" in scale_suite.table(rec)
+
+
+def test_zeropp_rows_need_two_nodes_of_ranks():
+    from bench import engine_suite
+
+    assert engine_suite.zeropp_config("qwz+qgz", 2) == {"zero_quantized_weights": True,
+                                                       "zero_quantized_gradients": True}
+    assert engine_suite.zeropp_config("hpz", 8) == {"zero_hpz_partition_size": 4}
+    with pytest.raises(SystemExit, match="--world 4"):
+        engine_suite.zeropp_config("hpz", 2)
+    with pytest.raises(SystemExit, match="unknown variant"):
+        engine_suite.zeropp_config("qwx", 4)

@@ -95,6 +95,14 @@ class ZeroConfig:
     offload_optimizer_pin_memory: bool = False
     offload_param_device: str = "none"
     offload_param_pin_memory: bool = False
+    # ZeRO++ (engine/zeropp.py)
+    zero_quantized_weights: bool = False  # qwZ: stage 3's all-gathers send int8 codes + an fp32 scale per group
+    zero_hpz_partition_size: int = 1  # hpZ: a secondary copy over groups of k ranks serves backward's gathers
+    zero_quantized_gradients: bool = False  # qgZ: gradients reduced by two int4 all-to-all hops (stages 2, 3)
+    loco_err_beta: float | None = None  # LoCo error feedback (zeropp_loco_param): None = off
+    loco_reset_t: int = 1024
+    zeropp_weight_group_size: int = 2048  # zkern's own: int8 weight elements per scale
+    zeropp_grad_group_size: int = 64  # zkern's own: int4 gradient elements per scale
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,7 @@ class Config:
     zero_allow_untested_optimizer: bool = False
     comm_timeout_s: float = 600.0  # zkern's own key: collective timeout, so a dead rank ends the job
     device: str = "auto"  # zkern's own key: "auto" (cuda:LOCAL_RANK when CUDA is available), "cpu" or "cuda"
+    ranks_per_node: int | None = None  # zkern's own key: None = the launcher's LOCAL_WORLD_SIZE, else one node
     activation_checkpointing: ActivationCheckpointingConfig | None = None  # None: no section in the config
     gradient_predivide_factor: float | None = None  # None: the world size (resolve() fills it)
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the working dtype
@@ -361,6 +370,11 @@ def _parse(raw: dict) -> Config:
     for name in ("offload_optimizer", "offload_param"):
         device, pin = _parse_offload(name, zero.pop(name, None))
         zero[f"{name}_device"], zero[f"{name}_pin_memory"] = device, pin
+    loco = zero.pop("zeropp_loco_param", None)
+    if loco is not None:
+        loco = _section("zero_optimization.zeropp_loco_param.", loco, keys.LOCO_KEYS, {})
+        zero["loco_err_beta"] = loco.get("err_beta", 0.8)
+        zero["loco_reset_t"] = loco.get("reset_T", 1024)
     zero_cfg = ZeroConfig(**zero)
     _check_values(top, fp16, bf16, zero_cfg)
     checkpointing = None
@@ -384,6 +398,7 @@ def _parse(raw: dict) -> Config:
         zero_allow_untested_optimizer=top.get("zero_allow_untested_optimizer", False),
         comm_timeout_s=top.get("comm_timeout_s", 600.0),
         device=top.get("device", "auto"),
+        ranks_per_node=top.get("ranks_per_node"),
         activation_checkpointing=checkpointing,
         gradient_predivide_factor=top.get("gradient_predivide_factor"),
         communication_data_type=top.get("communication_data_type"),
@@ -427,6 +442,7 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
     if zero.stage3_param_persistence_threshold != AUTO and zero.stage3_param_persistence_threshold < 0:
         raise ConfigError("'zero_optimization.stage3_param_persistence_threshold' must be >= 0 (0: nothing stays "
                           "whole)")
+    _check_zeropp(top, zero)
     if fp16.loss_scale < 0:
         raise ConfigError(f"'fp16.loss_scale' must be 0 (dynamic) or a positive static scale, got {fp16.loss_scale}")
     if fp16.min_loss_scale <= 0:
@@ -436,6 +452,50 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         if top.get(key) not in (None, AUTO) and top[key] < 1:
             raise ConfigError(f"'{key}' must be >= 1, got {top[key]}")
+
+
+def _check_zeropp(top: dict, zero: ZeroConfig) -> None:
+    """ZeRO++'s keys against the stage and each other (the world is checked in _resolve)."""
+    if zero.zero_quantized_weights and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.zero_quantized_weights' (qwZ) quantizes stage 3's parameter "
+                          f"all-gather; the config says stage {zero.stage}")
+    if zero.zero_hpz_partition_size < 1:
+        raise ConfigError(f"'zero_optimization.zero_hpz_partition_size' must be >= 1 (1: off), got "
+                          f"{zero.zero_hpz_partition_size}")
+    if zero.zero_hpz_partition_size > 1 and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.zero_hpz_partition_size' (hpZ) keeps a secondary copy of stage 3's "
+                          f"partitioned parameters; the config says stage {zero.stage}")
+    if zero.zero_quantized_gradients and zero.stage not in (2, 3):
+        raise ConfigError(f"'zero_optimization.zero_quantized_gradients' (qgZ) replaces the gradient reduce-scatter "
+                          f"of stages 2 and 3; the config says stage {zero.stage}")
+    if zero.zero_quantized_gradients and not zero.reduce_scatter:
+        raise ConfigError("'zero_optimization.zero_quantized_gradients' replaces the reduce-scatter, and "
+                          "'reduce_scatter' is false; drop one of them")
+    if zero.loco_err_beta is not None:
+        if not zero.zero_quantized_gradients:
+            raise ConfigError("'zero_optimization.zeropp_loco_param' is error feedback for quantized gradients; set "
+                              "'zero_quantized_gradients': true or remove it")
+        if not 0.0 <= zero.loco_err_beta < 1.0:
+            raise ConfigError(f"'zero_optimization.zeropp_loco_param.err_beta' must be in [0, 1), got "
+                              f"{zero.loco_err_beta}")
+        if zero.loco_reset_t < 1:
+            raise ConfigError(f"'zero_optimization.zeropp_loco_param.reset_T' must be >= 1 steps, got "
+                              f"{zero.loco_reset_t}")
+    for key in ("zeropp_weight_group_size", "zeropp_grad_group_size"):
+        value = getattr(zero, key)
+        if value < 2 or value & (value - 1):
+            raise ConfigError(f"'zero_optimization.{key}' must be a power of two >= 2 (the kernels' tiles are), got "
+                              f"{value}")
+    if top.get("ranks_per_node") is not None and top["ranks_per_node"] < 1:
+        raise ConfigError(f"'ranks_per_node' must be >= 1, got {top['ranks_per_node']}")
+
+
+def node_size(cfg: Config, world: int) -> int:
+    """Ranks per node: the config's ranks_per_node, else the launcher's LOCAL_WORLD_SIZE, else the whole world."""
+    if cfg.ranks_per_node is not None:
+        return cfg.ranks_per_node
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local and local.isdigit() and int(local) >= 1 else world
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -510,6 +570,15 @@ def _resolve(cfg: Config, world: int, model: Any) -> Config:
             zero = dataclasses.replace(zero, **{key: rule(_hidden_size(model, f"zero_optimization.{key}"))})
     if zero.overlap_comm is None:
         zero = dataclasses.replace(zero, overlap_comm=zero.stage == 3)
+    k = zero.zero_hpz_partition_size
+    if world % k:
+        raise ConfigError(f"'zero_optimization.zero_hpz_partition_size' ({k}) must divide the world size ({world}): "
+                          f"{world} ranks = {world // k} groups of {k} + {world % k} left over; set it to the ranks "
+                          f"per node, a divisor of {world}")
+    per_node = node_size(cfg, world)
+    if world % per_node:
+        raise ConfigError(f"ranks per node ({per_node}, from 'ranks_per_node' or LOCAL_WORLD_SIZE) must divide the "
+                          f"world size ({world})")
     predivide = float(world) if cfg.gradient_predivide_factor is None else cfg.gradient_predivide_factor
     return dataclasses.replace(cfg, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
                                gradient_accumulation_steps=gas, zero_optimization=zero, world_size=world,

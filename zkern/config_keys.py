@@ -25,6 +25,9 @@ IMPLEMENTED_TOP = {
     "zero_allow_untested_optimizer": ("bool", False),
     "comm_timeout_s": ("float", 600.0),
     "device": ("str", "auto"),
+    # zkern's own: ranks per node, for comm_stats()' intra/inter split and qgZ's first hop (None: the launcher's
+    # LOCAL_WORLD_SIZE, else the world: one node)
+    "ranks_per_node": ("int_or_null", None),
     "activation_checkpointing": ("section", None),
     # Gradient numerics (DeepSpeed's meanings): divide by the factor before the sum and by world/factor after it
     # (zkern's default when absent: the world size, the whole average before the sum); the dtype of the reduction.
@@ -62,7 +65,17 @@ ZERO_KEYS = {
     "stage3_merge_divergent_modules": ("bool", True),
     "offload_optimizer": ("section", None),  # parsed by _parse_offload
     "offload_param": ("section", None),
+    # ZeRO++ (engine/zeropp.py): int8 weight all-gather (stage 3), secondary partition over groups of k ranks
+    # (stage 3), int4 two-hop gradient all-to-all (stages 2 and 3) with LoCo error feedback.
+    "zero_quantized_weights": ("bool", False),
+    "zero_hpz_partition_size": ("int", 1),
+    "zero_quantized_gradients": ("bool", False),
+    "zeropp_loco_param": ("section", None),  # {"err_beta": 0.8, "reset_T": 1024}
+    # zkern's own: elements per fp32 scale of qwZ's int8 weights and of qgZ's int4 gradients (powers of two)
+    "zeropp_weight_group_size": ("int", 2048),
+    "zeropp_grad_group_size": ("int", 64),
 }
+LOCO_KEYS = {"err_beta": ("float", 0.8), "reset_T": ("int", 1024)}
 # DeepSpeed's activation_checkpointing section (zkern.checkpointing); number_checkpoints may be null.
 ACTIVATION_CHECKPOINTING_KEYS = {
     "partition_activations": ("bool", False),
@@ -148,10 +161,7 @@ NOT_IMPLEMENTED_ZERO = {
     "sub_group_size": 1_000_000_000,
     "stage3_max_reuse_distance": 1_000_000_000,
     "stage3_module_granularity_threshold": 0,
-    "zero_quantized_weights": False,
     "zero_quantized_nontrainable_weights": False,
-    "zero_quantized_gradients": False,
-    "zero_hpz_partition_size": 1,
     "allgather_partitions": True,
     "round_robin_gradients": False,
     "elastic_checkpoint": False,
@@ -167,7 +177,6 @@ NOT_IMPLEMENTED_ZERO = {
     "pipeline_loading_checkpoint": False,
     "override_module_apply": True,
     "log_trace_cache_warnings": False,
-    "zeropp_loco_param": None,
 }
 NOT_IMPLEMENTED_OPTIMIZER_PARAMS = {"amsgrad": False, "bias_correction": True}
 NOT_IMPLEMENTED_OPTIMIZERS = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
@@ -180,6 +189,7 @@ ALL_KNOWN_PATHS = (
     + [f"bf16.{k}" for k in [*BF16_KEYS, *NOT_IMPLEMENTED_BF16]]
     + [f"zero_optimization.{k}" for k in [*ZERO_KEYS, *NOT_IMPLEMENTED_ZERO]]
     + [f"activation_checkpointing.{k}" for k in ACTIVATION_CHECKPOINTING_KEYS]
+    + [f"zero_optimization.zeropp_loco_param.{k}" for k in LOCO_KEYS]
     + [f"data_types.{k}" for k in DATA_TYPES_KEYS]
     + [f"optimizer.params.{k}" for k in [*ADAM_PARAMS, *NOT_IMPLEMENTED_OPTIMIZER_PARAMS]]
 )

@@ -7,7 +7,13 @@ rank sent, (2) a failure or timeout raises CommError naming the rank, the collec
 (3) world size 1 needs no process group at all (collectives become local copies).
 
 Bytes are counted as a ring algorithm sends them per rank: reduce-scatter and all-gather (W-1)/W of the full
-buffer, all-reduce twice that. These are the volumes the ZeRO paper's communication analysis uses.
+buffer, all-reduce twice that, all-to-all (W-1)/W of the input (the rank's own part stays). These are the volumes
+the ZeRO paper's communication analysis uses.
+
+Topology: ranks are grouped into nodes of `node_size` consecutive ranks. A collective whose group lies inside one
+node counts its bytes as "intra", one whose group spans nodes as "inter" (its ring crosses the slow links: the
+ZeRO++ paper's accounting). ZeRO++ talks on subgroups (Comm.node_group: the ranks of one node or hpZ group;
+Comm.peer_group: the ranks with the same local index on every node).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch.distributed as dist
 
 log = logging.getLogger("zkern")
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "control")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "control")
 
 # torch 2.13 renamed the tensor collectives; older torch has only the former names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
@@ -105,11 +111,19 @@ class Work:
 class Comm:
     """The engine's collectives over one process group (or none, at world size 1)."""
 
-    def __init__(self, group: object | None, rank: int, world: int, timeout_s: float, backend: str | None = None):
-        """backend: what sibling() groups are made with (backend_for(device)); None: the default group's."""
+    def __init__(self, group: object | None, rank: int, world: int, timeout_s: float, backend: str | None = None,
+                 *, node_size: int | None = None, inter: bool | None = None):
+        """backend: what sibling() groups are made with (backend_for(device)); None: the default group's.
+        node_size: consecutive ranks per node (default: all in one); inter: whether this group spans nodes
+        (default: from node_size, for a group of every rank)."""
         self.group, self.rank, self.world, self.timeout_s, self.backend = group, rank, world, timeout_s, backend
+        self.node_size = node_size or world
+        if world % self.node_size:
+            raise ValueError(f"{self.node_size} ranks per node do not divide the world size {world}")
+        self.inter = self.node_size < world if inter is None else inter
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.split: dict[str, dict[str, int]] = {"intra": defaultdict(int), "inter": defaultdict(int)}
 
     def sibling(self, *, backend: str | None = None, share_counters: bool = True) -> Comm:
         """A Comm over a new process group of the same ranks (a collective: every rank calls it), by default with
@@ -121,10 +135,42 @@ class Comm:
         group = None
         if self.world > 1:
             group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s), backend=backend)
-        twin = Comm(group, self.rank, self.world, self.timeout_s, backend)
+        twin = Comm(group, self.rank, self.world, self.timeout_s, backend, node_size=self.node_size, inter=self.inter)
         if share_counters:
-            twin.bytes, twin.calls = self.bytes, self.calls
+            twin.bytes, twin.calls, twin.split = self.bytes, self.calls, self.split
         return twin
+
+    def _subgroup(self, members: list[list[int]]) -> Comm:
+        """A Comm over this rank's list in `members` (a partition of the ranks), sharing the counters; inter when
+        its ranks sit on more than one node. Every rank creates every group, in the same order (torch.distributed's
+        rule for new_group)."""
+        mine = next(m for m in members if self.rank in m)
+        inter = len({r // self.node_size for r in mine}) > 1
+        group = None
+        if self.world > 1:
+            for m in members:
+                g = dist.new_group(m, timeout=datetime.timedelta(seconds=self.timeout_s), backend=self.backend)
+                if m is mine:
+                    group = g
+        if len(mine) == 1:
+            group = None
+        sub = Comm(group, mine.index(self.rank), len(mine), self.timeout_s, self.backend, inter=inter)
+        sub.bytes, sub.calls, sub.split = self.bytes, self.calls, self.split
+        return sub
+
+    def node_group(self, size: int) -> Comm:
+        """This rank's group of `size` consecutive ranks (a node, or an hpZ group inside one: intra when it fits in
+        a node). A collective: every rank calls it."""
+        if self.world % size:
+            raise ValueError(f"groups of {size} ranks do not divide the world size {self.world}")
+        return self._subgroup([list(range(s, s + size)) for s in range(0, self.world, size)])
+
+    def peer_group(self, size: int) -> Comm:
+        """The ranks with this rank's index inside its group of `size` consecutive ranks, one per group: the
+        cross-node hop of qgZ when size is the node size. A collective: every rank calls it."""
+        if self.world % size:
+            raise ValueError(f"groups of {size} ranks do not divide the world size {self.world}")
+        return self._subgroup([list(range(j, self.world, size)) for j in range(size)])
 
     def error(self, what: str, cause: BaseException) -> CommError:
         return CommError(
@@ -135,6 +181,7 @@ class Comm:
     def _count(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
+        self.split["inter" if self.inter else "intra"][kind] += nbytes
 
     def _run(self, fn, what: str, async_op: bool, *args, **kwargs) -> Work:
         try:
@@ -183,6 +230,19 @@ class Comm:
         what = f"all_gather of {out.numel()} {out.dtype} elements ({purpose})"
         return self._run(_all_gather_single if out.is_cuda else _all_gather_list, what, async_op, out, inp)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, purpose: str, *, async_op: bool = False) -> Work:
+        """out (world * n,) <- [rank q's inp chunk [self.rank] for q in ranks]: inp's chunk j goes to rank j."""
+        if out.numel() != inp.numel() or inp.numel() % self.world:
+            raise ValueError(f"all_to_all: input of {inp.numel()} and output of {out.numel()} elements must be equal "
+                             f"and divisible by the world size {self.world}")
+        if self.world == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return Work(self, None, "")
+        self._count("all_to_all", (self.world - 1) * inp.numel() * inp.element_size() // self.world)
+        what = f"all_to_all of {inp.numel()} {inp.dtype} elements ({purpose})"
+        return self._run(dist.all_to_all_single, what, async_op, out, inp)
+
     def broadcast(self, t: torch.Tensor, purpose: str, *, src: int = 0) -> None:
         """In-place broadcast of t from rank src (used once, at construction, so every rank starts equal)."""
         if self.world == 1:
@@ -191,7 +251,10 @@ class Comm:
         self._run(dist.broadcast, f"broadcast of {t.numel()} {t.dtype} elements ({purpose})", False, t, src=src)
 
     def stats(self) -> dict[str, int]:
-        """Bytes this rank sent per collective kind since the start, plus call counts under 'calls'."""
+        """Bytes this rank sent per collective kind since the start, plus call counts under 'calls' and the same
+        bytes split by whether their group spans nodes under 'intra' and 'inter'."""
         out: dict = {kind: self.bytes.get(kind, 0) for kind in KINDS}
         out["calls"] = {kind: self.calls.get(kind, 0) for kind in KINDS}
+        for where in ("intra", "inter"):
+            out[where] = {kind: self.split[where].get(kind, 0) for kind in KINDS}
         return out

@@ -17,7 +17,7 @@ import os
 import torch
 
 from zkern import checkpointing, ops
-from zkern.config import Config
+from zkern.config import Config, node_size
 from zkern.engine import build
 from zkern.engine.comm import Comm, backend_for, init_distributed
 from zkern.engine.divergence import signatures_differ
@@ -29,6 +29,7 @@ from zkern.engine.sharded_init import is_sharded, release_freed_memory
 from zkern.engine.stage3 import Stage3Runtime
 from zkern.engine.stage12 import Stage12Runtime
 from zkern.engine.units import declare_known_readers
+from zkern.engine.zeropp import Loco, QuantizedReduce
 
 log = logging.getLogger("zkern")
 
@@ -61,7 +62,8 @@ class Engine(torch.nn.Module):
         self.device = build.pick_device(model, cfg.device)
         group, rank, world = init_distributed(self.device, cfg.comm_timeout_s)
         self.config = cfg = cfg.resolve(world, model)
-        self.comm = Comm(group, rank, world, cfg.comm_timeout_s, backend_for(self.device))
+        self.comm = Comm(group, rank, world, cfg.comm_timeout_s, backend_for(self.device),
+                         node_size=node_size(cfg, world))
         self.rank, self.world_size = rank, world
         self.module = model
         zero = cfg.zero_optimization
@@ -102,8 +104,13 @@ class Engine(torch.nn.Module):
                                          bucket_numel=zero.reduce_bucket_size, comm_dtype=comm_dtype,
                                          accum_dtype=accum_dtype, device=self.device)
         else:
-            self.runtime = Stage12Runtime(model, groups, build.param_names(model), stage=zero.stage,
-                                          comm=self.comm, dtype=self.dtype, mixed=mixed, bucket_numel=bucket,
+            quantized = None
+            if zero.zero_quantized_gradients:
+                loco = None if zero.loco_err_beta is None else Loco(zero.loco_err_beta, zero.loco_reset_t)
+                quantized = QuantizedReduce(self.comm, self.comm.node_size, loco, zero.zeropp_grad_group_size)
+            self.runtime = Stage12Runtime(model, groups, build.param_names(model), quantized=quantized,
+                                          stage=zero.stage, comm=self.comm, dtype=self.dtype, mixed=mixed,
+                                          bucket_numel=bucket,
                                           overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
                                           offload=self.offload, pin_memory=pin and zero.offload_optimizer_pin_memory,
                                           comm_dtype=comm_dtype, accum_dtype=accum_dtype, device=self.device)
@@ -323,7 +330,8 @@ class Engine(torch.nn.Module):
     # -- reports ----------------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds, by where they live: params, grads, optimizer (states), master (fp32 weights),
-        comm_buffers (gradient buckets, gathered stage-3 units), offload_buffers (host staging), total.
+        comm_buffers (gradient buckets, gathered stage-3 units), offload_buffers (host staging), total; with
+        ZeRO++ also hpz_secondary (hpZ's secondary partition) and loco_error (LoCo's error buffers).
         With offload the master, the optimizer states and the staging buffers are under "host" (and the
         stage-3 parameter shards too with offload_param); on a CPU-only run both places are one memory, but
         they are still reported apart."""
@@ -331,8 +339,8 @@ class Engine(torch.nn.Module):
         host = {"params": 0, "optimizer": 0, "master": 0, "offload_buffers": 0}
         held = self.runtime.memory()
         on_host = held.pop("host_params")
-        for key, value in held.items():
-            device[key] += value
+        for key, value in held.items():  # ZeRO++ adds hpz_secondary and loco_error where they are on
+            device[key] = device.get(key, 0) + value
         trainable = {id(p) for p in self.runtime.params}
         device["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters()
                                 if id(p) not in trainable)
@@ -349,7 +357,8 @@ class Engine(torch.nn.Module):
         return {self.device.type: device, "host": host} if self.offload else {self.device.type: device}
 
     def comm_stats(self) -> dict:
-        """Bytes this rank sent per collective kind since the start (ring-algorithm volumes)."""
+        """Bytes this rank sent per collective kind since the start (ring-algorithm volumes), with call counts
+        under "calls" and the bytes split under "intra" and "inter" by whether the group spans nodes."""
         return self.comm.stats()
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> str:

@@ -26,6 +26,7 @@ from zkern.engine.comm import Comm
 from zkern.engine.divergence import fold_signature
 from zkern.engine.lifecycle import DataState, GradState, InvariantError, Unit
 from zkern.engine.order import OrderRecord
+from zkern.engine.zeropp import Secondary, quantized_all_gather
 
 log = logging.getLogger("zkern")
 
@@ -33,8 +34,10 @@ log = logging.getLogger("zkern")
 class Gatherer:
     def __init__(self, units: list[Unit], comm: Comm, *, param_shard: torch.Tensor, dtype: torch.dtype,
                  device: torch.device, layout: dict[int, tuple[torch.Size, int]], params_on_host: bool,
-                 prefetch_numel: int, max_live: int):
-        """layout: id(parameter) -> (full shape, offset inside its unit's buffer)."""
+                 prefetch_numel: int, max_live: int, quantize_weights: int = 0,
+                 secondary: Secondary | None = None):
+        """layout: id(parameter) -> (full shape, offset inside its unit's buffer). quantize_weights: qwZ;
+        secondary: hpZ's secondary partition (zeropp.py)."""
         self.units, self.comm = units, comm
         self.param_shard, self.dtype, self.device = param_shard, dtype, device
         self.layout, self.params_on_host = layout, params_on_host
@@ -51,6 +54,8 @@ class Gatherer:
         self.verify_all = False  # verify every pass (after a signature mismatch, until a merge)
         self.verify = False  # this pass verifies (begin_pass)
         self._said_reorder = False
+        self.quantize_weights, self.secondary = quantize_weights, secondary
+        self._keep_secondary: set[int] = set()  # units whose in-flight gather refreshes their secondary slice
 
     # -- one unit ---------------------------------------------------------------------------------------------
     def _own_chunk(self, u: Unit, buffer: torch.Tensor) -> torch.Tensor:
@@ -66,11 +71,26 @@ class Gatherer:
         self.counts[u.index] += 1
         self.signature = fold_signature(self.signature, u.index)
 
-    def gather(self, u: Unit, *, async_op: bool) -> None:
-        """REST -> INFLIGHT, and on to GATHERED unless async_op."""
+    def _launch(self, u: Unit, buffer: torch.Tensor, purpose: str, async_op: bool, exact: bool):
+        """The all-gather of u into buffer, by the path every rank chooses alike from shared state: exact
+        (persistent units, GatheredParameters), hpZ's secondary partition while it holds this version, qwZ's int8,
+        or the plain all-gather."""
+        exact = exact or u.persistent or u.pins > 0
+        if self.secondary is not None and not exact and self.secondary.fresh(u.index, self.version):
+            return self.secondary.gather(u.index, buffer, purpose, async_op=async_op)
+        if self.secondary is not None and not u.persistent:
+            self._keep_secondary.add(u.index)
+        own = self._own_chunk(u, buffer)
+        if self.quantize_weights and not exact:
+            return quantized_all_gather(self.comm, buffer, own, purpose, async_op=async_op,
+                                        group=self.quantize_weights)
+        return self.comm.all_gather(buffer, own, purpose, async_op=async_op)
+
+    def gather(self, u: Unit, *, async_op: bool, exact: bool = False) -> None:
+        """REST -> INFLIGHT, and on to GATHERED unless async_op. exact: never quantized nor from the secondary
+        copy (GatheredParameters)."""
         buffer = torch.empty(u.bucket.padded, dtype=self.dtype, device=self.device)
-        work = self.comm.all_gather(buffer, self._own_chunk(u, buffer), f"parameters of unit '{u.name}'",
-                                    async_op=async_op)
+        work = self._launch(u, buffer, f"parameters of unit '{u.name}'", async_op, exact)
         u.issue(buffer, work, self.version)
         self._count(u)
         self.live += u.bucket.padded
@@ -85,18 +105,26 @@ class Gatherer:
         if u.data is DataState.REST:
             raise u._fail("re-gathered while at rest")
         self.finish(u)
-        u.work = self.comm.all_gather(u.buffer, self._own_chunk(u, u.buffer), f"{purpose}, unit '{u.name}'",
-                                      async_op=async_op)
+        u.work = self._launch(u, u.buffer, f"{purpose}, unit '{u.name}'", async_op, exact=False)
         u.version = self.version
         self._count(u)
         if not async_op:
             self.finish(u)
 
+    def _wait(self, u: Unit) -> None:
+        """Wait for u's all-gather, if one is in flight; a gather from the primary partition refreshes hpZ's
+        secondary slice of u."""
+        if u.work is None:
+            return
+        u.work.wait()
+        u.work = None
+        if u.index in self._keep_secondary:
+            self._keep_secondary.discard(u.index)
+            self.secondary.keep(u.index, u.buffer, u.version)
+
     def finish(self, u: Unit) -> None:
         """Wait for u's all-gather, if one is in flight, and point its parameters into the buffer."""
-        if u.work is not None:
-            u.work.wait()
-            u.work = None
+        self._wait(u)
         if u.data is not DataState.INFLIGHT:
             return
         u.arrive()
@@ -112,9 +140,7 @@ class Gatherer:
         if u.divergent and u.grads is GradState.PENDING:
             u.lingering = True
             return False
-        if u.work is not None:
-            u.work.wait()
-            u.work = None
+        self._wait(u)
         for p in u.plan.params:
             p.data = self.empty
         self.live -= u.bucket.padded

@@ -155,7 +155,7 @@ def _layout(numels: list[int], world: int, groups: list[tuple[int, int]]) -> Lay
 
 def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimizer: bool = False,
                     offload_param: bool = False, optimizer_bytes_per_param: int | None = None,
-                    precision: str = "mixed") -> dict[str, int]:
+                    precision: str = "mixed", hpz_partition_size: int = 1) -> dict[str, int]:
     """Model-state bytes per device by the ZeRO paper's formulas (Psi = num_params, N = world_size).
 
     precision "mixed": 2-byte parameters and gradients, K = optimizer_bytes_per_param (default 12: fp32 master,
@@ -163,7 +163,9 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
     precision "fp32": 4-byte parameters and gradients, no master copy (default K = 8, Adam's two moments).
     offload_optimizer (stages 1-3) moves the K*Psi/N optimizer bytes to "host" (in fp32 plus the host's own 4*Psi/N
     copy of the shard, which the optimizer steps); offload_param (stage 3) moves the parameter shard there too.
-    Returns {"params", "grads", "optimizer_states", "total", "host"}.
+    hpz_partition_size k > 1 (ZeRO++ hpZ, stage 3): a secondary copy of the working weights over groups of k ranks,
+    width * Psi / k more per device, under "hpz_secondary".
+    Returns {"params", "grads", "optimizer_states", ["hpz_secondary",] "total", "host"}.
     """
     match precision:
         case "mixed":
@@ -195,9 +197,15 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
         host, opt = host + opt, 0.0
         if precision == "fp32":  # the host steps its own fp32 copy of the shard; the device keeps its parameters
             host += 4 * num_params / n
+    if hpz_partition_size < 1 or n % hpz_partition_size:
+        raise ValueError(f"hpz_partition_size ({hpz_partition_size}) must be >= 1 and divide the world size ({n})")
+    if hpz_partition_size > 1 and stage != 3:
+        raise ValueError("hpz_partition_size (hpZ) needs ZeRO stage 3")
     if offload_param:
         host, params = host + params, 0.0
     out = {"params": params, "grads": grads, "optimizer_states": opt}
+    if hpz_partition_size > 1:
+        out["hpz_secondary"] = width * num_params / hpz_partition_size
     out = {key: int(round(v)) for key, v in out.items()}
     out["total"] = sum(out.values())
     out["host"] = int(round(host))

@@ -37,6 +37,7 @@ from zkern.engine.partition import Bucket, Layout, plan_layout
 from zkern.engine.runtime import ShardMap
 from zkern.engine.schedule import ReduceSchedule, fold_reduced
 from zkern.engine.whole import WholeBucket, gather_whole
+from zkern.engine.zeropp import QuantizedReduce
 
 log = logging.getLogger("zkern")
 
@@ -54,6 +55,8 @@ class FlatGroup:
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
         self.dtype, self.mixed, self.overlap, self.reduce_scatter = dtype, mixed, overlap, reduce_scatter
         self.comm_dtype, self.accum_dtype = comm_dtype or dtype, accum_dtype or dtype
+        self.quantized: QuantizedReduce | None = None  # qgZ at stage 2 (Stage12Runtime sets it)
+        self.quantized_key = 0
         self.shard_world = 1 if stage == 0 else comm.world
         self.shard_rank = 0 if stage == 0 else comm.rank
         self.layout: Layout = plan_layout([p.numel() for p in params], self.shard_world, bucket_numel)
@@ -216,7 +219,11 @@ class FlatGroup:
                 buf = self._take_buffer(b)
             self._zero_unfilled(buf, b)
             data = buf[:b.padded]
-            if self.reduce_scatter:
+            if self.quantized is not None:
+                out = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
+                work = self.quantized.reduce_scatter(out, data, purpose, key=(self.quantized_key, b.index),
+                                                     async_op=self.overlap)
+            elif self.reduce_scatter:
                 out = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
                 work = self.comm.reduce_scatter(out, data, purpose, async_op=self.overlap)
             else:  # reduce_scatter=false: all-reduce the bucket, then keep this rank's chunk of it
@@ -357,11 +364,18 @@ class Stage12Runtime:
     reduced in one ReduceSchedule."""
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], names: dict[int, str],
-                 **kwargs):
+                 *, quantized: QuantizedReduce | None = None, **kwargs):
+        """quantized: qgZ's two-hop int4 reduction (zeropp.py), stage 2 only; kwargs: FlatGroup's."""
         # Reverse registration order: backward produces gradients roughly last layer first, so buckets fill in
         # order. Empty optimizer groups get no FlatGroup and stay empty in the optimizer.
         self.flat = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], **kwargs) if g else None for g in groups]
         self.groups = [g for g in self.flat if g is not None]
+        self.quantized = quantized
+        if quantized is not None and kwargs["stage"] != 2:
+            raise ValueError(f"quantized gradients (qgZ) replace stage 2's reduce-scatter, not stage "
+                             f"{kwargs['stage']}'s")
+        for gi, g in enumerate(self.groups):
+            g.quantized, g.quantized_key = quantized, gi
         self.shard_groups = [g.shard_group if g is not None else ShardGroup([], [], 0) for g in self.flat]
         self.params = [p for g in self.groups for p in g.params]
         self.names = [n for g in self.groups for n in g.names]
@@ -498,6 +512,8 @@ class Stage12Runtime:
     def after_step(self) -> None:
         for g in self.groups:
             g.gather_params()
+        if self.quantized is not None:
+            self.quantized.after_step()
 
     def shard_map(self) -> ShardMap:
         """Stage 0 keeps every piece on every rank: bucket k (counted across groups) is written by rank k % world."""
@@ -538,6 +554,8 @@ class Stage12Runtime:
         for g in self.groups:
             for key, value in g.memory().items():
                 report[key] = report.get(key, 0) + value
+        if self.quantized is not None and self.quantized.loco is not None:
+            report["loco_error"] = self.quantized.nbytes()
         return report
 
     def describe(self) -> list[str]:

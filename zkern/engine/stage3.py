@@ -38,6 +38,7 @@ from zkern.engine.stage3_hooks import Stage3Hooks
 from zkern.engine.stage3_reduce import GradReducer
 from zkern.engine.units import plan_units
 from zkern.engine.whole import WholeBucket, gather_whole
+from zkern.engine.zeropp import Loco, QuantizedReduce, Secondary
 
 log = logging.getLogger("zkern")
 
@@ -104,19 +105,33 @@ class Stage3Runtime:
         self._partition()
 
         where = {id(p): (self._full_shape[id(p)], self._offset[id(p)]) for p in self.all_params}
+        # hpZ: a secondary copy of every unit that is gathered and freed (persistent ones stay whole anyway).
+        self.secondary = None
+        if zero.zero_hpz_partition_size > 1:
+            self.secondary = Secondary(comm, zero.zero_hpz_partition_size,
+                                       {u.index: u.bucket.padded for u in self.units if not u.persistent}, dtype,
+                                       device)
         self.gatherer = Gatherer(self.units, comm, param_shard=self.param_shard, dtype=dtype, device=device,
                                  layout=where,
                                  params_on_host=self.params_on_host, prefetch_numel=zero.stage3_prefetch_bucket_size,
-                                 max_live=zero.stage3_max_live_parameters)
+                                 max_live=zero.stage3_max_live_parameters,
+                                 quantize_weights=zero.zeropp_weight_group_size if zero.zero_quantized_weights else 0,
+                                 secondary=self.secondary)
         for u in self.units:
             if u.persistent:
                 self.gatherer.gather(u, async_op=False)
         self.hooks = Stage3Hooks(model, self.units, needs, self.gatherer, merge_divergent=self.merge_divergent)
-        self.reducer = GradReducer(self.units, comm.sibling(), grad_shard=self.grad_shard,
+        reduce_comm = comm.sibling()
+        self.quantized_reduce = None
+        if zero.zero_quantized_gradients:
+            loco = None if zero.loco_err_beta is None else Loco(zero.loco_err_beta, zero.loco_reset_t)
+            self.quantized_reduce = QuantizedReduce(reduce_comm, comm.node_size, loco, zero.zeropp_grad_group_size)
+        self.reducer = GradReducer(self.units, reduce_comm, grad_shard=self.grad_shard,
                                    comm_dtype=comm_dtype or dtype, bucket_numel=bucket_numel,
                                    overlap=overlap, reduce_scatter=reduce_scatter, offsets=self._offset,
                                    params=self.params,
-                                   names={id(p): n for p, n in zip(self.all_params, self.all_names)})
+                                   names={id(p): n for p, n in zip(self.all_params, self.all_names)},
+                                   quantized=self.quantized_reduce)
         self.reducer.on_complete = self.hooks.on_complete
         self._handles = [p.register_post_accumulate_grad_hook(self.reducer.on_grad) for p in self.params]
         self._unguarded = False
@@ -256,6 +271,8 @@ class Stage3Runtime:
 
     def after_step(self) -> None:
         self.gatherer.after_step()
+        if self.quantized_reduce is not None:
+            self.quantized_reduce.after_step()
 
     def shard_map(self) -> ShardMap:
         pieces = [[(i, s, True) for i, s in zip(idx, starts)]
@@ -307,7 +324,7 @@ class Stage3Runtime:
             for u in units:
                 self._agree_pin(u, modifier_rank)
                 if u.data is DataState.REST:
-                    self.gatherer.gather(u, async_op=False)
+                    self.gatherer.gather(u, async_op=False, exact=True)
                 self.gatherer.finish(u)
                 u.check_fresh(self.gatherer.version)
                 u.pins += 1
@@ -345,6 +362,8 @@ class Stage3Runtime:
                         changed = (mine.to(working.device) != working).to(master.device)
                         master.copy_(torch.where(changed, mine.to(master.device, torch.float32), master))
                     working.copy_(mine)
+                    if self.secondary is not None:  # every rank writes, so every rank forgets alike
+                        self.secondary.forget(u.index)
         for u in units:
             u.unpin()
             self.gatherer.release(u)
@@ -440,7 +459,10 @@ class Stage3Runtime:
         live = sum(nbytes(u.buffer) for u in self.units if not u.persistent)
         return {"params": nbytes(self.param_shard) + persistent, "grads": nbytes(self.grad_shard),
                 "master": nbytes(self.master), "comm_buffers": live + self.reducer.buffer_bytes(),
-                "host_params": nbytes(self.param_shard) if self.params_on_host else 0}
+                "host_params": nbytes(self.param_shard) if self.params_on_host else 0,
+                **({"hpz_secondary": self.secondary.nbytes()} if self.secondary is not None else {}),
+                **({"loco_error": self.quantized_reduce.nbytes()}
+                   if self.quantized_reduce is not None and self.quantized_reduce.loco is not None else {})}
 
     def describe(self) -> list[str]:
         persistent = sum(u.plan.numel for u in self.units if u.persistent)

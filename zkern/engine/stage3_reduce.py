@@ -28,6 +28,7 @@ from zkern.engine.comm import Comm, Work
 from zkern.engine.lifecycle import GradState, Unit
 from zkern.engine.schedule import ReduceSchedule, fold_reduced
 from zkern.engine.units import plan_reduce_groups
+from zkern.engine.zeropp import QuantizedReduce
 
 
 @dataclass(eq=False)
@@ -43,10 +44,11 @@ class ReduceGroup:
 class GradReducer:
     def __init__(self, units: list[Unit], comm: Comm, *, grad_shard: torch.Tensor, comm_dtype: torch.dtype,
                  bucket_numel: int, overlap: bool, reduce_scatter: bool, offsets: dict[int, int],
-                 params: list[torch.nn.Parameter], names: dict[int, str]):
+                 params: list[torch.nn.Parameter], names: dict[int, str], quantized: QuantizedReduce | None = None):
         """offsets: id(parameter) -> offset inside its unit; params: the trainable parameters, in the order of the
-        `used` flags the engine's step control reduces."""
+        `used` flags the engine's step control reduces; quantized: qgZ's two-hop int4 reduction (zeropp.py)."""
         self.units, self.comm, self.grad_shard, self.comm_dtype = units, comm, grad_shard, comm_dtype
+        self.quantized = quantized
         self.overlap, self.reduce_scatter = overlap, reduce_scatter
         self.offsets, self.names = offsets, names
         self.groups = self._plan(bucket_numel)
@@ -145,7 +147,10 @@ class GradReducer:
         names = f"'{g.units[0].name}'" + (f"..'{g.units[-1].name}'" if len(g.units) > 1 else "")
         purpose = f"gradients of units {names}"
         async_op = self.overlap or not self._may_block
-        if self.reduce_scatter:
+        if self.quantized is not None:
+            out = g.buffer[rank * g.section:(rank + 1) * g.section]
+            work = self.quantized.reduce_scatter(out, g.buffer, purpose, key=g.index, async_op=async_op)
+        elif self.reduce_scatter:
             out = g.buffer[rank * g.section:(rank + 1) * g.section]
             work = self.comm.reduce_scatter(out, g.buffer, purpose, async_op=async_op)
         else:  # reduce_scatter=false: all-reduce, then keep this rank's section

@@ -119,6 +119,7 @@ def _loopback(rank: int, world: int, numel: int, reps: int) -> dict:
     """Per-rank bandwidth and latency of gloo all-gathers on this machine (the 'links' of the check)."""
     import torch.distributed as dist
 
+    dist.init_process_group("gloo")  # spawn set torchrun's environment
     big, small = torch.zeros(numel), torch.zeros(1)
     out_big, out_small = torch.empty(numel * world), torch.empty(world)
     times = {"big": [], "small": []}
@@ -128,6 +129,7 @@ def _loopback(rank: int, world: int, numel: int, reps: int) -> dict:
             start = time.perf_counter()
             dist.all_gather(list(o.chunk(world)), i)
             times[name].append(time.perf_counter() - start)
+    dist.destroy_process_group()
     latency = statistics.median(times["small"]) / (world - 1)
     sent = (world - 1) * numel * 4
     return {"gbs": sent / (statistics.median(times["big"]) - latency * (world - 1)) / 1e9, "latency_s": latency}

@@ -167,6 +167,9 @@ def test_a_save_killed_at_any_moment_leaves_latest_loadable_at_its_step(tmp_path
     spec = spec_for(1, **KILL_SPEC)
     reference = build(spec, 1)
     expected = {0: engine_state(reference)}
+    # Step 0 saved first, so a kill that lands before the first child's first save (a loaded machine starts the
+    # child slowly) still leaves a checkpoint to resume, as every later kill does.
+    reference.save_checkpoint(directory)
     rng = random.Random(1234)
     code = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_checkpoint_safety import kill_child; "
             f"kill_child({str(directory)!r})")

@@ -106,6 +106,19 @@ def required_bytes_per_step(stage: int, numel: int, world: int, width: int, accu
     return int(passes * (world - 1) * numel * width / world)
 
 
+SENT_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "control")
+
+
+def sent_per_step(results: list[dict], kinds: tuple[str, ...], steps: int, where: str | None = None) -> float:
+    """The most bytes any rank's comm_stats() counted of `kinds` between start and end, per step; where: "intra"
+    or "inter" for that part of the split, None for all."""
+    def sent(r: dict, at: str) -> int:
+        stats = r[at] if where is None else r[at][where]
+        return sum(stats[k] for k in kinds)
+
+    return max(sent(r, "comm_end") - sent(r, "comm_start") for r in results) / steps
+
+
 def _summary(name: str, results: list[dict], warmup: int, tokens_per_step: int, ddp_losses: list[float] | None,
              flops_per_token: int, peak_tflops: float | None, matmul_tflops: float | None) -> dict:
     times = _quantiles(results[0]["step_times"][warmup:])
@@ -113,12 +126,10 @@ def _summary(name: str, results: list[dict], warmup: int, tokens_per_step: int, 
     if "memory" in results[0]:  # zkern: its own report (model states only) and its own byte counters
         state = [sum(v for k, v in r["memory"][next(iter(r["memory"]))].items()
                      if k in ("params", "grads", "optimizer", "master")) for r in results]
-        kinds = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "control")
-        sent = max(sum(r["comm_end"][k] - r["comm_start"][k] for k in kinds) for r in results)
-        comm = sent / len(results[0]["step_times"])
+        steps = len(results[0]["step_times"])
+        comm = sent_per_step(results, SENT_KINDS, steps)
         # per node boundary: the largest rank's bytes inside one node and across nodes (ranks_per_node)
-        split = {w: max(sum(r["comm_end"][w][k] - r["comm_start"][w][k] for k in kinds) for r in results)
-                 / len(results[0]["step_times"]) for w in ("intra", "inter")}
+        split = {w: sent_per_step(results, SENT_KINDS, steps, where=w) for w in ("intra", "inter")}
     else:
         state = [r["model_state_bytes"] for r in results]
         state = None if None in state else state  # a peer that cannot be measured from outside (DeepSpeed)

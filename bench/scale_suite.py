@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import zkern
-from bench.engine_suite import _git_sha, make_spec, zeropp_config
+from bench.engine_suite import _git_sha, make_spec, sent_per_step, zeropp_config
 from zkern.env_report import cpu_model
 from zkern.testing import engine_run, spawn
 
@@ -149,11 +149,10 @@ def check(progress) -> dict:
         res = spawn(engine_run, world, s, timeout=3600, subprocess=True)
         warm = 3
         step = statistics.median(res[0]["step_times"][warm:])
-        kinds = ("reduce_scatter", "all_gather", "all_to_all")
-        sent = {w: max(sum(r["comm_end"][w][k] - r["comm_start"][w][k] for k in kinds) for r in res) / s.steps
+        sent = {w: sent_per_step(res, ("reduce_scatter", "all_gather", "all_to_all"), s.steps, where=w)
                 for w in ("intra", "inter")}
         runs[name] = {"step_s": step, "bytes": sent}
-    # Here every link is the loopback: comm time = all bytes / loopback bandwidth (+ latency per collective hop)
+    # Here every link is the loopback: comm time = all bytes / the loopback's measured bandwidth
     gbs = link["gbs"] * 1e9
 
     def modelled(name: str) -> float:

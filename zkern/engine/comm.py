@@ -193,6 +193,12 @@ class Comm:
             work.handle = None
         return work
 
+    def _local(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        """A collective of one rank: out is inp (copied unless they share memory)."""
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return Work(self, None, "")
+
     def all_reduce(self, t: torch.Tensor, purpose: str, *, op=dist.ReduceOp.SUM, kind: str = "all_reduce",
                    async_op: bool = False) -> Work:
         """In-place all-reduce of t. kind "control" counts step-control scalars apart from gradient traffic."""
@@ -208,9 +214,7 @@ class Comm:
             raise ValueError(f"reduce_scatter: input has {inp.numel()} elements, output {out.numel()} x world "
                              f"{self.world} expected")
         if self.world == 1:
-            if out.data_ptr() != inp.data_ptr():
-                out.copy_(inp)
-            return Work(self, None, "")
+            return self._local(out, inp)
         self._count("reduce_scatter", (self.world - 1) * inp.numel() * inp.element_size() // self.world)
         what = f"reduce_scatter of {inp.numel()} {inp.dtype} elements ({purpose})"
         return self._run(_reduce_scatter_single if inp.is_cuda else _reduce_scatter_list, what, async_op, out, inp)
@@ -223,9 +227,7 @@ class Comm:
             raise ValueError(f"all_gather: output has {out.numel()} elements, input {inp.numel()} x world "
                              f"{self.world} expected")
         if self.world == 1:
-            if out.data_ptr() != inp.data_ptr():
-                out.copy_(inp)
-            return Work(self, None, "")
+            return self._local(out, inp)
         self._count(kind, (self.world - 1) * out.numel() * out.element_size() // self.world)
         what = f"all_gather of {out.numel()} {out.dtype} elements ({purpose})"
         return self._run(_all_gather_single if out.is_cuda else _all_gather_list, what, async_op, out, inp)
@@ -236,9 +238,7 @@ class Comm:
             raise ValueError(f"all_to_all: input of {inp.numel()} and output of {out.numel()} elements must be equal "
                              f"and divisible by the world size {self.world}")
         if self.world == 1:
-            if out.data_ptr() != inp.data_ptr():
-                out.copy_(inp)
-            return Work(self, None, "")
+            return self._local(out, inp)
         self._count("all_to_all", (self.world - 1) * inp.numel() * inp.element_size() // self.world)
         what = f"all_to_all of {inp.numel()} {inp.dtype} elements ({purpose})"
         return self._run(dist.all_to_all_single, what, async_op, out, inp)

@@ -29,7 +29,7 @@ from zkern.engine.sharded_init import is_sharded, release_freed_memory
 from zkern.engine.stage3 import Stage3Runtime
 from zkern.engine.stage12 import Stage12Runtime
 from zkern.engine.units import declare_known_readers
-from zkern.engine.zeropp import Loco, QuantizedReduce
+from zkern.engine.zeropp import QuantizedReduce
 
 log = logging.getLogger("zkern")
 
@@ -104,11 +104,8 @@ class Engine(torch.nn.Module):
                                          bucket_numel=zero.reduce_bucket_size, comm_dtype=comm_dtype,
                                          accum_dtype=accum_dtype, device=self.device)
         else:
-            quantized = None
-            if zero.zero_quantized_gradients:
-                loco = None if zero.loco_err_beta is None else Loco(zero.loco_err_beta, zero.loco_reset_t)
-                quantized = QuantizedReduce(self.comm, self.comm.node_size, loco, zero.zeropp_grad_group_size)
-            self.runtime = Stage12Runtime(model, groups, build.param_names(model), quantized=quantized,
+            self.runtime = Stage12Runtime(model, groups, build.param_names(model),
+                                          quantized=QuantizedReduce.from_config(self.comm, zero),
                                           stage=zero.stage, comm=self.comm, dtype=self.dtype, mixed=mixed,
                                           bucket_numel=bucket,
                                           overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,

@@ -55,7 +55,6 @@ class Gatherer:
         self.verify = False  # this pass verifies (begin_pass)
         self._said_reorder = False
         self.quantize_weights, self.secondary = quantize_weights, secondary
-        self._keep_secondary: set[int] = set()  # units whose in-flight gather refreshes their secondary slice
 
     # -- one unit ---------------------------------------------------------------------------------------------
     def _own_chunk(self, u: Unit, buffer: torch.Tensor) -> torch.Tensor:
@@ -78,8 +77,6 @@ class Gatherer:
         exact = exact or u.persistent or u.pins > 0
         if self.secondary is not None and not exact and self.secondary.fresh(u.index, self.version):
             return self.secondary.gather(u.index, buffer, purpose, async_op=async_op)
-        if self.secondary is not None and not u.persistent:
-            self._keep_secondary.add(u.index)
         own = self._own_chunk(u, buffer)
         if self.quantize_weights and not exact:
             return quantized_all_gather(self.comm, buffer, own, purpose, async_op=async_op,
@@ -118,8 +115,8 @@ class Gatherer:
             return
         u.work.wait()
         u.work = None
-        if u.index in self._keep_secondary:
-            self._keep_secondary.discard(u.index)
+        # A gather whose unit has no fresh slice read the primary partition (_launch's choice): keep the slice.
+        if self.secondary is not None and not self.secondary.fresh(u.index, u.version):
             self.secondary.keep(u.index, u.buffer, u.version)
 
     def finish(self, u: Unit) -> None:

@@ -219,13 +219,10 @@ class FlatGroup:
                 buf = self._take_buffer(b)
             self._zero_unfilled(buf, b)
             data = buf[:b.padded]
-            if self.quantized is not None:
+            if self.reduce_scatter:  # qgZ has reduce-scatter's contract (refused without reduce_scatter)
                 out = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
-                work = self.quantized.reduce_scatter(out, data, purpose, key=(self.quantized_key, b.index),
-                                                     async_op=self.overlap)
-            elif self.reduce_scatter:
-                out = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
-                work = self.comm.reduce_scatter(out, data, purpose, async_op=self.overlap)
+                via = self.comm if self.quantized is None else self.quantized.bucket((self.quantized_key, b.index))
+                work = via.reduce_scatter(out, data, purpose, async_op=self.overlap)
             else:  # reduce_scatter=false: all-reduce the bucket, then keep this rank's chunk of it
                 work = self.comm.all_reduce(data, purpose, async_op=self.overlap)
             self._in_flight.append((b, work, buf, None))
@@ -554,8 +551,8 @@ class Stage12Runtime:
         for g in self.groups:
             for key, value in g.memory().items():
                 report[key] = report.get(key, 0) + value
-        if self.quantized is not None and self.quantized.loco is not None:
-            report["loco_error"] = self.quantized.nbytes()
+        if self.quantized is not None:
+            report.update(self.quantized.memory())
         return report
 
     def describe(self) -> list[str]:

@@ -38,7 +38,7 @@ from zkern.engine.stage3_hooks import Stage3Hooks
 from zkern.engine.stage3_reduce import GradReducer
 from zkern.engine.units import plan_units
 from zkern.engine.whole import WholeBucket, gather_whole
-from zkern.engine.zeropp import Loco, QuantizedReduce, Secondary
+from zkern.engine.zeropp import QuantizedReduce, Secondary
 
 log = logging.getLogger("zkern")
 
@@ -122,10 +122,7 @@ class Stage3Runtime:
                 self.gatherer.gather(u, async_op=False)
         self.hooks = Stage3Hooks(model, self.units, needs, self.gatherer, merge_divergent=self.merge_divergent)
         reduce_comm = comm.sibling()
-        self.quantized_reduce = None
-        if zero.zero_quantized_gradients:
-            loco = None if zero.loco_err_beta is None else Loco(zero.loco_err_beta, zero.loco_reset_t)
-            self.quantized_reduce = QuantizedReduce(reduce_comm, comm.node_size, loco, zero.zeropp_grad_group_size)
+        self.quantized_reduce = QuantizedReduce.from_config(reduce_comm, zero)
         self.reducer = GradReducer(self.units, reduce_comm, grad_shard=self.grad_shard,
                                    comm_dtype=comm_dtype or dtype, bucket_numel=bucket_numel,
                                    overlap=overlap, reduce_scatter=reduce_scatter, offsets=self._offset,
@@ -460,9 +457,8 @@ class Stage3Runtime:
         return {"params": nbytes(self.param_shard) + persistent, "grads": nbytes(self.grad_shard),
                 "master": nbytes(self.master), "comm_buffers": live + self.reducer.buffer_bytes(),
                 "host_params": nbytes(self.param_shard) if self.params_on_host else 0,
-                **({"hpz_secondary": self.secondary.nbytes()} if self.secondary is not None else {}),
-                **({"loco_error": self.quantized_reduce.nbytes()}
-                   if self.quantized_reduce is not None and self.quantized_reduce.loco is not None else {})}
+                **(self.secondary.memory() if self.secondary is not None else {}),
+                **(self.quantized_reduce.memory() if self.quantized_reduce is not None else {})}
 
     def describe(self) -> list[str]:
         persistent = sum(u.plan.numel for u in self.units if u.persistent)

@@ -147,12 +147,10 @@ class GradReducer:
         names = f"'{g.units[0].name}'" + (f"..'{g.units[-1].name}'" if len(g.units) > 1 else "")
         purpose = f"gradients of units {names}"
         async_op = self.overlap or not self._may_block
-        if self.quantized is not None:
+        if self.reduce_scatter:  # qgZ has reduce-scatter's contract (the config refuses it without reduce_scatter)
             out = g.buffer[rank * g.section:(rank + 1) * g.section]
-            work = self.quantized.reduce_scatter(out, g.buffer, purpose, key=g.index, async_op=async_op)
-        elif self.reduce_scatter:
-            out = g.buffer[rank * g.section:(rank + 1) * g.section]
-            work = self.comm.reduce_scatter(out, g.buffer, purpose, async_op=async_op)
+            via = self.comm if self.quantized is None else self.quantized.bucket(g.index)
+            work = via.reduce_scatter(out, g.buffer, purpose, async_op=async_op)
         else:  # reduce_scatter=false: all-reduce, then keep this rank's section
             work = self.comm.all_reduce(g.buffer, purpose, async_op=async_op)
         self._pending.append((g, work))

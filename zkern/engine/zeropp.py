@@ -78,10 +78,10 @@ class Deferred:
 
 
 # -- qwZ ----------------------------------------------------------------------------------------------------------
-def _encode(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """One uint8 message: the codes of x, then its fp32 scales' bytes."""
-    codes, scales = ops.quantize(x, bits, group)
-    return torch.cat([codes.view(torch.uint8).reshape(-1), scales.float().reshape(-1).view(torch.uint8)])
+def _pack(codes: torch.Tensor, scales: torch.Tensor, parts: int) -> torch.Tensor:
+    """Messages (parts, bytes): each part's codes, then its fp32 scales' bytes (codes and scales split evenly)."""
+    return torch.cat([codes.view(torch.uint8).reshape(parts, -1),
+                      scales.float().reshape(parts, -1).view(torch.uint8)], dim=1)
 
 
 def _split(msg: torch.Tensor, code_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +94,7 @@ def quantized_all_gather(comm: Comm, buffer: torch.Tensor, own: torch.Tensor, pu
     """buffer (world * chunk,) <- every rank's own (chunk,) through int8: the values every rank gets are the
     dequantized codes, this rank's own chunk included."""
     chunk = own.numel()
-    message = _encode(own, 8, group)  # (weight_message_bytes(chunk, group),)
+    message = _pack(*ops.quantize(own, 8, group), 1).view(-1)  # (weight_message_bytes(chunk, group),)
     gathered = torch.empty(comm.world * message.numel(), dtype=torch.uint8, device=buffer.device)
     work = comm.all_gather(gathered, message, f"{purpose}, int8", async_op=async_op)
 
@@ -149,8 +149,9 @@ class Secondary:
         return self.comm.all_gather(buffer, self._slice(ui), f"{purpose}, from the secondary partition",
                                     async_op=async_op)
 
-    def nbytes(self) -> int:
-        return self.store.numel() * self.store.element_size()
+    def memory(self) -> dict[str, int]:
+        """{"hpz_secondary": bytes} (memory_report's key)."""
+        return {"hpz_secondary": self.store.numel() * self.store.element_size()}
 
 
 # -- qgZ ----------------------------------------------------------------------------------------------------------
@@ -173,6 +174,18 @@ class QuantizedReduce:
         self.errors: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
         self.steps = 0
 
+    @staticmethod
+    def from_config(comm: Comm, zero) -> QuantizedReduce | None:
+        """The config's qgZ (and LoCo) over comm's nodes, or None when zero_quantized_gradients is off."""
+        if not zero.zero_quantized_gradients:
+            return None
+        loco = None if zero.loco_err_beta is None else Loco(zero.loco_err_beta, zero.loco_reset_t)
+        return QuantizedReduce(comm, comm.node_size, loco, zero.zeropp_grad_group_size)
+
+    def bucket(self, key: object) -> _Bucket:
+        """Comm.reduce_scatter's signature for one reduction bucket (key: which LoCo error buffers are its own)."""
+        return _Bucket(self, key)
+
     def after_step(self) -> None:
         self.steps += 1
         if self.loco is not None and self.steps % self.loco.reset_t == 0:
@@ -180,8 +193,8 @@ class QuantizedReduce:
                 e1.zero_()
                 e2.zero_()
 
-    def _compensate(self, h: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
-        """h + err, quantized; err updated by LoCo's moving average. Returns the uint8 message."""
+    def _quantize(self, h: torch.Tensor, err: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) of h + err; err updated by LoCo's moving average."""
         if err is not None:
             h = h + err
         codes, scales = ops.quantize(h, 4, self.group)
@@ -191,10 +204,10 @@ class QuantizedReduce:
             # A group with a NaN or inf dequantizes to NaN: the step will be skipped, the error must not keep it.
             err.mul_(beta).add_(torch.nan_to_num(h - seen, nan=0.0, posinf=0.0, neginf=0.0).to(err.dtype),
                                 alpha=1 - beta)
-        return torch.cat([codes.reshape(-1), scales.float().reshape(-1).view(torch.uint8)])
+        return codes, scales
 
     def reduce_scatter(self, out: torch.Tensor, data: torch.Tensor, purpose: str, *, key: object,
-                       async_op: bool) -> Deferred:
+                       async_op: bool) -> _TwoHop:
         """out (S,) <- sum over ranks of data (world * S,)'s section [rank], through int4 both hops."""
         world, k, nodes = self.comm.world, self.k, self.nodes
         section = out.numel()
@@ -205,57 +218,64 @@ class QuantizedReduce:
                 self.errors[key] = (torch.zeros(world * padded, dtype=data.dtype, device=data.device),
                                     torch.zeros(nodes * padded, dtype=data.dtype, device=data.device))
             err1, err2 = self.errors[key]
-        # (node m, local j) rows -> send order (local j' major, node m minor), each section padded to whole groups.
+        # (node m, local j) rows -> send order (local j' major, node m minor), each section padded to whole groups,
+        # so that local rank j' gets one message: the codes and scales of every node's rank j'.
         x = torch.zeros(nodes, k, padded, dtype=torch.float32, device=data.device)
         x[:, :, :section] = data.view(nodes, k, section)
-        send = self._compensate(x.transpose(0, 1).reshape(-1), err1)
-        hop1_bytes = grad_message_bytes(nodes * padded, self.group)
-        # One message per local destination: its codes then its scales.
-        codes_all, scales_all = send[:world * padded // 2], send[world * padded // 2:]
-        msg = torch.cat([codes_all.view(k, -1), scales_all.view(k, -1)], dim=1)  # (k, hop1_bytes)
-        assert msg.shape[1] == hop1_bytes
+        msg = _pack(*self._quantize(x.transpose(0, 1).reshape(-1), err1), k)  # (k, grad_message_bytes(N * S'))
         recv1 = torch.empty_like(msg)
         work1 = self.node.all_to_all(recv1.view(-1), msg.view(-1), f"{purpose}, int4 inside the node",
                                      async_op=async_op)
-        state = {"work2": None}
 
-        def second_hop() -> None:
+        def second_hop() -> Deferred:
             codes, scales = _split(recv1, nodes * padded // 2)
-            partial = ops.dequant_sum(codes, scales, 4, self.group, nodes * padded)  # (nodes * padded,) sum of node
-            send2 = self._compensate(partial, err2)
-            c2, s2 = send2[:nodes * padded // 2], send2[nodes * padded // 2:]
-            msg2 = torch.cat([c2.view(nodes, -1), s2.view(nodes, -1)], dim=1)  # (nodes, grad_message_bytes(padded, g))
+            partial = ops.dequant_sum(codes, scales, 4, self.group, nodes * padded)  # the node's sum, by node m
+            msg2 = _pack(*self._quantize(partial, err2), nodes)  # (nodes, grad_message_bytes(S'))
             recv2 = torch.empty_like(msg2)
             work2 = self.peers.all_to_all(recv2.view(-1), msg2.view(-1), f"{purpose}, int4 across nodes",
                                           async_op=async_op)
-            state["work2"] = Deferred(work2, lambda: finish(recv2))
 
-        def finish(recv2: torch.Tensor) -> None:
-            codes, scales = _split(recv2, padded // 2)
-            total = ops.dequant_sum(codes, scales, 4, self.group, padded)
-            out.copy_(total[:section])
+            def finish() -> None:
+                codes, scales = _split(recv2, padded // 2)
+                out.copy_(ops.dequant_sum(codes, scales, 4, self.group, padded)[:section])
 
-        return _TwoHop(Deferred(work1, second_hop), state)
+            return Deferred(work2, finish)
 
-    def nbytes(self) -> int:
-        return sum(e.numel() * e.element_size() for pair in self.errors.values() for e in pair)
+        return _TwoHop(work1, second_hop)
+
+    def memory(self) -> dict[str, int]:
+        """{"loco_error": bytes of the error buffers} with LoCo, else nothing (memory_report's key)."""
+        if self.loco is None:
+            return {}
+        return {"loco_error": sum(e.numel() * e.element_size() for pair in self.errors.values() for e in pair)}
+
+
+class _Bucket:
+    def __init__(self, reduce: QuantizedReduce, key: object):
+        self.reduce, self.key = reduce, key
+
+    def reduce_scatter(self, out: torch.Tensor, data: torch.Tensor, purpose: str, *, async_op: bool) -> _TwoHop:
+        return self.reduce.reduce_scatter(out, data, purpose, key=self.key, async_op=async_op)
 
 
 class _TwoHop:
     """Work's interface over the two hops: done() moves the second hop along (launching it once the first has
     arrived), so a caller that polls in its fixed order launches second hops in that order on every rank."""
 
-    def __init__(self, first: Deferred, state: dict):
-        self.first, self.state = first, state
+    def __init__(self, first: Work, launch_second):
+        """launch_second() -> Deferred: the second hop, launched once the first has arrived."""
+        self.first, self.launch_second, self.second = first, launch_second, None
 
-    def _advance(self) -> None:
-        if self.state["work2"] is None and self.first.done():
-            self.first.wait()
+    def _launch(self) -> None:
+        self.first.wait()
+        self.second = self.launch_second()
 
     def done(self) -> bool:
-        self._advance()
-        return self.state["work2"] is not None and self.state["work2"].done()
+        if self.second is None and self.first.done():
+            self._launch()
+        return self.second is not None and self.second.done()
 
     def wait(self) -> None:
-        self.first.wait()
-        self.state["work2"].wait()
+        if self.second is None:
+            self._launch()
+        self.second.wait()

@@ -49,3 +49,7 @@ def main(output_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "hf_trainer_output")
+    # torchrun hygiene: a gloo group left to interpreter shutdown can abort the process ("terminate called
+    # without an active exception", pytorch/pytorch#190489) after the work is done.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -73,3 +73,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # torchrun hygiene: a gloo group left to interpreter shutdown can abort the process ("terminate called
+    # without an active exception", pytorch/pytorch#190489) after the work is done.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -51,8 +51,10 @@ def test_offload_matches_the_same_engine_without_it_and_torch():
             mem = per_rank[r][i]["memory"]
             assert set(mem) == {"cpu", "host"}, name
             if "offload_optimizer" in spec.zero:
-                # the master shard and both Adam moments: 12 bytes per element of this rank's fp32 shard
-                assert mem["host"]["optimizer"] == 2 * mem["host"]["master"] > 0, name
+                # the master shard and both Adam moments: 12 bytes per element of this rank's fp32 shard, less the
+                # moments of a stage-3 chunk's padding after its last piece (fewer than 2 elements per unit here)
+                gap = 2 * mem["host"]["master"] - mem["host"]["optimizer"]
+                assert mem["host"]["optimizer"] > 0 and 0 <= gap <= 8 * 2 * 20, (name, gap)
                 assert mem["cpu"]["optimizer"] == mem["cpu"]["master"] == 0, name
                 assert mem["host"]["offload_buffers"] > 0, name
             if "offload_param" in spec.zero:

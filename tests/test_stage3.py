@@ -393,3 +393,20 @@ def test_a_backward_that_raises_leaves_nothing_held_and_training_goes_on():
         engine.backward(engine(idx, tgt))
         engine.step()
     assert engine.global_steps == 2 and engine.runtime.gathered_units() == []
+
+
+@pytest.mark.parametrize("freeze_pos", [False, True])
+def test_adam_moments_cost_eight_bytes_per_trainable_element_whatever_the_groups(freeze_pos):
+    """Decay/no-decay groups (what HF's Trainer passes) and frozen parameters: Adam keeps two fp32 moments per
+    trainable element of the shard, never a whole shard per group nor moments for frozen elements."""
+    spec = TrainSpec(stage=3, steps=1, model={"freeze_pos": freeze_pos})
+    for split in (False, True):
+        model = spec.make_model()
+        groups = None
+        if split:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            groups = [{"params": [p for p in trainable if p.dim() >= 2]},
+                      {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # world 1: no padding
+        engine = zkern.Engine(model, spec.config(1), model_parameters=groups)
+        assert engine.memory_report()["cpu"]["optimizer"] == 8 * trainable, (split, freeze_pos)

@@ -48,8 +48,8 @@ class HostStep:
                     out.copy_(c.out)
                     self.staging_bytes += out.numel() * out.element_size()
                 self.staging_bytes += grad.numel() * grad.element_size()
-                chunks.append(Chunk(param=c.param, grad=grad, out=out, shard_start=c.shard_start, pieces=c.pieces))
-            self.host_groups.append(ShardGroup(pieces=g.pieces, chunks=chunks, shard_numel=g.shard_numel))
+                chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))
+            self.host_groups.append(ShardGroup(pieces=g.pieces, chunks=chunks))
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
 
     # -- copies -----------------------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ class Chunk:
     param: torch.Tensor  # fp32, (chunk,)
     grad: torch.Tensor  # working dtype, (chunk,)
     out: torch.Tensor | None  # working-dtype parameter chunk to refresh (mixed precision), else None
-    shard_start: int  # offset of the chunk in the rank's shard
     pieces: list[tuple[int, int, int]]  # (piece index within its group, start within chunk, numel)
 
 
@@ -39,7 +38,6 @@ class ShardGroup:
 
     pieces: list[torch.Tensor]  # the optimizer's params, in shard order
     chunks: list[Chunk]
-    shard_numel: int
 
 
 class ShardAdam(torch.optim.Optimizer):
@@ -50,16 +48,21 @@ class ShardAdam(torch.optim.Optimizer):
         super().__init__(param_groups, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
                                         "adamw": True})
         self.shard_groups = groups
-        self.exp_avg = [torch.zeros(g.shard_numel, dtype=torch.float32, device=_device(g)) for g in groups]
-        self.exp_avg_sq = [torch.zeros(g.shard_numel, dtype=torch.float32, device=_device(g)) for g in groups]
+        # Each group's moments cover its own chunks only, back to back: at stage 3 every group's chunks lie in
+        # one shard shared with the other groups and the frozen parameters, and a shard-sized buffer per group
+        # would cost 8 bytes per element of the whole shard for every group.
+        self._start = [_compact_starts(g) for g in groups]  # per group, per chunk: its first moment element
+        sizes = [sum(c.param.numel() for c in g.chunks) for g in groups]
+        self.exp_avg = [torch.zeros(n, dtype=torch.float32, device=_device(g)) for n, g in zip(sizes, groups)]
+        self.exp_avg_sq = [torch.zeros(n, dtype=torch.float32, device=_device(g)) for n, g in zip(sizes, groups)]
         # Per-piece step counts as Python ints: reading a device tensor here would sync the host every step.
         self.steps = [[0] * len(g.pieces) for g in groups]
         # Per-piece state as views into the flat buffers, shaped like the piece (as torch's AdamW keeps it).
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for gi, g in enumerate(groups):
-            for chunk in g.chunks:
+            for ci, chunk in enumerate(g.chunks):
                 for index, start, numel in chunk.pieces:
-                    lo, piece = chunk.shard_start + start, g.pieces[index]
+                    lo, piece = self._start[gi][ci] + start, g.pieces[index]
                     views = (self.exp_avg[gi][lo:lo + numel].view(piece.shape),
                              self.exp_avg_sq[gi][lo:lo + numel].view(piece.shape))
                     self._views[id(piece)] = views
@@ -116,7 +119,7 @@ class ShardAdam(torch.optim.Optimizer):
                 if before_chunk is not None:
                     before_chunk(gi, ci)
                 for lo, hi, step in _runs(chunk, on, steps):
-                    s = chunk.shard_start
+                    s = self._start[gi][ci]
                     ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], self.exp_avg[gi][s + lo:s + hi],
                                    self.exp_avg_sq[gi][s + lo:s + hi], step=step + 1,
                                    param_out=None if chunk.out is None else chunk.out[lo:hi], **hyper)
@@ -126,6 +129,14 @@ class ShardAdam(torch.optim.Optimizer):
                 if is_on:
                     steps[i] += 1
         return None
+
+
+def _compact_starts(group: ShardGroup) -> list[int]:
+    starts, total = [], 0
+    for chunk in group.chunks:
+        starts.append(total)
+        total += chunk.param.numel()
+    return starts
 
 
 def _runs(chunk: Chunk, active: list[bool], steps: list[int]) -> list[tuple[int, int, int]]:

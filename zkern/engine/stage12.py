@@ -169,8 +169,8 @@ class FlatGroup:
             own = self._own_chunk(self.param_flat, b)
             param = own if base is None else base[b.shard_offset:b.shard_offset + b.chunk]
             chunks.append(Chunk(param=param, grad=self.grad_chunk(b), out=own if base is not None else None,
-                                shard_start=b.shard_offset, pieces=by_bucket[b.index]))
-        return ShardGroup(pieces=pieces, chunks=chunks, shard_numel=self.layout.shard_numel)
+                                pieces=by_bucket[b.index]))
+        return ShardGroup(pieces=pieces, chunks=chunks)
 
     def active_pieces(self, used: list[bool]) -> list[bool]:
         """For each shard piece: did its parameter get a gradient on any rank (used: global flags)?"""
@@ -373,7 +373,7 @@ class Stage12Runtime:
                              f"{kwargs['stage']}'s")
         for gi, g in enumerate(self.groups):
             g.quantized, g.quantized_key = quantized, gi
-        self.shard_groups = [g.shard_group if g is not None else ShardGroup([], [], 0) for g in self.flat]
+        self.shard_groups = [g.shard_group if g is not None else ShardGroup([], []) for g in self.flat]
         self.params = [p for g in self.groups for p in g.params]
         self.names = [n for g in self.groups for n in g.names]
         self.stage = kwargs["stage"]

@@ -198,9 +198,9 @@ class Stage3Runtime:
                     continue
                 lo, hi = span[0][1], span[-1][1] + span[-1][2]
                 chunks.append(Chunk(param=base[lo:hi], grad=self.grad_shard[lo:hi],
-                                    out=None if out_base is None else out_base[lo:hi], shard_start=lo,
+                                    out=None if out_base is None else out_base[lo:hi],
                                     pieces=[(index, start - lo, numel) for index, start, numel in span]))
-            result.append(ShardGroup(pieces=pieces[gi], chunks=chunks, shard_numel=self.layout.shard_numel))
+            result.append(ShardGroup(pieces=pieces[gi], chunks=chunks))
         return result
 
     # -- the pass ---------------------------------------------------------------------------------------------

@@ -32,6 +32,11 @@ def variants(world: int) -> dict:
                                         zero={"offload_optimizer": {"device": "cpu"},
                                               "offload_param": {"device": "cpu"}}, **base),
         "stage1_client_groups": spec_for(world, stage=1, param_groups=True),
+        # frozen layers at stage 3: fc.bias lies wholly in rank 1's chunk of its unit (rank 0 holds none of it)
+        "stage3_frozen": spec_for(world, stage=3, model={"frozen": ("fc",)}, **base),
+        "stage3_frozen_int8": spec_for(world, stage=3, model={"frozen": ("qkv", "fc", "fc_out")},
+                                       zero={"zero_quantized_nontrainable_weights": True,
+                                             "zeropp_weight_group_size": 64}, **base),
     }
 
 

@@ -227,3 +227,22 @@ def test_consolidating_a_1gb_checkpoint_stays_under_a_quarter_of_its_size(tmp_pa
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         for name in expected:
             assert torch.equal(f.get_tensor(name), expected[name]), name
+
+
+def test_a_zero_element_tensor_is_stored_and_the_next_one_follows(tmp_path):
+    """A model may hold an empty buffer: it is a header entry with no bytes, and the tensors after it keep their
+    order and bytes (safetensors' own reader agrees)."""
+    from safetensors.torch import load_file
+
+    from zkern.checkpoint.ranges import byte_view
+    from zkern.checkpoint.tensorfile import StreamWriter
+
+    tensors = {"empty": torch.zeros(0), "after": torch.arange(5, dtype=torch.float32)}
+    path = str(tmp_path / "t.safetensors")
+    writer = StreamWriter(path, [(k, "F32", tuple(t.shape)) for k, t in tensors.items()], {})
+    for k, t in tensors.items():
+        writer.begin(k)
+        writer.write(byte_view(t))
+    writer.close()
+    back = load_file(path)
+    assert back["empty"].numel() == 0 and torch.equal(back["after"], tensors["after"])

@@ -85,8 +85,8 @@ def test_not_implemented_keys_pass_at_default_and_fail_otherwise():
     cases = [
         (dict(zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "max_in_cpu": 5}}),
          "zero_optimization.offload_param.max_in_cpu"),
-        (dict(zero_optimization={"zero_quantized_nontrainable_weights": True}),
-         "zero_optimization.zero_quantized_nontrainable_weights"),
+        (dict(zero_optimization={"stage3_module_granularity_threshold": 5}),
+         "zero_optimization.stage3_module_granularity_threshold"),
         (dict(zero_optimization={"stage3_max_reuse_distance": 5}), "zero_optimization.stage3_max_reuse_distance"),
         (dict(wall_clock_breakdown=True), "wall_clock_breakdown"),
         (dict(tensorboard={"enabled": True, "output_path": "x"}), "tensorboard"),

@@ -42,7 +42,7 @@ def _cfg(zero: dict, **top) -> zkern.Config:
     ({"stage": 3, **QGZ, "zeropp_loco_param": {"err_beta": 1.5}}, "err_beta"),
     ({"stage": 3, **QGZ, "zeropp_loco_param": {"err_bta": 0.5}}, "err_beta"),
     ({"stage": 3, **QGZ, "zeropp_grad_group_size": 100}, "power of two"),
-    ({"stage": 3, "zero_quantized_nontrainable_weights": True}, "does not implement"),
+    ({"stage": 2, "zero_quantized_nontrainable_weights": True}, "frozen parameter shards as int8.*stage 2"),
 ])
 def test_config_refuses_zeropp_keys_that_cannot_apply(zero, words):
     with pytest.raises(ConfigError, match=words):

@@ -97,6 +97,7 @@ class ZeroConfig:
     offload_param_pin_memory: bool = False
     # ZeRO++ (engine/zeropp.py)
     zero_quantized_weights: bool = False  # qwZ: stage 3's all-gathers send int8 codes + an fp32 scale per group
+    zero_quantized_nontrainable_weights: bool = False  # stage 3: units with nothing to train rest as int8 codes
     zero_hpz_partition_size: int = 1  # hpZ: a secondary copy over groups of k ranks serves backward's gathers
     zero_quantized_gradients: bool = False  # qgZ: gradients reduced by two int4 all-to-all hops (stages 2, 3)
     loco_err_beta: float | None = None  # LoCo error feedback (zeropp_loco_param): None = off
@@ -459,6 +460,10 @@ def _check_zeropp(top: dict, zero: ZeroConfig) -> None:
     if zero.zero_quantized_weights and zero.stage != 3:
         raise ConfigError(f"'zero_optimization.zero_quantized_weights' (qwZ) quantizes stage 3's parameter "
                           f"all-gather; the config says stage {zero.stage}")
+    if zero.zero_quantized_nontrainable_weights and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.zero_quantized_nontrainable_weights' stores stage 3's frozen parameter "
+                          f"shards as int8; the config says stage {zero.stage} (frozen parameters are whole on every "
+                          f"rank below stage 3)")
     if zero.zero_hpz_partition_size < 1:
         raise ConfigError(f"'zero_optimization.zero_hpz_partition_size' must be >= 1 (1: off), got "
                           f"{zero.zero_hpz_partition_size}")

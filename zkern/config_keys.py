@@ -68,6 +68,7 @@ ZERO_KEYS = {
     # ZeRO++ (engine/zeropp.py): int8 weight all-gather (stage 3), secondary partition over groups of k ranks
     # (stage 3), int4 two-hop gradient all-to-all (stages 2 and 3) with LoCo error feedback.
     "zero_quantized_weights": ("bool", False),
+    "zero_quantized_nontrainable_weights": ("bool", False),  # frozen units rest as int8 (stage 3)
     "zero_hpz_partition_size": ("int", 1),
     "zero_quantized_gradients": ("bool", False),
     "zeropp_loco_param": ("section", None),  # {"err_beta": 0.8, "reset_T": 1024}
@@ -157,11 +158,10 @@ NOT_IMPLEMENTED_BF16 = {
     "bf16_optimizer_states": False,
 }
 NOT_IMPLEMENTED_ZERO = {
-    # Later zkern issues implement these (ZeRO++); until then only their defaults pass.
+    # Not implemented: only their defaults pass.
     "sub_group_size": 1_000_000_000,
     "stage3_max_reuse_distance": 1_000_000_000,
     "stage3_module_granularity_threshold": 0,
-    "zero_quantized_nontrainable_weights": False,
     "allgather_partitions": True,
     "round_robin_gradients": False,
     "elastic_checkpoint": False,

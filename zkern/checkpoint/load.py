@@ -37,6 +37,7 @@ class _Plan:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, staged values)
         self.optim: list[tuple[int, int, torch.Tensor, dict]] = []  # (group, piece index, piece, state to set)
         self.rng: dict[str, torch.Tensor] = {}  # "cpu" / "cuda" -> this rank's saved generator state
+        self.commit = None  # ShardMap.commit: stores the resting views that are staged copies
 
 
 def load(engine, ctrl, load_dir, tag, *, strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
@@ -137,7 +138,9 @@ def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) 
                 plan.optim.append((gi, k, piece, _stage_optimizer(engine, reader, manifest, name, start, piece)))
     resting = {id(p): [] for p, _, _, _ in smap.resting}
     for p, _, start, view in smap.resting:
-        resting[id(p)].append((start, view))
+        if view.numel():
+            resting[id(p)].append((start, view))
+    plan.commit = smap.commit
     done: set[int] = set()
     for name, t in module_state.items():
         if id(t) in trainable or id(t) in done:
@@ -200,6 +203,8 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
     with torch.no_grad():
         for live, staged in plan.copies:
             live.copy_(staged)
+        if plan.commit is not None:
+            plan.commit()
         # The working-dtype copies follow the masters (as the optimizer's own step writes them).
         groups = [*rt.shard_groups, *(engine.host_step.host_groups if engine.host_step is not None else [])]
         for g in groups:
@@ -213,6 +218,11 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
                 for key, value in saved.items():
                     group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     rt.after_step()  # every whole copy (stage 1-2 buckets, stage 3 persistent units) from the loaded shards
+    zero = engine.config.zero_optimization
+    if zero.zero_quantized_gradients and zero.loco_err_beta is not None and engine.rank == 0:
+        log.warning("zkern: LoCo's error buffers (zeropp_loco_param) are not in checkpoints: they restart at zero, "
+                    "as at a reset_T boundary, so the resumed run's gradients differ from an uninterrupted run's by "
+                    "the error that was kept")
     if load_module_only:
         return
     if manifest["precision"] == "fp16" and engine.config.precision == "fp16":

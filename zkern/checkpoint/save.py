@@ -118,7 +118,8 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
                                           f"a scalar, so it cannot be saved by element range")
     resting = {id(p): (p, shape, []) for p, shape, _, _ in smap.resting}
     for p, _, start, view in smap.resting:
-        resting[id(p)][2].append((start, view))
+        if view.numel():
+            resting[id(p)][2].append((start, view))
     params, module, aliases, order, seen = {}, {}, {}, [], {}
     for i, name in enumerate(rt.names):
         params[name] = {"shape": list(smap.shapes[i])}

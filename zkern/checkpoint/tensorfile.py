@@ -92,6 +92,8 @@ class StreamWriter:
     def write(self, data) -> None:
         """Bytes of the current tensor (any buffer: bytes, memoryview); several calls may make up one tensor."""
         view = memoryview(data).cast("B")
+        if not view:  # nothing to add (a zero-element tensor was finished by begin)
+            return
         if len(view) > self._left:
             raise CheckpointError(f"{self.path}: {len(view)} bytes written to tensor {self.names[self._index]!r}, "
                                   f"{self._left} left in it")

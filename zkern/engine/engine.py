@@ -328,7 +328,8 @@ class Engine(torch.nn.Module):
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds, by where they live: params, grads, optimizer (states), master (fp32 weights),
         comm_buffers (gradient buckets, gathered stage-3 units), offload_buffers (host staging), total; with
-        ZeRO++ also hpz_secondary (hpZ's secondary partition) and loco_error (LoCo's error buffers).
+        ZeRO++ also hpz_secondary (hpZ's secondary partition), loco_error (LoCo's error buffers) and frozen_int8
+        (the int8 codes and scales of frozen units under zero_quantized_nontrainable_weights, not in params).
         With offload the master, the optimizer states and the staging buffers are under "host" (and the
         stage-3 parameter shards too with offload_param); on a CPU-only run both places are one memory, but
         they are still reported apart."""
@@ -336,8 +337,11 @@ class Engine(torch.nn.Module):
         host = {"params": 0, "optimizer": 0, "master": 0, "offload_buffers": 0}
         held = self.runtime.memory()
         on_host = held.pop("host_params")
-        for key, value in held.items():  # ZeRO++ adds hpz_secondary and loco_error where they are on
-            device[key] = device.get(key, 0) + value
+        for key, value in held.items():  # ZeRO++ adds hpz_secondary, loco_error and frozen_int8 where they are on
+            if key.startswith("host_"):  # resting on the host (offload_param)
+                host[key[len("host_"):]] = host.get(key[len("host_"):], 0) + value
+            else:
+                device[key] = device.get(key, 0) + value
         trainable = {id(p) for p in self.runtime.params}
         device["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters()
                                 if id(p) not in trainable)

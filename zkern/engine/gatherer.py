@@ -26,7 +26,7 @@ from zkern.engine.comm import Comm
 from zkern.engine.divergence import fold_signature
 from zkern.engine.lifecycle import DataState, GradState, InvariantError, Unit
 from zkern.engine.order import OrderRecord
-from zkern.engine.zeropp import Secondary, quantized_all_gather
+from zkern.engine.zeropp import FrozenStore, Secondary, quantized_all_gather
 
 log = logging.getLogger("zkern")
 
@@ -35,9 +35,9 @@ class Gatherer:
     def __init__(self, units: list[Unit], comm: Comm, *, param_shard: torch.Tensor, dtype: torch.dtype,
                  device: torch.device, layout: dict[int, tuple[torch.Size, int]], params_on_host: bool,
                  prefetch_numel: int, max_live: int, quantize_weights: int = 0,
-                 secondary: Secondary | None = None):
+                 secondary: Secondary | None = None, frozen: FrozenStore | None = None):
         """layout: id(parameter) -> (full shape, offset inside its unit's buffer). quantize_weights: qwZ;
-        secondary: hpZ's secondary partition (zeropp.py)."""
+        secondary: hpZ's secondary partition; frozen: the units resting as int8 (zeropp.py)."""
         self.units, self.comm = units, comm
         self.param_shard, self.dtype, self.device = param_shard, dtype, device
         self.layout, self.params_on_host = layout, params_on_host
@@ -54,7 +54,7 @@ class Gatherer:
         self.verify_all = False  # verify every pass (after a signature mismatch, until a merge)
         self.verify = False  # this pass verifies (begin_pass)
         self._said_reorder = False
-        self.quantize_weights, self.secondary = quantize_weights, secondary
+        self.quantize_weights, self.secondary, self.frozen = quantize_weights, secondary, frozen
 
     # -- one unit ---------------------------------------------------------------------------------------------
     def _own_chunk(self, u: Unit, buffer: torch.Tensor) -> torch.Tensor:
@@ -72,11 +72,14 @@ class Gatherer:
 
     def _launch(self, u: Unit, buffer: torch.Tensor, purpose: str, async_op: bool, exact: bool):
         """The all-gather of u into buffer, by the path every rank chooses alike from shared state: exact
-        (persistent units, GatheredParameters), hpZ's secondary partition while it holds this version, qwZ's int8,
-        or the plain all-gather."""
+        (persistent units, GatheredParameters), hpZ's secondary partition while it holds this version, the stored
+        int8 codes of a unit resting as int8 (exact too: the codes are its values), qwZ's int8, or the plain
+        all-gather."""
         exact = exact or u.persistent or u.pins > 0
         if self.secondary is not None and not exact and self.secondary.fresh(u.index, self.version):
             return self.secondary.gather(u.index, buffer, purpose, async_op=async_op)
+        if self.frozen is not None and u.index in self.frozen:
+            return self.frozen.gather(self.comm, u.index, buffer, purpose, async_op=async_op)
         own = self._own_chunk(u, buffer)
         if self.quantize_weights and not exact:
             return quantized_all_gather(self.comm, buffer, own, purpose, async_op=async_op,

@@ -7,6 +7,7 @@ the engine calls these and reaches into neither runtime's fields.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +25,10 @@ class ShardMap:
     # piece on every rank, and each piece is written by one)
     shapes: list[torch.Size]  # per trainable parameter: its full shape (stage 3 parameters at rest are empty)
     resting: list[tuple[torch.nn.Parameter, torch.Size, int, torch.Tensor]]  # stage 3: frozen parameters' shards
-    # at rest (parameter, full shape, first element held, the working-dtype view); elsewhere frozen ones are whole
+    # at rest (parameter, full shape, first element held, the working-dtype view; an empty view for a parameter
+    # wholly in other ranks' chunks); elsewhere frozen ones are whole
+    commit: Callable[[], None] | None = None  # to call once a load has written into the resting views: views that
+    # are staged copies (zero_quantized_nontrainable_weights' int8 shards) are stored then
 
 
 class Runtime(Protocol):
@@ -86,7 +90,8 @@ class Runtime(Protocol):
 
     def memory(self) -> dict[str, int]:
         """Bytes held: params, grads, master, comm_buffers, and host_params (parameter shards resting on the host;
-        counted in params too)."""
+        counted in params too); ZeRO++'s own keys (hpz_secondary, loco_error, frozen_int8), each prefixed "host_"
+        where it rests on the host."""
 
     def unguarded(self) -> contextlib.AbstractContextManager:
         """A context in which model.state_dict(keep_vars=True) reads names and ids (stage 3 refuses it else)."""

@@ -38,7 +38,7 @@ from zkern.engine.stage3_hooks import Stage3Hooks
 from zkern.engine.stage3_reduce import GradReducer
 from zkern.engine.units import plan_units
 from zkern.engine.whole import WholeBucket, gather_whole
-from zkern.engine.zeropp import QuantizedReduce, Secondary
+from zkern.engine.zeropp import FrozenStore, QuantizedReduce, Secondary
 
 log = logging.getLogger("zkern")
 
@@ -63,6 +63,8 @@ class Stage3Runtime:
             order = sorted(range(len(plan.params)), key=lambda i: group_of.get(id(plan.params[i]), frozen))
             plan.params = [plan.params[i] for i in order]
             plan.names = [plan.names[i] for i in order]
+        if zero.zero_quantized_nontrainable_weights:
+            plans, needs = _frozen_last(plans, needs)
         self.layout = plan_unit_layout([[full_shape(p).numel() for p in u.params] for u in plans], comm.world)
         paths = {id(m): name for name, m in model.named_modules()}
         readers: dict[int, list[str]] = {}
@@ -88,7 +90,11 @@ class Stage3Runtime:
                 off += self._full_shape[id(p)].numel()
 
         device = torch.device(device) if device is not None else self.all_params[0].device
-        shard = self.layout.shard_numel
+        # zero_quantized_nontrainable_weights: units with nothing to train come last in the shard (_frozen_last) and
+        # rest in `frozen` as int8; the dense buffers end where they begin.
+        frozen_units = [u for u in self.units if u.trainable == 0 and not u.persistent] \
+            if zero.zero_quantized_nontrainable_weights else []
+        shard = frozen_units[0].bucket.shard_offset if frozen_units else self.layout.shard_numel
         cuda = device.type == "cuda"  # page-locked host memory only helps (and only exists) with a GPU
         if self.params_on_host:  # offload_param: the working shard rests on the host, copied up per gather
             self.param_shard = host_tensor(shard, dtype, pin=zero.offload_param_pin_memory and cuda)
@@ -102,6 +108,10 @@ class Stage3Runtime:
             self.master = torch.zeros(shard, dtype=torch.float32, device=device)
         self.grad_shard = torch.zeros(shard, dtype=accum_dtype or dtype, device=device)  # data_types.grad_accum_dtype
         self._empty = torch.empty(0, dtype=dtype, device=device)
+        self.frozen = None
+        if frozen_units:
+            self.frozen = FrozenStore({u.index: u.bucket.chunk for u in frozen_units}, zero.zeropp_weight_group_size,
+                                      self.param_shard.device, pin=self.param_shard.is_pinned())
         self._partition()
 
         where = {id(p): (self._full_shape[id(p)], self._offset[id(p)]) for p in self.all_params}
@@ -116,7 +126,7 @@ class Stage3Runtime:
                                  params_on_host=self.params_on_host, prefetch_numel=zero.stage3_prefetch_bucket_size,
                                  max_live=zero.stage3_max_live_parameters,
                                  quantize_weights=zero.zeropp_weight_group_size if zero.zero_quantized_weights else 0,
-                                 secondary=self.secondary)
+                                 secondary=self.secondary, frozen=self.frozen)
         for u in self.units:
             if u.persistent:
                 self.gatherer.gather(u, async_op=False)
@@ -158,9 +168,12 @@ class Stage3Runtime:
                 if not all(built):
                     self.comm.broadcast(full, f"initial values of unit '{u.plan.name}' from rank 0")
                 mine = full[rank * b.chunk:(rank + 1) * b.chunk]
-                self.param_shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
-                if self.master is not None:
-                    self.master[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
+                if self.frozen is not None and u.index in self.frozen:
+                    self.frozen.put(u.index, mine)  # from the fp32 values, not a 16-bit rounding of them
+                else:
+                    self.param_shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
+                    if self.master is not None:
+                        self.master[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
                 for p in u.plan.params:
                     p.data = self._empty
                     if is_sharded(p):
@@ -275,12 +288,33 @@ class Stage3Runtime:
         pieces = [[(i, s, True) for i, s in zip(idx, starts)]
                   for idx, starts in zip(self._pieces_param, self._pieces_start)]
         resting = []
+        staged: dict[int, torch.Tensor] = {}  # int8-resting units: their chunk dequantized, to save or load into
         for piece in self.layout.pieces(self.comm.rank):
             p = self.all_params[piece.param]
-            if not p.requires_grad:
+            if p.requires_grad:
+                continue
+            u = self.units[piece.bucket]
+            if self.frozen is not None and u.index in self.frozen:
+                if u.index not in staged:
+                    staged[u.index] = self.frozen.get(u.index, self.dtype)
+                lo = piece.shard_start - u.bucket.shard_offset
+                view = staged[u.index][lo:lo + piece.numel]
+            else:
                 view = self.param_shard[piece.shard_start:piece.shard_start + piece.numel]
-                resting.append((p, self._full_shape[id(p)], piece.param_start, view))
-        return ShardMap(pieces=pieces, shapes=[self._full_shape[id(p)] for p in self.params], resting=resting)
+            resting.append((p, self._full_shape[id(p)], piece.param_start, view))
+        listed = {id(p) for p, _, _, _ in resting}
+        for p in self.all_params:  # a frozen parameter wholly in other ranks' chunks is at rest here too
+            if not p.requires_grad and id(p) not in listed:
+                listed.add(id(p))
+                resting.append((p, self._full_shape[id(p)], 0, self._empty))
+
+        def commit() -> None:  # a load wrote into the staged chunks: store what changed
+            for ui, values in staged.items():
+                if self.frozen.write(ui, values) and self.secondary is not None:
+                    self.secondary.forget(ui)
+
+        return ShardMap(pieces=pieces, shapes=[self._full_shape[id(p)] for p in self.params], resting=resting,
+                        commit=commit if staged else None)
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
@@ -351,6 +385,11 @@ class Stage3Runtime:
                                                   f"{modifier_rank}", src=modifier_rank)
                     b = u.bucket
                     mine = u.buffer[self.comm.rank * b.chunk:(self.comm.rank + 1) * b.chunk]
+                    if self.secondary is not None:  # every rank writes, so every rank forgets alike
+                        self.secondary.forget(u.index)
+                    if self.frozen is not None and u.index in self.frozen:
+                        self.frozen.write(u.index, mine)
+                        continue
                     working = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
                     if self.master is not None:
                         # Only the elements that changed take the 16-bit value: the others keep their fp32 master
@@ -359,8 +398,6 @@ class Stage3Runtime:
                         changed = (mine.to(working.device) != working).to(master.device)
                         master.copy_(torch.where(changed, mine.to(master.device, torch.float32), master))
                     working.copy_(mine)
-                    if self.secondary is not None:  # every rank writes, so every rank forgets alike
-                        self.secondary.forget(u.index)
         for u in units:
             u.unpin()
             self.gatherer.release(u)
@@ -415,17 +452,22 @@ class Stage3Runtime:
 
     def full_grads(self) -> dict[int, torch.Tensor]:
         """id(trainable parameter) -> the reduced gradient as the optimizer reads it (see Stage12Runtime)."""
-        grads = self._whole(self.grad_shard, self.grad_shard.dtype, "reduced gradients", True)
+        grads = self._whole(self.grad_shard, self.grad_shard.dtype, "reduced gradients", True, trainable_only=True)
         return {k: v for k, v in grads.items() if k in {id(p) for p in self.params}}
 
-    def _whole(self, source: torch.Tensor, dtype: torch.dtype, purpose: str, keep: bool) -> dict:
-        """Every unit whole from `source` shards, one unit at a time (offloaded sources are copied up)."""
+    def _whole(self, source: torch.Tensor, dtype: torch.dtype, purpose: str, keep: bool,
+               trainable_only: bool = False) -> dict:
+        """Every unit whole from `source` shards (int8-resting units from their codes), one unit at a time
+        (offloaded sources are copied up)."""
+        units = [u for u in self.units if u.trainable or not trainable_only]
         buckets = [WholeBucket(u.bucket.chunk, tuple((id(p), self._offset[id(p)], self._full_shape[id(p)])
-                                                     for p in u.plan.params)) for u in self.units]
+                                                     for p in u.plan.params)) for u in units]
 
         def chunk_of(i: int) -> torch.Tensor:
-            b = self.units[i].bucket
-            return source[b.shard_offset:b.shard_offset + b.chunk]
+            u = units[i]
+            if self.frozen is not None and u.index in self.frozen:
+                return self.frozen.get(u.index, dtype)
+            return source[u.bucket.shard_offset:u.bucket.shard_offset + u.bucket.chunk]
 
         return gather_whole(self.comm, self.comm.world, buckets, chunk_of, dtype, self._empty.device, purpose, keep)
 
@@ -454,17 +496,30 @@ class Stage3Runtime:
 
         persistent = sum(nbytes(u.buffer) for u in self.units if u.persistent)
         live = sum(nbytes(u.buffer) for u in self.units if not u.persistent)
+        frozen = self.frozen.memory() if self.frozen is not None else {}
+        if self.params_on_host:  # the int8 shards rest where the others do
+            frozen = {f"host_{k}": v for k, v in frozen.items()}
         return {"params": nbytes(self.param_shard) + persistent, "grads": nbytes(self.grad_shard),
                 "master": nbytes(self.master), "comm_buffers": live + self.reducer.buffer_bytes(),
                 "host_params": nbytes(self.param_shard) if self.params_on_host else 0,
-                **(self.secondary.memory() if self.secondary is not None else {}),
+                **frozen, **(self.secondary.memory() if self.secondary is not None else {}),
                 **(self.quantized_reduce.memory() if self.quantized_reduce is not None else {})}
 
     def describe(self) -> list[str]:
         persistent = sum(u.plan.numel for u in self.units if u.persistent)
-        return [f"stage 3: {len(self.units)} fetch units over {len(self.all_params)} parameters ({self.layout.numel} "
-                f"elements), padded with {self.layout.padding} zero elements to a shard of {self.layout.shard_numel} "
-                f"per rank; {persistent} elements in small units stay whole on every rank"]
+        lines = []
+        if self.frozen is not None:
+            int8 = sum(u.plan.numel for u in self.units if u.index in self.frozen)
+            mixed = sum(_numel(p) for u in self.units if u.index not in self.frozen for p in u.plan.params
+                        if not p.requires_grad)
+            lines.append(f"zero_quantized_nontrainable_weights: {int8} elements of {len(self.frozen.chunks)} units "
+                         f"with nothing to train rest as int8 ({self.frozen.memory()['frozen_int8']} bytes per rank)"
+                         + (f"; {mixed} frozen elements share a unit with trainable parameters or are in the "
+                            f"persistent unit and stay in {self.dtype}" if mixed else ""))
+        return lines + [f"stage 3: {len(self.units)} fetch units over {len(self.all_params)} parameters "
+                        f"({self.layout.numel} elements), padded with {self.layout.padding} zero elements to a shard "
+                        f"of {self.layout.shard_numel} per rank; {persistent} elements in small units stay whole on "
+                        f"every rank"]
 
     def warnings(self, reduce_bucket_size: int) -> list[str]:
         groups = self.reducer.groups
@@ -475,3 +530,17 @@ class Stage3Runtime:
                     f"as the whole gradient. Set zero_optimization.reduce_bucket_size well below {n} (\"auto\" = "
                     f"hidden_size**2) to reduce during backward and keep memory at the shard."]
         return []
+
+
+def _frozen_last(plans: list, needs: dict) -> tuple[list, dict]:
+    """The units with nothing to train (and not persistent) moved to the end, so that their chunks end every
+    rank's shard and the dense buffers stop before them; `needs` renumbered to match."""
+    frozen = [i for i, plan in enumerate(plans)
+              if not plan.persistent and not any(p.requires_grad for p in plan.params)]
+    order = [i for i in range(len(plans)) if i not in frozen] + frozen
+    new_index = {old: new for new, old in enumerate(order)}
+    return [plans[i] for i in order], {m: sorted(new_index[i] for i in wanted) for m, wanted in needs.items()}
+
+
+def _numel(p: torch.nn.Parameter) -> int:
+    return full_shape(p).numel()

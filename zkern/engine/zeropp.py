@@ -89,12 +89,23 @@ def _split(msg: torch.Tensor, code_bytes: int) -> tuple[torch.Tensor, torch.Tens
     return msg[..., :code_bytes], msg[..., code_bytes:].contiguous().view(torch.float32)
 
 
+def weight_message(own: torch.Tensor, group: int = WEIGHT_GROUP) -> torch.Tensor:
+    """One rank's qwZ message for its chunk: int8 codes, then the fp32 scales' bytes (uint8, flat)."""
+    return _pack(*ops.quantize(own, 8, group), 1).view(-1)
+
+
 def quantized_all_gather(comm: Comm, buffer: torch.Tensor, own: torch.Tensor, purpose: str, *,
                          async_op: bool, group: int = WEIGHT_GROUP) -> Deferred:
     """buffer (world * chunk,) <- every rank's own (chunk,) through int8: the values every rank gets are the
     dequantized codes, this rank's own chunk included."""
-    chunk = own.numel()
-    message = _pack(*ops.quantize(own, 8, group), 1).view(-1)  # (weight_message_bytes(chunk, group),)
+    return gather_messages(comm, buffer, weight_message(own, group), purpose, async_op=async_op, group=group)
+
+
+def gather_messages(comm: Comm, buffer: torch.Tensor, message: torch.Tensor, purpose: str, *, async_op: bool,
+                    group: int = WEIGHT_GROUP) -> Deferred:
+    """buffer (world * chunk,) <- every rank's qwZ message (weight_message), dequantized into buffer's dtype."""
+    chunk = buffer.numel() // comm.world
+    message = message.to(buffer.device, non_blocking=message.is_pinned())
     gathered = torch.empty(comm.world * message.numel(), dtype=torch.uint8, device=buffer.device)
     work = comm.all_gather(gathered, message, f"{purpose}, int8", async_op=async_op)
 
@@ -108,6 +119,71 @@ def quantized_all_gather(comm: Comm, buffer: torch.Tensor, own: torch.Tensor, pu
     if not async_op:
         out.wait()
     return out
+
+
+class FrozenStore:
+    """zero_quantized_nontrainable_weights: this rank's resting chunk of every frozen unit (no trainable parameter)
+    kept as its qwZ message, int8 codes and an fp32 scale per group, quantized once from the initial values (and
+    again only when a GatheredParameters write or a checkpoint load changes them). Its gathers all-gather the
+    stored messages as they are: the weights every rank computes with are the dequantized codes, every time."""
+
+    def __init__(self, chunks: dict[int, int], group: int, device: torch.device, pin: bool = False):
+        """chunks: unit index -> elements of this rank's chunk (the same on every rank)."""
+        self.group = group
+        self.chunks = dict(chunks)
+        self.offsets, total = {}, 0
+        for ui, chunk in chunks.items():
+            self.offsets[ui] = total
+            total += weight_message_bytes(chunk, group)
+        self.store = torch.zeros(total, dtype=torch.uint8, device=device)
+        if pin:
+            self.store = self.store.pin_memory()
+
+    def __contains__(self, ui: int) -> bool:
+        return ui in self.offsets
+
+    def message(self, ui: int) -> torch.Tensor:
+        off = self.offsets[ui]
+        return self.store[off:off + weight_message_bytes(self.chunks[ui], self.group)]
+
+    def put(self, ui: int, values: torch.Tensor) -> None:
+        """Quantize values (chunk,) into unit ui's message."""
+        self.message(ui).copy_(weight_message(values.float(), self.group))
+
+    def get(self, ui: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """Unit ui's chunk as the gathers see it: the dequantized codes, in dtype."""
+        msg = self.message(ui).to(device or self.store.device)
+        codes, scales = _split(msg, self.chunks[ui])
+        return ops.dequantize(codes.view(torch.int8), scales, 8, self.group, self.chunks[ui], dtype)
+
+    def write(self, ui: int, values: torch.Tensor) -> int:
+        """Store values (chunk,) for unit ui: the groups where they differ from what the unit holds (compared in
+        values' dtype) are quantized afresh; the others keep their codes, since re-quantizing values that went
+        through a 16-bit copy could move a code. Returns the number of groups written."""
+        chunk, group = self.chunks[ui], self.group
+        held = self.get(ui, values.dtype, values.device)
+        groups = (chunk + group - 1) // group
+        changed = torch.zeros(groups * group, dtype=torch.bool, device=values.device)
+        changed[:chunk] = values != held
+        changed = changed.view(groups, group).any(dim=1).to(self.store.device)
+        if not bool(changed.any()):
+            return 0
+        msg = self.message(ui)
+        codes, scales = _split(msg, chunk)
+        new_codes, new_scales = ops.quantize(values.to(self.store.device, torch.float32), 8, group)
+        per_element = changed.repeat_interleave(group)[:chunk]
+        codes.copy_(torch.where(per_element, new_codes.view(torch.uint8), codes))
+        scales = torch.where(changed, new_scales, scales)
+        msg[chunk:].copy_(scales.view(torch.uint8))
+        return int(changed.sum())
+
+    def gather(self, comm: Comm, ui: int, buffer: torch.Tensor, purpose: str, *, async_op: bool) -> Deferred:
+        return gather_messages(comm, buffer, self.message(ui), f"{purpose} (frozen, stored int8)",
+                               async_op=async_op, group=self.group)
+
+    def memory(self) -> dict[str, int]:
+        """{"frozen_int8": bytes of the stored codes and scales} (memory_report's key; counted in params too)."""
+        return {"frozen_int8": self.store.numel()}
 
 
 # -- hpZ ----------------------------------------------------------------------------------------------------------

@@ -68,7 +68,8 @@ class TinyGPT(nn.Module):
     """A GPT-2-shaped model small enough for CI: token embedding tied to the LM head (GPT-2's tied weight), a
     learned position embedding, pre-norm blocks, and an LM-head bias of `vocab` elements (odd by default, so the
     parameter count divides by no world size). `extra_branch` adds a layer used only when forward gets
-    use_extra=True (a parameter that gets no gradient in some steps); `freeze_pos` freezes the position embedding.
+    use_extra=True (a parameter that gets no gradient in some steps); `freeze_pos` freezes the position embedding;
+    `frozen` names Block layers ("qkv", "proj", "fc", "fc_out") frozen in every block (a LoRA-style frozen base).
     Shapes stage 3 must handle: `reuse_first_block` runs blocks[0] a second time after the others (a module
     called twice in one forward); `functional_head` computes the logits in this module's own forward from
     self.tok.weight (a parameter read outside its module's forward); forward(reverse_blocks=True) runs the
@@ -78,7 +79,8 @@ class TinyGPT(nn.Module):
 
     def __init__(self, vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16,
                  tie: bool = True, extra_branch: bool = False, freeze_pos: bool = False,
-                 reuse_first_block: bool = False, functional_head: bool = False, checkpoint: str = ""):
+                 reuse_first_block: bool = False, functional_head: bool = False, checkpoint: str = "",
+                 frozen: tuple[str, ...] = ()):
         super().__init__()
         self.checkpoint = checkpoint  # activation checkpointing of each block (run_block's flavours)
         self.config = SimpleNamespace(hidden_size=dim, vocab_size=vocab, n_layer=n_layer, seq=seq)
@@ -97,6 +99,9 @@ class TinyGPT(nn.Module):
         if tie and not functional_head:
             self.head.weight = self.tok.weight
         self.register_buffer("position_ids", torch.arange(seq), persistent=True)
+        for block in self.blocks:
+            for name in frozen:
+                getattr(block, name).requires_grad_(False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, use_extra: bool = False,
                 reverse_blocks: bool = False):

@@ -127,12 +127,16 @@ class TrainSpec:
         return {"use_extra": extra, "reverse_blocks": step in self.reverse_at}
 
 
-def reference_run(spec: TrainSpec, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference_run(spec: TrainSpec, world: int, prepare=None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain single-process torch: the same model, the whole global batch per step, torch.optim.AdamW (with the
     spec's param groups), torch.nn.utils.clip_grad_norm_. Returns (final state_dict in fp32, loss per step).
-    A model with activation checkpointing is trained without it here: checkpointing must not change the math."""
+    A model with activation checkpointing is trained without it here: checkpointing must not change the math.
+    prepare(model), if given, runs on the freshly built model before training (the test's own changes)."""
     device = torch.device("cuda" if spec.device == "cuda" else "cpu")
-    model = replace(spec, model={**spec.model, "checkpoint": ""}).make_model().to(device)
+    model = replace(spec, model={**spec.model, "checkpoint": ""}).make_model()
+    if prepare is not None:
+        prepare(model)
+    model = model.to(device)
     batches = spec.batches(world)
     params = [p for p in model.parameters() if p.requires_grad]
     # DeepSpeed's (and so zkern's) "Adam" decouples weight decay like AdamW unless adam_w_mode is false.

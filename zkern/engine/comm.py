@@ -18,6 +18,7 @@ Comm.peer_group: the ranks with the same local index on every node).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -82,7 +83,15 @@ def init_distributed(device: torch.device, timeout_s: float) -> tuple[object | N
         raise CommError(f"WORLD_SIZE={world} but {', '.join(missing)} not set; launch with torchrun, or call "
                         f"torch.distributed.init_process_group() before creating the zkern.Engine")
     dist.init_process_group(backend=backend_for(device), timeout=timeout)
+    # The group zkern made is zkern's to close: a gloo group left to interpreter shutdown can abort a rank after
+    # its work is done ("terminate called without an active exception"), which torchrun reports as a failure.
+    atexit.register(_destroy_at_exit)
     return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():  # the script may have closed it itself
+        dist.destroy_process_group()
 
 
 @dataclass

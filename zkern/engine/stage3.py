@@ -5,7 +5,9 @@
 At rest every parameter's .data is an empty tensor; each rank holds its chunk of every fetch unit (units.py)
 in `param_shard` (working dtype; on the host with offload_param), `master` (fp32: mixed precision, or on the
 host with offload_optimizer) and `grad_shard`. The layout is partition.plan_unit_layout: one bucket per unit,
-padded to the world size, rank r owning chunk r.
+padded to the world size, rank r owning chunk r. With zero_quantized_nontrainable_weights the units with nothing
+to train are laid out last and rest as int8 in `frozen` (zeropp.FrozenStore): the three dense buffers stop before
+their chunks.
 
 The pieces, one job each:
   lifecycle.py      the unit's states and the only transitions between them; invariants at each pass's end

@@ -6,6 +6,8 @@ quantized two-hop gradient all-to-all (qgZ) with LoCo error feedback.
 qwZ   every rank quantizes its chunk of a unit to int8 (one fp32 scale per WEIGHT_GROUP elements), the ranks
       all-gather one uint8 message each (codes, then the scales' bytes), and every rank dequantizes every
       message, its own included, so that all ranks compute with the same values.
+int8 rest (zero_quantized_nontrainable_weights) a unit with nothing to train keeps its chunk as its qwZ message,
+      quantized once (FrozenStore); its gathers send the stored message: the frozen base is the int8 weights.
 hpZ   after a unit's gather from the primary partition, each rank keeps slice j of the whole unit (j its index
       in its group of k consecutive ranks) as a secondary copy in the working dtype; until the shards change,
       the unit's next gathers (backward's) all-gather those slices inside the group. 2Ψ/k bytes per rank in

@@ -1,6 +1,7 @@
 """zkern's build: `pip install -e ".[test]"` (what `make test` runs).
 
-Builds one extension, zkern.cpu._adam_ext: the fused CPU Adam (pybind11, OpenMP, no libtorch). Each kernel
+Builds one extension, zkern.cpu._adam_ext: the fused CPU Adam (pybind11, OpenMP, no libtorch) and the NVMe
+path's I/O thread pool (aio.cpp: pread/pwrite, no system library beyond libc). Each kernel
 file gets its own instruction-set flags (never the build host's native set: the wheel must run on any x86-64 CPU, which
 picks its path at run time), so the build works on a machine without AVX-512 and the AVX-512 path still
 exists for the machine that has it. On a CPU other than x86-64 only the scalar path is compiled.
@@ -23,6 +24,7 @@ ISA_FLAGS = {
     "adam_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "adam_scalar.cpp": [],
     "module.cpp": [],
+    "aio.cpp": [],
 }
 KERNELS = ["adam_avx512.cpp", "adam_avx2.cpp"] if X86 else []
 
@@ -44,8 +46,8 @@ class BuildWithIsaFlags(build_ext):
 
 adam_ext = Pybind11Extension(
     "zkern.cpu._adam_ext",
-    sources=[f"{CSRC}/module.cpp", f"{CSRC}/adam_scalar.cpp"] + [f"{CSRC}/{k}" for k in KERNELS],
-    depends=[f"{CSRC}/{h}" for h in ("adam.h", "adam_kernel.h", "simd.h")],
+    sources=[f"{CSRC}/module.cpp", f"{CSRC}/adam_scalar.cpp", f"{CSRC}/aio.cpp"] + [f"{CSRC}/{k}" for k in KERNELS],
+    depends=[f"{CSRC}/{h}" for h in ("adam.h", "adam_kernel.h", "simd.h", "aio.h")],
     define_macros=[("ZK_HAVE_X86_KERNELS", "1" if X86 else "0")],
     cxx_std=17,
     extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],

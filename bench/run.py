@@ -10,6 +10,7 @@
     python bench/run.py --stage 3 --world 4 --zeropp # + ZeRO++ rows (2 "nodes" of 2 ranks): qwZ+hpZ+qgZ together
     python bench/run.py --stage 3 --world 4 --zeropp qwz,hpz,qgz   # each alone
     python bench/run.py --suite scale --plot scale.png   # a model: stage 3 vs ZeRO++ from 8 to 1024 GPUs
+    python bench/run.py --suite nvme                 # the disk (zkern's reader vs dd), the NVMe Adam step at 50M
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
@@ -36,13 +37,15 @@ from bench import (  # noqa: E402
     gates,
     hf_suite,
     kernels_suite,
+    nvme_suite,
     peers,
     scale_suite,
 )
 
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
-          "hf": hf_suite, "scale": scale_suite}
-MEASURED = [name for name in SUITES if name != "scale"]  # --suite all: the scale suite is a model, run by name
+          "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite}
+# --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name
+MEASURED = [name for name in SUITES if name not in ("scale", "nvme")]
 
 
 def _stages(text: str) -> list[int]:
@@ -88,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mfu", type=float, default=0.45, help="scale suite: model FLOPs utilisation of compute")
     parser.add_argument("--no-check", action="store_true", help="scale suite: the model only, no world-4 check")
     parser.add_argument("--adam-numel", type=int, default=adam_suite.DEFAULT_NUMEL,
-                        help="parameters the adam suite steps (default 50M)")
+                        help="parameters the adam and nvme suites step (default 50M)")
+    parser.add_argument("--nvme-path", default=None,
+                        help="nvme suite: the directory (on the disk to measure) for its files; default: temp dir")
     args = parser.parse_args(argv)
     suites = list(MEASURED) if args.suite == "all" else [args.suite]
     if args.suite == "all" and not torch.cuda.is_available():
@@ -116,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             record = checkpoint_suite.run(args.model or "25m", args.world or 2)
         elif suite == "hf":
             record = hf_suite.run(args.model or "25m")
+        elif suite == "nvme":
+            record = nvme_suite.run(args.adam_numel, directory=args.nvme_path)
         elif suite == "scale":
             links = scale_suite.Links(args.intra_gbs, args.inter_gbs, args.intra_latency_us, args.inter_latency_us,
                                       args.gpus_per_node)

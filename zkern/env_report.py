@@ -55,6 +55,23 @@ def _backend_or_error(op: str) -> str:
         return f"error: {e}"
 
 
+def _nvme_io(directory: str | None = None) -> str:
+    """The I/O path NVMe offload files get in directory (ZKERN_NVME_PATH, else the temp dir): a 4 KiB probe file."""
+    import tempfile
+
+    directory = directory or os.environ.get("ZKERN_NVME_PATH") or tempfile.gettempdir()
+    if not zkern.cpu._ext.available():
+        return "unavailable (the C++ extension is missing)"
+    try:
+        with tempfile.TemporaryDirectory(dir=directory) as probe_dir:
+            f = ops.nvme_file(os.path.join(probe_dir, "probe.bin"), 4096, ops.nvme_pool())
+            path = f.io_path
+            f.close()
+        return f"{path} in {directory} (ZKERN_NVME_PATH names another directory to probe)"
+    except OSError as e:
+        return f"error in {directory}: {e}"
+
+
 def report() -> dict:
     triton_spec = importlib.util.find_spec("triton")
     triton_version = None
@@ -92,6 +109,7 @@ def report() -> dict:
                                "reference (no CUDA device or no Triton)",
         },
         "cpu_adam": zkern.cpu.status(),
+        "nvme_io": _nvme_io(),
     }
 
 

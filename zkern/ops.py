@@ -149,3 +149,25 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
 
 def dequant_sum(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
     return _impl(q, "dequant_sum")(q, scales, bits, group_size, numel)
+
+
+# -- NVMe I/O (ZeRO-Infinity): one implementation, the extension's thread pool over pread/pwrite ---------------
+def nvme_pool(thread_count: int = 1, block_size: int = 1 << 20, queue_depth: int = 8):
+    """The I/O threads NVMe files share (zkern.cpu.aio.IoPool; DeepSpeed's aio section)."""
+    from zkern.cpu import aio
+
+    return aio.IoPool(thread_count, block_size, queue_depth)
+
+
+def nvme_file(path: str, nbytes: int, pool, *, create: bool = True):
+    """A preallocated file read and written through pool (zkern.cpu.aio.NvmeFile)."""
+    from zkern.cpu import aio
+
+    return aio.NvmeFile(path, nbytes, pool, create=create)
+
+
+def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer aligned for O_DIRECT (zkern.cpu.aio.aligned_empty)."""
+    from zkern.cpu import aio
+
+    return aio.aligned_empty(numel, dtype)

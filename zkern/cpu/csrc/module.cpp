@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "adam.h"
+#include "aio.h"
 
 namespace py = pybind11;
 
@@ -90,4 +91,24 @@ PYBIND11_MODULE(_adam_ext, m) {
         py::arg("exp_avg_sq"), py::arg("out"), py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
         py::arg("grad_scale"), py::arg("threads"));
+  // The NVMe path's I/O pool (aio.h). submit and wait release the GIL: the Python side overlaps reads and
+  // writes with the CPU Adam, which releases it too.
+  py::class_<zk_aio::Pool>(m, "AioPool", "a pool of I/O threads over pread/pwrite (see zkern/cpu/aio.py)")
+      .def(py::init<int, int64_t, int>(), py::arg("threads"), py::arg("block_size"), py::arg("queue_depth"))
+      .def("submit", &zk_aio::Pool::submit, py::call_guard<py::gil_scoped_release>(), py::arg("write"),
+           py::arg("fd"), py::arg("ptr"), py::arg("nbytes"), py::arg("offset"))
+      .def("done", &zk_aio::Pool::done, py::arg("ticket"))
+      .def(
+          "wait",
+          [](zk_aio::Pool& pool, int64_t ticket) {
+            zk_aio::Outcome outcome;
+            {
+              py::gil_scoped_release release;
+              outcome = pool.wait(ticket);
+            }
+            return py::make_tuple(outcome.err, outcome.offset);
+          },
+          py::arg("ticket"), "(errno or -1 for an unexpected end of file or 0, byte offset of the failure)")
+      .def_property_readonly("threads", &zk_aio::Pool::threads)
+      .def_property_readonly("block_size", &zk_aio::Pool::block_size);
 }

@@ -26,8 +26,9 @@ $(STAMP): setup.py pyproject.toml $(wildcard zkern/cpu/csrc/*)
 # with torch's AVX2 kernels, and zkern's scalar Adam with torch's scalar kernels (a CPU without AVX2).
 CPU_KERNEL_TESTS := tests/test_cpu_adam.py tests/test_reference.py tests/test_offload.py
 
+# --durations: the slowest tests go to CI's log, where the 30-minute budget is watched.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 	@for isa in avx2 scalar; do \
 	  if $(PY) -c "import sys; from zkern.cpu import _ext; sys.exit('$$isa' not in _ext.SUPPORTED)"; then \
 	    cap=$$( [ $$isa = avx2 ] && echo avx2 || echo default ); \

@@ -46,19 +46,23 @@ def _child(rank: int, world: int, port: int, fn, args, queue, threads: int, env:
 def spawn(fn, world: int, *args, timeout: float = 300.0, threads: int = 1, subprocess: bool = False,
           allow_dead: bool = False) -> list:
     """Run fn(rank, world, *args) on `world` processes (torchrun's environment variables on a free 127.0.0.1
-    port); returns the results by rank. World size 1 runs in this process unless subprocess=True. A rank that
-    raises fails the whole call with that rank's traceback; a rank whose process dies without a result (a hard
-    abort) fails it too, unless allow_dead, which puts {"died": exitcode} in its place. No rank is left running."""
+    port); returns the results by rank. World size 1 runs in this process unless subprocess=True, which also makes
+    every rank a fresh interpreter (the bench's timings and the peak-memory tests: a forked rank starts with the
+    fork server's heap, which moves resident-memory peaks by megabytes); other ranks fork from a server that has
+    imported torch. A rank that raises fails the whole call with that rank's traceback; a rank whose process dies
+    without a result (a hard abort) fails it too, unless allow_dead, which puts {"died": exitcode} in its place. No
+    rank is left running."""
     if world == 1 and not subprocess:
         return [fn(0, 1, *args)]
     import queue as queue_module
 
     import torch.multiprocessing as mp
 
-    # Ranks fork from a server that has imported torch once (about 2 s of CPU per process otherwise, four ranks
-    # on two cores: seconds per spawn); the server computes nothing, so no thread pool is forked.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "zkern.testing"])
+    # Forked ranks skip importing torch (about 2 s of CPU per process, four ranks on two cores: seconds per
+    # spawn); the server computes nothing, so no thread pool is forked.
+    ctx = mp.get_context("spawn" if subprocess else "forkserver")
+    if not subprocess:
+        ctx.set_forkserver_preload(["torch", "zkern.testing"])
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue, threads, dict(os.environ)),

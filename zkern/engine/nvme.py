@@ -110,13 +110,11 @@ class NvmeAdam:
         self.files[name].write(staged, self.offsets[group][chunk])
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def _read(self, t: Tile, buffers: dict) -> list:
+    def _transfer(self, t: Tile, buffers: dict, write: bool) -> list:
+        """Start reading (or writing) tile t of every state file into (from) one buffer set, whole 4 KiB blocks."""
         size = _round_up(t.end - t.start, ALIGN_ELEMENTS)
-        return [self.files[name].read(buffers[name][:size], t.offset, async_op=True) for name in STATES]
-
-    def _write(self, t: Tile, buffers: dict) -> list:
-        size = _round_up(t.end - t.start, ALIGN_ELEMENTS)
-        return [self.files[name].write(buffers[name][:size], t.offset, async_op=True) for name in STATES]
+        return [(self.files[name].write if write else self.files[name].read)(buffers[name][:size], t.offset,
+                                                                               async_op=True) for name in STATES]
 
     def _wait(self, works: list) -> None:
         start = time.perf_counter()
@@ -132,27 +130,25 @@ class NvmeAdam:
         for f in self.files.values():  # before any tile changes: a step is applied whole or not at all
             f.check()
         self.io_wait_s = self.compute_s = 0.0
-        runs = {}
-        for gi, g in enumerate(self.groups):
-            on = active[gi] if active is not None else [True] * len(g.pieces)
-            for ci, chunk in enumerate(g.chunks):
-                runs[(gi, ci)] = _runs(chunk, on, self.steps[gi])
+        ons = [active[gi] if active is not None else [True] * len(g.pieces) for gi, g in enumerate(self.groups)]
+        runs = {(gi, ci): _runs(chunk, ons[gi], self.steps[gi])
+                for gi, g in enumerate(self.groups) for ci, chunk in enumerate(g.chunks)}
         count = len(self.buffers)
         reads: dict[int, list] = {}
         writes: dict[int, list] = {}
         try:
             for t in range(min(count - 1, len(self.tiles))):
-                reads[t] = self._read(self.tiles[t], self.buffers[t % count])
+                reads[t] = self._transfer(self.tiles[t], self.buffers[t % count], write=False)
             for t, tile in enumerate(self.tiles):
                 buffers = self.buffers[t % count]
                 self._wait(reads.pop(t))
                 self._step_tile(tile, buffers, runs[(tile.group, tile.chunk)], grad_scale)
-                writes[t] = self._write(tile, buffers)
+                writes[t] = self._transfer(tile, buffers, write=True)
                 ahead = t + count - 1
                 if ahead < len(self.tiles):
                     if t - 1 in writes:  # the buffers tile `ahead` reads into were last written from by tile t-1
                         self._wait(writes.pop(t - 1))
-                    reads[ahead] = self._read(self.tiles[ahead], self.buffers[ahead % count])
+                    reads[ahead] = self._transfer(self.tiles[ahead], self.buffers[ahead % count], write=False)
             for t in sorted(writes):
                 self._wait(writes.pop(t))
         except BaseException:
@@ -163,8 +159,7 @@ class NvmeAdam:
                     except OSError:
                         pass
             raise
-        for gi, g in enumerate(self.groups):
-            on = active[gi] if active is not None else [True] * len(g.pieces)
+        for gi, on in enumerate(ons):
             for i, is_on in enumerate(on):
                 if is_on:
                     self.steps[gi][i] += 1

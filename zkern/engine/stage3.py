@@ -94,7 +94,7 @@ class Stage3Runtime:
         device = torch.device(device) if device is not None else self.all_params[0].device
         # zero_quantized_nontrainable_weights: units with nothing to train come last in the shard (_frozen_last) and
         # rest in `frozen` as int8; the dense buffers end where they begin.
-        frozen_units = [u for u in self.units if u.trainable == 0 and not u.persistent] \
+        frozen_units = [u for u in self.units if _nothing_to_train(u.plan)] \
             if zero.zero_quantized_nontrainable_weights else []
         shard = frozen_units[0].bucket.shard_offset if frozen_units else self.layout.shard_numel
         cuda = device.type == "cuda"  # page-locked host memory only helps (and only exists) with a GPU
@@ -512,8 +512,7 @@ class Stage3Runtime:
         lines = []
         if self.frozen is not None:
             int8 = sum(u.plan.numel for u in self.units if u.index in self.frozen)
-            mixed = sum(_numel(p) for u in self.units if u.index not in self.frozen for p in u.plan.params
-                        if not p.requires_grad)
+            mixed = sum(self._full_shape[id(p)].numel() for p in self.all_params if not p.requires_grad) - int8
             lines.append(f"zero_quantized_nontrainable_weights: {int8} elements of {len(self.frozen.chunks)} units "
                          f"with nothing to train rest as int8 ({self.frozen.memory()['frozen_int8']} bytes per rank)"
                          + (f"; {mixed} frozen elements share a unit with trainable parameters or are in the "
@@ -537,12 +536,12 @@ class Stage3Runtime:
 def _frozen_last(plans: list, needs: dict) -> tuple[list, dict]:
     """The units with nothing to train (and not persistent) moved to the end, so that their chunks end every
     rank's shard and the dense buffers stop before them; `needs` renumbered to match."""
-    frozen = [i for i, plan in enumerate(plans)
-              if not plan.persistent and not any(p.requires_grad for p in plan.params)]
+    frozen = [i for i, plan in enumerate(plans) if _nothing_to_train(plan)]
     order = [i for i in range(len(plans)) if i not in frozen] + frozen
     new_index = {old: new for new, old in enumerate(order)}
     return [plans[i] for i in order], {m: sorted(new_index[i] for i in wanted) for m, wanted in needs.items()}
 
 
-def _numel(p: torch.nn.Parameter) -> int:
-    return full_shape(p).numel()
+def _nothing_to_train(plan) -> bool:
+    """A unit that rests as int8 under zero_quantized_nontrainable_weights (persistent units stay whole anyway)."""
+    return not plan.persistent and not any(p.requires_grad for p in plan.params)

@@ -34,7 +34,7 @@ import zkern
 from bench.engine_suite import _git_sha, _quantiles
 from zkern import ops
 from zkern.cpu import _ext
-from zkern.engine.nvme import NvmeAdam
+from zkern.engine.nvme import NvmeAdam, NvmeShard
 from zkern.engine.optimizer import Chunk, ShardAdam, ShardGroup
 from zkern.env_report import cpu_model
 
@@ -43,9 +43,14 @@ STATE_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, adamw=True)
 
 
-def _groups(numel: int) -> list[ShardGroup]:
+def _groups(numel: int, shard: NvmeShard | None = None) -> list[ShardGroup]:
+    """One chunk of numel elements: resident, or (shard given) with its master in a region of the shard's files."""
     gen = torch.Generator().manual_seed(0)
     param = torch.randn(numel, generator=gen)
+    if shard is not None:
+        region = shard.add_region(numel)
+        shard.write("master", region, param)
+        param = region
     chunk = Chunk(param=param, grad=torch.randn(numel, generator=gen).bfloat16(),
                   out=torch.empty(numel, dtype=torch.bfloat16), pieces=[(0, 0, numel)])
     return [ShardGroup(pieces=[param], chunks=[chunk])]
@@ -105,11 +110,12 @@ def _run(numel, root, reps, tile, buffer_count, thread_count, block_size, queue_
     mib = -(-state_bytes // (1 << 20))
     seq_path, dd_path = os.path.join(root, "seq.bin"), os.path.join(root, "dd.bin")
     progress(f"nvme: setting up {numel / 1e6:.0f}M parameters in {root}")
-    nvme = NvmeAdam(_groups(numel), [HYPER], os.path.join(root, "rank0"), pool=pool, tile=tile,
-                    buffer_count=buffer_count)
+    shard = NvmeShard(os.path.join(root, "rank0"), pool, sub_group_size=tile, buffer_count=buffer_count)
+    nvme = NvmeAdam(_groups(numel, shard), [HYPER], shard)
+    shard.buffers()  # every region exists: the tile size is fixed
     host_groups = _groups(numel)
     host = ShardAdam(host_groups, [HYPER])
-    tile_bytes = 4 * nvme.tile
+    tile_bytes = 4 * shard.tile
     _reader_pass(seq_path, state_bytes, pool, tile_bytes, write=True, create=True)  # timed passes overwrite it
 
     candidates = {
@@ -163,9 +169,9 @@ def _run(numel, root, reps, tile, buffer_count, thread_count, block_size, queue_
         "numel": numel,
         "state_bytes": state_bytes,
         "directory": root,
-        "io_path": nvme.io_path,
+        "io_path": shard.io_path,
         "aio": {"thread_count": thread_count, "block_size": block_size, "queue_depth": queue_depth},
-        "sub_group_size": nvme.tile,
+        "sub_group_size": shard.tile,
         "buffer_count": buffer_count,
         "reps": reps,
         "device": "cpu",

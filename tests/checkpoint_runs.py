@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import torch
 
-import zkern
 from zkern.testing.models import make_batches
 from zkern.testing.runs import TrainSpec
 
@@ -54,7 +53,7 @@ def train(engine, spec: TrainSpec, first: int, last: int, rank: int, world: int)
 
 def build(spec: TrainSpec, world: int):
     model = spec.make_model()
-    return zkern.Engine(model, spec.config(world), optimizer=spec.client_optimizer(model))
+    return spec.build_engine(model, world)
 
 
 def counters(engine) -> dict:

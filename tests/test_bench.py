@@ -1,5 +1,6 @@
 """The benchmark's CI gates: a ratio past its bound fails, and the gate file is checked."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from bench import engine_suite, flops, gates, run  # noqa: E402
 from bench.engine_suite import required_bytes_per_step  # noqa: E402
+from zkern import ops  # noqa: E402
 from zkern.testing import TinyGPT  # noqa: E402
 
 GATES = Path(__file__).resolve().parents[1] / "bench" / "gates.toml"
@@ -92,6 +94,18 @@ def test_adam_suite_measures_every_candidate_on_a_small_buffer():
     assert set(rec["ratios"]) >= {"offload_over_stock", "offload_of_roofline", "fp32_over_torch_fused",
                                   "thread_speedup"}
     assert "| zkern offload |" in adam_suite.table(rec)
+
+
+@pytest.mark.skipif(not ops.cpu_ext.available(), reason="needs the C++ extension (make setup)")
+def test_nvme_suite_measures_the_disk_and_the_streamed_step_on_a_small_shard(tmp_path):
+    from bench import nvme_suite
+
+    rec = nvme_suite.run(numel=200_003, directory=str(tmp_path), reps=2, tile=16_384, progress=lambda line: None)
+    assert {"nvme step", "reader write", "reader read", "host step"} <= set(rec["figures"])
+    assert all(f["median_s"] > 0 for f in rec["figures"].values())
+    assert {"nvme_of_disk_bandwidth", "io_plus_compute_over_step", "nvme_over_host_step"} <= set(rec["ratios"])
+    assert rec["io_path"] in ("O_DIRECT", "buffered") and os.listdir(tmp_path) == []  # its files are gone
+    assert "nvme step" in nvme_suite.table(rec)
 
 
 def test_adam_suite_ratios_pair_the_candidates_within_each_round(monkeypatch):

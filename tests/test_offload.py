@@ -78,10 +78,11 @@ def test_offload_in_bf16_matches_bf16_without_it():
 
 
 @pytest.mark.parametrize("zero, match", [
-    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local"}}, "nvme"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}},
+     "offload_param.device' \"nvme\" .* not implemented"),
     ({"stage": 2, "offload_param": {"device": "cpu"}}, "needs ZeRO stage 3"),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs ZeRO stage 1, 2 or 3"),
-    ({"stage": 3, "offload_optimizer": {"device": "gpu"}}, "must be \"none\" or \"cpu\""),
+    ({"stage": 3, "offload_optimizer": {"device": "gpu"}}, "must be \"none\", \"cpu\" or \"nvme\""),
     ({"stage": 3, "offload_param": {"device": "cpu"}}, "needs 'zero_optimization.offload_optimizer'"),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "ratio"),
 ])

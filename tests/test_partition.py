@@ -48,5 +48,13 @@ def test_estimate_memory_matches_the_zero_paper():
     assert fp32 == {"params": 4000, "grads": 4000, "optimizer_states": 2000, "total": 10000, "host": 0}
     off = zkern.estimate_memory(1000, 4, 3, offload_optimizer=True, offload_param=True)
     assert off["optimizer_states"] == 0 and off["params"] == 0 and off["host"] == 3000 + 500
+    assert zkern.estimate_memory(1000, 4, 3, offload_optimizer="cpu", offload_param=True) == off
+    # NVMe: the optimizer's bytes (master and moments) go to the files, the parameter shard stays on the host
+    nvme = zkern.estimate_memory(1000, 4, 3, offload_optimizer="nvme", offload_param=True)
+    assert {k: nvme[k] for k in ("host", "nvme", "total")} == {"host": 500, "nvme": 3000, "total": off["total"]}
+    nvme32 = zkern.estimate_memory(1000, 4, 2, offload_optimizer="nvme", precision="fp32")
+    assert (nvme32["host"], nvme32["nvme"]) == (0, 2000 + 1000)  # moments + the fp32 master the files hold
+    with pytest.raises(ValueError, match="offload_optimizer must be"):
+        zkern.estimate_memory(1000, 4, 2, offload_optimizer="disk")
     with pytest.raises(ValueError, match="offload_param needs ZeRO stage 3"):
         zkern.estimate_memory(1000, 4, 2, offload_param=True)

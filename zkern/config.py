@@ -95,6 +95,12 @@ class ZeroConfig:
     offload_optimizer_pin_memory: bool = False
     offload_param_device: str = "none"
     offload_param_pin_memory: bool = False
+    # offload_optimizer.device "nvme" (ZeRO-Infinity, engine/nvme.py): fp32 master and moments in files under
+    # nvme_path, stepped in tiles of sub_group_size elements through buffer_count host buffer sets.
+    offload_optimizer_nvme_path: str | None = None
+    offload_optimizer_buffer_count: int = 4
+    offload_optimizer_fast_init: bool = False
+    sub_group_size: int = 1_000_000_000
     # ZeRO++ (engine/zeropp.py)
     zero_quantized_weights: bool = False  # qwZ: stage 3's all-gathers send int8 codes + an fp32 scale per group
     zero_quantized_nontrainable_weights: bool = False  # stage 3: units with nothing to train rest as int8 codes
@@ -104,6 +110,17 @@ class ZeroConfig:
     loco_reset_t: int = 1024
     zeropp_weight_group_size: int = 2048  # zkern's own: int8 weight elements per scale
     zeropp_grad_group_size: int = 64  # zkern's own: int4 gradient elements per scale
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """DeepSpeed's aio section: the NVMe reader's blocks, queue and threads (cpu/aio.py)."""
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    thread_count: int = 1  # intra_op_parallelism in newer DeepSpeed; either key sets it
+    single_submit: bool = False
+    overlap_events: bool = True
 
 
 @dataclass(frozen=True)
@@ -135,6 +152,7 @@ class Config:
     device: str = "auto"  # zkern's own key: "auto" (cuda:LOCAL_RANK when CUDA is available), "cpu" or "cuda"
     ranks_per_node: int | None = None  # zkern's own key: None = the launcher's LOCAL_WORLD_SIZE, else one node
     activation_checkpointing: ActivationCheckpointingConfig | None = None  # None: no section in the config
+    aio: AioConfig = field(default_factory=AioConfig)
     gradient_predivide_factor: float | None = None  # None: the world size (resolve() fills it)
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the working dtype
     grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype; None: the working dtype
@@ -218,6 +236,8 @@ def _value(path: str, kind: str, value: Any) -> Any:
         return dtype
     if base == "int_or_null":
         return None if value is None else _value(path, "int", value)
+    if base == "str_or_null":
+        return None if value is None else _value(path, "str", value)
     if base == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"'{path}' must be true or false, got {value!r}")
@@ -279,17 +299,24 @@ def _section(path: str, raw: Any, specs: dict, not_implemented: dict) -> dict:
     return out
 
 
-def _parse_offload(name: str, raw: Any) -> tuple[str, bool]:
-    """(device, pin_memory) of zero_optimization.offload_optimizer / offload_param."""
+def _parse_offload(name: str, raw: Any) -> dict:
+    """ZeroConfig's fields ({name}_device, {name}_pin_memory, ...) from zero_optimization.offload_optimizer /
+    offload_param."""
     path = f"zero_optimization.{name}."
-    values = _section(path, raw, keys.OFFLOAD_KEYS, keys.NOT_IMPLEMENTED_OFFLOAD[name])
+    values = _section(path, raw, keys.OFFLOAD_KEYS[name], keys.NOT_IMPLEMENTED_OFFLOAD[name])
     device = values.get("device", "none")
-    if device == "nvme":
-        raise ConfigError(f"'{path}device' \"nvme\" is not implemented in zkern yet; use \"cpu\" (host memory) or "
-                          f"\"none\"")
-    if device not in ("none", "cpu"):
-        raise ConfigError(f"'{path}device' must be \"none\" or \"cpu\", got {device!r}")
-    return device, values.get("pin_memory", False)
+    if device == "nvme" and name == "offload_param":
+        raise ConfigError(f"'{path}device' \"nvme\" (parameter shards on NVMe) is not implemented in zkern yet; use "
+                          f"\"cpu\" (host memory) or \"none\"; offload_optimizer takes \"nvme\"")
+    if device not in ("none", "cpu", "nvme"):
+        raise ConfigError(f"'{path}device' must be \"none\", \"cpu\" or \"nvme\", got {device!r}")
+    if device == "nvme" and not values.get("nvme_path"):
+        raise ConfigError(f"'{path}nvme_path' is required with device \"nvme\": a directory on the local NVMe drive "
+                          f"(each rank makes its own sub-directory there)")
+    if values.get("buffer_count", 4) < 3:
+        raise ConfigError(f"'{path}buffer_count' must be >= 3 (a tile read ahead, one stepping, one written "
+                          f"behind), got {values['buffer_count']}")
+    return {f"{name}_{key}": value for key, value in values.items()}
 
 
 def _parse_optimizer(raw: Any) -> OptimizerConfig | None:
@@ -369,8 +396,7 @@ def _parse(raw: dict) -> Config:
                                  keys.NOT_IMPLEMENTED_BF16))
     zero = _section("zero_optimization.", raw.get("zero_optimization"), keys.ZERO_KEYS, keys.NOT_IMPLEMENTED_ZERO)
     for name in ("offload_optimizer", "offload_param"):
-        device, pin = _parse_offload(name, zero.pop(name, None))
-        zero[f"{name}_device"], zero[f"{name}_pin_memory"] = device, pin
+        zero.update(_parse_offload(name, zero.pop(name, None)))
     loco = zero.pop("zeropp_loco_param", None)
     if loco is not None:
         loco = _section("zero_optimization.zeropp_loco_param.", loco, keys.LOCO_KEYS, {})
@@ -378,6 +404,7 @@ def _parse(raw: dict) -> Config:
         zero["loco_reset_t"] = loco.get("reset_T", 1024)
     zero_cfg = ZeroConfig(**zero)
     _check_values(top, fp16, bf16, zero_cfg)
+    aio = _parse_aio(raw.get("aio"))
     checkpointing = None
     if raw.get("activation_checkpointing") is not None:
         checkpointing = ActivationCheckpointingConfig(**_section(
@@ -401,11 +428,26 @@ def _parse(raw: dict) -> Config:
         device=top.get("device", "auto"),
         ranks_per_node=top.get("ranks_per_node"),
         activation_checkpointing=checkpointing,
+        aio=aio,
         gradient_predivide_factor=top.get("gradient_predivide_factor"),
         communication_data_type=top.get("communication_data_type"),
         grad_accum_dtype=_section("data_types.", raw.get("data_types"), keys.DATA_TYPES_KEYS, {}).get(
             "grad_accum_dtype"),
     )
+
+
+def _parse_aio(raw: Any) -> AioConfig:
+    values = _section("aio.", raw, keys.AIO_KEYS, keys.NOT_IMPLEMENTED_AIO)
+    if "intra_op_parallelism" in values:
+        threads = values.pop("intra_op_parallelism")
+        if values.get("thread_count", threads) != threads:
+            raise ConfigError(f"'aio.thread_count' ({values['thread_count']}) and 'aio.intra_op_parallelism' "
+                              f"({threads}) are the same setting under DeepSpeed's old and new names; keep one")
+        values["thread_count"] = threads
+    for key in ("block_size", "queue_depth", "thread_count"):
+        if values.get(key, 1) < 1:
+            raise ConfigError(f"'aio.{key}' must be >= 1, got {values[key]}")
+    return AioConfig(**values)
 
 
 def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfig) -> None:
@@ -437,6 +479,8 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
     if zero.offload_param_device != "none" and zero.stage != 3:
         raise ConfigError(f"'zero_optimization.offload_param' partitions parameters and so needs ZeRO stage 3, "
                           f"the config says stage {zero.stage}; use offload_optimizer at stages 1-2")
+    if zero.sub_group_size < 1:
+        raise ConfigError(f"'zero_optimization.sub_group_size' must be >= 1 element, got {zero.sub_group_size}")
     if zero.offload_param_device != "none" and zero.offload_optimizer_device == "none":
         raise ConfigError("'zero_optimization.offload_param' needs 'zero_optimization.offload_optimizer' with device "
                           "\"cpu\" too: the optimizer writes the updated parameter shards where they rest, on the host")

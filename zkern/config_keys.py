@@ -34,6 +34,7 @@ IMPLEMENTED_TOP = {
     "gradient_predivide_factor": ("float", None),
     "communication_data_type": ("dtype_or_null", None),
     "data_types": ("section", None),
+    "aio": ("section", None),  # the NVMe reader (offload device "nvme"): AIO_KEYS
 }
 DATA_TYPES_KEYS = {"grad_accum_dtype": ("dtype_or_null", None)}
 
@@ -63,6 +64,8 @@ ZERO_KEYS = {
     "stage3_fetch_units": ("str_list", ()),  # zkern's own: module class names gathered as one unit each
     # zkern's own: when ranks would gather different units (routed experts), gather their container whole
     "stage3_merge_divergent_modules": ("bool", True),
+    # Elements per tile of the NVMe optimizer step (offload_optimizer.device "nvme"); no effect otherwise
+    "sub_group_size": ("int", 1_000_000_000),
     "offload_optimizer": ("section", None),  # parsed by _parse_offload
     "offload_param": ("section", None),
     # ZeRO++ (engine/zeropp.py): int8 weight all-gather (stage 3), secondary partition over groups of k ranks
@@ -86,11 +89,28 @@ ACTIVATION_CHECKPOINTING_KEYS = {
     "synchronize_checkpoint_boundary": ("bool", False),
     "profile": ("bool", False),
 }
-OFFLOAD_KEYS = {"device": ("str", "none"), "pin_memory": ("bool", False)}
-# Offload keys for NVMe and DeepSpeed's partial offload: accepted at their defaults only.
+OFFLOAD_KEYS = {
+    "offload_optimizer": {"device": ("str", "none"), "pin_memory": ("bool", False),
+                          # device "nvme": the directory of the state files, the tile buffer sets (>= 3), and
+                          # DeepSpeed's faster start (zkern's start is always the fast one: see engine/nvme.py)
+                          "nvme_path": ("str_or_null", None), "buffer_count": ("int", 4), "fast_init": ("bool", False)},
+    "offload_param": {"device": ("str", "none"), "pin_memory": ("bool", False)},
+}
+# DeepSpeed's aio section: zkern's reader is a thread pool over pread/pwrite (cpu/aio.py). thread_count is
+# DeepSpeed's older name of intra_op_parallelism; single_submit and overlap_events choose libaio submission modes
+# that a thread pool does not have (accepted; a value other than the default is said once in the log).
+AIO_KEYS = {
+    "block_size": ("int", 1_048_576),
+    "queue_depth": ("int", 8),
+    "thread_count": ("int", 1),
+    "intra_op_parallelism": ("int", 1),
+    "single_submit": ("bool", False),
+    "overlap_events": ("bool", True),
+}
+NOT_IMPLEMENTED_AIO = {"use_gds": False}
+# Offload keys for parameters on NVMe and DeepSpeed's partial offload: accepted at their defaults only.
 NOT_IMPLEMENTED_OFFLOAD = {
-    "offload_optimizer": {"nvme_path": None, "buffer_count": 4, "ratio": 1.0, "fast_init": False,
-                          "pipeline": False, "pipeline_read": False, "pipeline_write": False},
+    "offload_optimizer": {"ratio": 1.0, "pipeline": False, "pipeline_read": False, "pipeline_write": False},
     "offload_param": {"nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
 }
 ADAM_PARAMS = {
@@ -143,7 +163,6 @@ NOT_IMPLEMENTED_TOP = {
     "progressive_layer_drop": SECTION_OFF,
     "hybrid_engine": SECTION_OFF,
     "compression_training": SECTION_OFF,
-    "aio": SECTION_OFF,
     "pipeline": SECTION_OFF,
     "checkpoint": SECTION_OFF,
     "quantize_training": SECTION_OFF,
@@ -159,7 +178,6 @@ NOT_IMPLEMENTED_BF16 = {
 }
 NOT_IMPLEMENTED_ZERO = {
     # Not implemented: only their defaults pass.
-    "sub_group_size": 1_000_000_000,
     "stage3_max_reuse_distance": 1_000_000_000,
     "stage3_module_granularity_threshold": 0,
     "allgather_partitions": True,
@@ -191,5 +209,7 @@ ALL_KNOWN_PATHS = (
     + [f"activation_checkpointing.{k}" for k in ACTIVATION_CHECKPOINTING_KEYS]
     + [f"zero_optimization.zeropp_loco_param.{k}" for k in LOCO_KEYS]
     + [f"data_types.{k}" for k in DATA_TYPES_KEYS]
+    + [f"aio.{k}" for k in [*AIO_KEYS, *NOT_IMPLEMENTED_AIO]]
+    + [f"zero_optimization.offload_optimizer.{k}" for k in OFFLOAD_KEYS["offload_optimizer"]]
     + [f"optimizer.params.{k}" for k in [*ADAM_PARAMS, *NOT_IMPLEMENTED_OPTIMIZER_PARAMS]]
 )

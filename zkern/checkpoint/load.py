@@ -27,7 +27,7 @@ log = logging.getLogger("zkern")
 
 # Optimizers whose per-parameter state is exp_avg, exp_avg_sq and step with the same meaning: a checkpoint of one
 # resumes the other.
-ADAM_FAMILY = {"ShardAdam", "Adam", "AdamW", "CPUAdam"}
+ADAM_FAMILY = {"ShardAdam", "NvmeAdam", "Adam", "AdamW", "CPUAdam"}
 
 
 class _Plan:
@@ -202,7 +202,10 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
     rt, opt = engine.runtime, engine.optimizer
     with torch.no_grad():
         for live, staged in plan.copies:
-            live.copy_(staged)
+            if live.is_meta:  # a master on NVMe
+                engine.nvme.write("master", live, staged)
+            else:
+                live.copy_(staged)
         if plan.commit is not None:
             plan.commit()
         # The working-dtype copies follow the masters (as the optimizer's own step writes them).
@@ -210,7 +213,7 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
         for g in groups:
             for chunk in g.chunks:
                 if chunk.out is not None:
-                    chunk.out.copy_(chunk.param)
+                    chunk.out.copy_(engine.nvme.read("master", chunk.param) if chunk.param.is_meta else chunk.param)
         if load_optimizer_states and not load_module_only:
             for gi, k, piece, state in plan.optim:
                 _set_optimizer_state(opt, gi, k, piece, state)
@@ -243,15 +246,7 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
 
 def _set_optimizer_state(opt, gi: int, k: int, piece: torch.Tensor, state: dict) -> None:
     if isinstance(opt, ShardAdam):
-        exp_avg, exp_avg_sq = opt._views[id(piece)]
-        if state:
-            exp_avg.reshape(-1).copy_(state["exp_avg"])
-            exp_avg_sq.reshape(-1).copy_(state["exp_avg_sq"])
-            opt.steps[gi][k] = int(state["step"])
-        else:
-            exp_avg.zero_()
-            exp_avg_sq.zero_()
-            opt.steps[gi][k] = 0
+        opt.set_piece_state(gi, k, state)
         return
     new = {}
     for key, value in state.items():

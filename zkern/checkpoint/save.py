@@ -27,6 +27,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,14 @@ class Snapshot:
     scalars: dict[str, dict] = field(default_factory=dict)  # parameter name -> optimizer scalars (e.g. step)
     scalar_types: dict[str, str | None] = field(default_factory=dict)  # scalar key -> tensor dtype, None: a number
     body: dict = field(default_factory=dict)  # the manifest's fields (rank 0's are the ones written)
+    # Values of entries that are meta slices (states on NVMe), read when written: kind, slice -> host tensor.
+    materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+
+    def values(self, kind: str, t: torch.Tensor) -> torch.Tensor:
+        """An entry's values on the host (read from disk for states on NVMe)."""
+        if t.is_meta:
+            return self.materialize(kind, t).reshape(-1)
+        return t if t.device.type == "cpu" else t.cpu()
 
 
 def plain(value, where: str):
@@ -81,8 +90,7 @@ def plain(value, where: str):
 def optimizer_piece_state(optimizer: torch.optim.Optimizer, group: int, index: int, piece: torch.Tensor) -> dict:
     """The optimizer's state of one shard piece: per-element tensors and scalars."""
     if isinstance(optimizer, ShardAdam):
-        exp_avg, exp_avg_sq = optimizer._views[id(piece)]
-        return {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "step": optimizer.steps[group][index]}
+        return optimizer.piece_state(group, index)
     return dict(optimizer.state.get(piece, {}))
 
 
@@ -92,6 +100,8 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
     rt, opt = engine.runtime, engine.optimizer
     smap = rt.shard_map()
     snap = Snapshot(entries=[])
+    if engine.nvme is not None:  # master and moments on disk: each range is read as it is written
+        snap.materialize = lambda kind, t: engine.nvme.read("master" if kind == "master" else kind[len("optim."):], t)
     for gi, group in enumerate(rt.shard_groups):
         for i, piece in enumerate(group.pieces):
             index, start, mine = smap.pieces[gi][i]
@@ -146,7 +156,7 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
     if engine.device.type == "cuda":
         snap.entries.append(("rng.cuda", f"rank{engine.rank}", 0, torch.cuda.get_rng_state(engine.device)))
     if copy:
-        snap.entries = _to_host(snap.entries, pin=engine.device.type == "cuda")
+        snap.entries = _to_host(snap, pin=engine.device.type == "cuda")
     cfg = engine.config
     zero = cfg.zero_optimization
     scheduler = engine.lr_scheduler
@@ -181,11 +191,11 @@ def _jsonable(value):
     return str(value)
 
 
-def _to_host(entries, *, pin: bool):
+def _to_host(snap: Snapshot, *, pin: bool):
     out = []
-    for kind, name, start, t in entries:
+    for kind, name, start, t in snap.entries:
         buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
-        buf.copy_(t.reshape(-1), non_blocking=pin)
+        buf.copy_(snap.values(kind, t) if t.is_meta else t.reshape(-1), non_blocking=pin)
         out.append((kind, name, start, buf))
     if pin:
         torch.cuda.synchronize()
@@ -199,8 +209,8 @@ def _write_rank_file(directory: str, rank: int, snap: Snapshot) -> dict:
     writer = StreamWriter(path, [(key, dtype_name(t.dtype), (t.numel(),)) for key, (_, _, _, t) in
                                  zip(keys, snap.entries)], {"format": FORMAT, "rank": str(rank)})
     try:
-        for key, (_, _, _, t) in zip(keys, snap.entries):
-            host = t if t.device.type == "cpu" else t.cpu()
+        for key, (kind, _, _, t) in zip(keys, snap.entries):
+            host = snap.values(kind, t)
             writer.begin(key)
             writer.write(byte_view(host.contiguous()))
         sha = writer.close(fsync=True)

@@ -16,6 +16,7 @@ from zkern import ops
 from zkern.config import Config, ConfigError
 from zkern.engine.comm import Comm
 from zkern.engine.lr_schedules import build_scheduler
+from zkern.engine.nvme import NvmeAdam
 from zkern.engine.optimizer import ShardAdam, ShardGroup
 
 
@@ -172,9 +173,14 @@ def group_options(cfg: Config) -> dict:
 
 
 def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_groups: list[ShardGroup],
-                    requested: list[dict] | None = None) -> torch.optim.Optimizer:
+                    requested: list[dict] | None = None, nvme=None) -> torch.optim.Optimizer:
     """zkern's fused ShardAdam from the config (one group per requested group, its options over the config's), or
-    the client's torch optimizer re-pointed at the shard pieces."""
+    the client's torch optimizer re-pointed at the shard pieces. nvme: the NvmeShard holding the master and moments
+    (offload_optimizer.device "nvme"): zkern's Adam steps them there (nvme.NvmeAdam)."""
+    if nvme is not None and (client is not None or (cfg.optimizer is not None and cfg.optimizer.torch_adam)):
+        raise ConfigError("zero_optimization.offload_optimizer.device \"nvme\" steps zkern's own Adam/AdamW over the "
+                          "state files: give the optimizer in the config's 'optimizer' section (type Adam or AdamW, "
+                          "without torch_adam) instead of a torch optimizer")
     if client is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer is given twice: in the config's 'optimizer' section and as "
                           "Engine(optimizer=...); keep one")
@@ -187,6 +193,8 @@ def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_gro
         if cfg.optimizer.torch_adam:
             cls = torch.optim.AdamW if options[0]["adamw"] else torch.optim.Adam
             return cls([{"params": g.pieces, **{k: o[k] for k in GROUP_KEYS}} for g, o in zip(shard_groups, options)])
+        if nvme is not None:
+            return NvmeAdam(shard_groups, options, nvme)
         return ShardAdam(shard_groups, options)
     stage = cfg.zero_optimization.stage
     if stage >= 1 and not isinstance(client, (torch.optim.Adam, torch.optim.AdamW)) \

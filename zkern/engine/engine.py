@@ -18,7 +18,7 @@ import torch
 
 from zkern import checkpointing, ops
 from zkern.config import Config, node_size
-from zkern.engine import build
+from zkern.engine import build, nvme
 from zkern.engine.comm import Comm, backend_for, init_distributed
 from zkern.engine.divergence import signatures_differ
 from zkern.engine.offload import HostStep
@@ -90,7 +90,10 @@ class Engine(torch.nn.Module):
         if zero.stage != 3 and any(is_sharded(p) for p in model.parameters()):
             raise ValueError("the model was built under zkern.init_sharded, which partitions it for ZeRO stage 3; "
                              f"the config says stage {zero.stage}: use stage 3, or build the model without it")
-        self.offload = zero.offload_optimizer_device == "cpu"
+        self.offload = zero.offload_optimizer_device in ("cpu", "nvme")
+        # ZeRO-Infinity: the fp32 master and moments in files of this rank's own (engine/nvme.py), made before the
+        # runtime, which writes the initial masters into them as it partitions.
+        self.nvme = nvme.shard_from_config(cfg, rank) if zero.offload_optimizer_device == "nvme" else None
         # Page-locked host buffers speed up the copies to and from a GPU; without CUDA there is nothing to pin for.
         pin = self.device.type == "cuda"
         # The runtimes build their buffers on the device from the parameters where they are (the host, typically),
@@ -102,7 +105,7 @@ class Engine(torch.nn.Module):
             self.runtime = Stage3Runtime(model, groups, comm=self.comm, dtype=self.dtype, mixed=mixed, zero=zero,
                                          overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
                                          bucket_numel=zero.reduce_bucket_size, comm_dtype=comm_dtype,
-                                         accum_dtype=accum_dtype, device=self.device)
+                                         accum_dtype=accum_dtype, device=self.device, nvme=self.nvme)
         else:
             self.runtime = Stage12Runtime(model, groups, build.param_names(model),
                                           quantized=QuantizedReduce.from_config(self.comm, zero),
@@ -110,7 +113,8 @@ class Engine(torch.nn.Module):
                                           bucket_numel=bucket,
                                           overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
                                           offload=self.offload, pin_memory=pin and zero.offload_optimizer_pin_memory,
-                                          comm_dtype=comm_dtype, accum_dtype=accum_dtype, device=self.device)
+                                          comm_dtype=comm_dtype, accum_dtype=accum_dtype, device=self.device,
+                                          nvme=self.nvme)
         model.to(self.device).to(self.dtype)
         release_freed_memory()
         self._log_layout()
@@ -121,7 +125,8 @@ class Engine(torch.nn.Module):
             self.host_step = HostStep(shard_groups, pin=pin and zero.offload_optimizer_pin_memory,
                                       out_on_host=zero.offload_param_device == "cpu")
             shard_groups = self.host_step.host_groups
-        self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups, requested)
+        self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups, requested, nvme=self.nvme)
+        self._log_offload()
         self.lr_scheduler = build.build_scheduler_for(cfg, lr_scheduler, self.optimizer)
         self.scaler = LossScaler.from_config(cfg)
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
@@ -142,6 +147,31 @@ class Engine(torch.nn.Module):
             log.info("zkern: %s", line)
         for line in self.runtime.warnings(self.config.zero_optimization.reduce_bucket_size):
             log.warning("zkern: %s", line)
+
+    def _log_offload(self) -> None:
+        """Say where the optimizer's states went, and what the offload keys that do nothing here would have done."""
+        zero = self.config.zero_optimization
+        if self.nvme is not None:
+            self.nvme.buffers()  # the tile size is fixed now that every region exists
+        if self.rank != 0:
+            return
+        if self.nvme is not None:
+            log.info("zkern NVMe: master and Adam moments in %s (%.1f MB per rank, %s I/O), stepped in tiles of %d "
+                     "elements through %d buffer sets (%.1f MB of host memory)", self.nvme.directory,
+                     self.nvme.nbytes() / 1e6, self.nvme.io_path, self.nvme.tile, self.nvme.buffer_count,
+                     self.nvme.buffer_bytes() / 1e6)
+            if self.nvme.buffer_bytes() > 1 << 30:
+                log.warning("zkern NVMe: the tile buffers take %.1f GB of host memory (buffer_count x 3 states x "
+                            "sub_group_size x 4 bytes); lower zero_optimization.sub_group_size (e.g. 1e7)",
+                            self.nvme.buffer_bytes() / 1e9)
+            return
+        if zero.offload_optimizer_nvme_path is not None:
+            log.warning("zkern: zero_optimization.offload_optimizer.nvme_path is set but the device is %r: the "
+                        "optimizer states are not on NVMe (set device \"nvme\" for that)",
+                        zero.offload_optimizer_device)
+        if zero.sub_group_size != 1_000_000_000:
+            log.info("zkern: zero_optimization.sub_group_size sets the tile of the NVMe optimizer step; with "
+                     "offload_optimizer.device %r it changes nothing", zero.offload_optimizer_device)
 
     # -- the training loop ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -353,9 +383,17 @@ class Engine(torch.nn.Module):
         else:
             device["optimizer"] = optimizer
         host["params"], device["params"] = on_host, device["params"] - on_host
+        on_nvme = None
+        if self.nvme is not None:  # the three state files are the same size: master, then exp_avg + exp_avg_sq
+            host["nvme_buffers"] = self.nvme.buffer_bytes()
+            on_disk = self.nvme.nbytes()
+            on_nvme = {"master": on_disk // 3, "optimizer": on_disk - on_disk // 3, "total": on_disk}
         device["total"], host["total"] = sum(device.values()), sum(host.values())
         # offload_param needs offload_optimizer, so only an offloaded run has anything on the host
-        return {self.device.type: device, "host": host} if self.offload else {self.device.type: device}
+        report = {self.device.type: device, "host": host} if self.offload else {self.device.type: device}
+        if on_nvme is not None:
+            report["nvme"] = on_nvme
+        return report
 
     def comm_stats(self) -> dict:
         """Bytes this rank sent per collective kind since the start (ring-algorithm volumes), with call counts
@@ -413,6 +451,16 @@ class Engine(torch.nn.Module):
         """Wait for the asynchronous save in flight, if any; returns its directory, or raises its error."""
         pending, self._pending_save = self._pending_save, None
         return None if pending is None else pending.wait()
+
+    def destroy(self) -> None:
+        """Release what the engine holds outside this process (DeepSpeed's method): wait for an asynchronous save,
+        then remove this rank's NVMe state files (offload_optimizer.device "nvme"; they also go at interpreter
+        exit). The engine cannot step after it."""
+        try:
+            self.wait_checkpoint()
+        finally:
+            if self.nvme is not None:
+                self.nvme.close()
 
     @property
     def checkpoint_in_flight(self) -> bool:

@@ -48,6 +48,11 @@ class ShardAdam(torch.optim.Optimizer):
         super().__init__(param_groups, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
                                         "adamw": True})
         self.shard_groups = groups
+        # Per-piece step counts as Python ints: reading a device tensor here would sync the host every step.
+        self.steps = [[0] * len(g.pieces) for g in groups]
+        self._allocate_moments(groups)
+
+    def _allocate_moments(self, groups: list[ShardGroup]) -> None:
         # Each group's moments cover its own chunks only, back to back: at stage 3 every group's chunks lie in
         # one shard shared with the other groups and the frozen parameters, and a shard-sized buffer per group
         # would cost 8 bytes per element of the whole shard for every group.
@@ -55,8 +60,6 @@ class ShardAdam(torch.optim.Optimizer):
         sizes = [sum(c.param.numel() for c in g.chunks) for g in groups]
         self.exp_avg = [torch.zeros(n, dtype=torch.float32, device=_device(g)) for n, g in zip(sizes, groups)]
         self.exp_avg_sq = [torch.zeros(n, dtype=torch.float32, device=_device(g)) for n, g in zip(sizes, groups)]
-        # Per-piece step counts as Python ints: reading a device tensor here would sync the host every step.
-        self.steps = [[0] * len(g.pieces) for g in groups]
         # Per-piece state as views into the flat buffers, shaped like the piece (as torch's AdamW keeps it).
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for gi, g in enumerate(groups):
@@ -67,6 +70,29 @@ class ShardAdam(torch.optim.Optimizer):
                              self.exp_avg_sq[gi][lo:lo + numel].view(piece.shape))
                     self._views[id(piece)] = views
                     self.state[piece] = {"exp_avg": views[0], "exp_avg_sq": views[1]}
+
+    def piece_state(self, group: int, index: int) -> dict:
+        """The state of piece `index` of group `group`: exp_avg and exp_avg_sq (live views) and its step count."""
+        exp_avg, exp_avg_sq = self._views[id(self.shard_groups[group].pieces[index])]
+        return {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "step": self.steps[group][index]}
+
+    def set_piece_state(self, group: int, index: int, state: dict) -> None:
+        """Set a piece's state from {exp_avg, exp_avg_sq, step} (any shape with the piece's numel), or reset it
+        (an empty state: the piece never stepped)."""
+        exp_avg, exp_avg_sq = self._views[id(self.shard_groups[group].pieces[index])]
+        if state:
+            if state["exp_avg"].numel() != exp_avg.numel():
+                raise ValueError(f"optimizer state for piece {index} of group {group} has "
+                                 f"{state['exp_avg'].numel()} elements, this engine's shard piece "
+                                 f"{exp_avg.numel()}: the state comes from another layout (world size, stage or "
+                                 f"bucket size)")
+            exp_avg.reshape(-1).copy_(state["exp_avg"].reshape(-1))
+            exp_avg_sq.reshape(-1).copy_(state["exp_avg_sq"].reshape(-1))
+            self.steps[group][index] = int(state["step"])
+        else:
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+            self.steps[group][index] = 0
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.exp_avg, *self.exp_avg_sq))

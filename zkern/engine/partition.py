@@ -153,7 +153,7 @@ def _layout(numels: list[int], world: int, groups: list[tuple[int, int]]) -> Lay
                   shard_numel=shard)
 
 
-def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimizer: bool = False,
+def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimizer: bool | str = False,
                     offload_param: bool = False, optimizer_bytes_per_param: int | None = None,
                     precision: str = "mixed", hpz_partition_size: int = 1) -> dict[str, int]:
     """Model-state bytes per device by the ZeRO paper's formulas (Psi = num_params, N = world_size).
@@ -161,12 +161,18 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
     precision "mixed": 2-byte parameters and gradients, K = optimizer_bytes_per_param (default 12: fp32 master,
     exp_avg, exp_avg_sq): baseline (2+2+K)Psi, stage 1 4Psi+K*Psi/N, stage 2 2Psi+(2+K)Psi/N, stage 3 (4+K)Psi/N.
     precision "fp32": 4-byte parameters and gradients, no master copy (default K = 8, Adam's two moments).
-    offload_optimizer (stages 1-3) moves the K*Psi/N optimizer bytes to "host" (in fp32 plus the host's own 4*Psi/N
-    copy of the shard, which the optimizer steps); offload_param (stage 3) moves the parameter shard there too.
+    offload_optimizer (stages 1-3; True or "cpu") moves the K*Psi/N optimizer bytes to "host" (in fp32 plus the
+    host's own 4*Psi/N copy of the shard, which the optimizer steps); "nvme" moves the same bytes to "nvme" (the
+    files; the host keeps only tile buffers, a config choice not counted here); offload_param (stage 3) moves the
+    parameter shard to "host".
     hpz_partition_size k > 1 (ZeRO++ hpZ, stage 3): a secondary copy of the working weights over groups of k ranks,
     width * Psi / k more per device, under "hpz_secondary".
-    Returns {"params", "grads", "optimizer_states", ["hpz_secondary",] "total", "host"}.
+    Returns {"params", "grads", "optimizer_states", ["hpz_secondary",] "total", "host"[, "nvme"]}.
     """
+    if offload_optimizer not in (False, True, "none", "cpu", "nvme"):
+        raise ValueError(f"offload_optimizer must be False, True, 'cpu' or 'nvme', got {offload_optimizer!r}")
+    nvme = offload_optimizer == "nvme"
+    offload_optimizer = offload_optimizer not in (False, "none")
     match precision:
         case "mixed":
             width, k = 2, 12 if optimizer_bytes_per_param is None else optimizer_bytes_per_param
@@ -201,6 +207,7 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
         raise ValueError(f"hpz_partition_size ({hpz_partition_size}) must be >= 1 and divide the world size ({n})")
     if hpz_partition_size > 1 and stage != 3:
         raise ValueError("hpz_partition_size (hpZ) needs ZeRO stage 3")
+    params_host = params
     if offload_param:
         host, params = host + params, 0.0
     out = {"params": params, "grads": grads, "optimizer_states": opt}
@@ -208,5 +215,10 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
         out["hpz_secondary"] = width * num_params / hpz_partition_size
     out = {key: int(round(v)) for key, v in out.items()}
     out["total"] = sum(out.values())
+    if nvme:  # the optimizer's bytes sit in the files; the host keeps what offload_param puts there
+        on_disk = host - (params_host if offload_param else 0)
+        out["host"] = int(round(host - on_disk))
+        out["nvme"] = int(round(on_disk))
+        return out
     out["host"] = int(round(host))
     return out

@@ -48,10 +48,12 @@ class FlatGroup:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, stage: int, comm: Comm,
                  dtype: torch.dtype, mixed: bool, bucket_numel: int, overlap: bool, reduce_scatter: bool,
                  offload: bool = False, pin_memory: bool = False, comm_dtype: torch.dtype | None = None,
-                 accum_dtype: torch.dtype | None = None, device: torch.device | None = None):
+                 accum_dtype: torch.dtype | None = None, device: torch.device | None = None, nvme=None):
         """comm_dtype: the dtype gradients are reduced in (communication_data_type); accum_dtype: the dtype they
         accumulate in across micro-steps (data_types.grad_accum_dtype); both default to the working dtype. device:
-        where the buffers live (default: where the parameters are)."""
+        where the buffers live (default: where the parameters are). nvme: an engine.nvme.NvmeShard when
+        offload_optimizer.device is "nvme": the master shard is a region of its files (self.master is then the
+        region's meta stand-in)."""
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
         self.dtype, self.mixed, self.overlap, self.reduce_scatter = dtype, mixed, overlap, reduce_scatter
         self.comm_dtype, self.accum_dtype = comm_dtype or dtype, accum_dtype or dtype
@@ -69,8 +71,11 @@ class FlatGroup:
         # buffer as soon as it is written, so their old storage goes at once and building holds one bucket of fp32
         # beside the model. torch.empty commits pages only as they are written.
         self.param_flat = torch.empty(layout.total, dtype=dtype, device=device)
+        self.nvme = nvme
         self.master = None
-        if mixed or offload:
+        if nvme is not None:
+            self.master = nvme.add_region(layout.shard_numel)
+        elif mixed or offload:
             self.master = host_tensor(layout.shard_numel, torch.float32, pin=pin_memory) if offload else \
                 torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
         for b in layout.buckets:
@@ -83,8 +88,12 @@ class FlatGroup:
                 start = lo - b.offset
                 real = max(0, min(size, b.numel - start))  # the rest of the chunk is padding
                 mine = self.master[b.shard_offset:b.shard_offset + size]
-                mine[:real].copy_(values[start:start + real])
-                mine[real:].zero_()
+                if nvme is not None:
+                    nvme.write("master", mine, torch.cat([values[start:start + real].cpu(),
+                                                          torch.zeros(size - real)]))
+                else:
+                    mine[:real].copy_(values[start:start + real])
+                    mine[real:].zero_()
             del values
             for i in range(b.first, b.last):
                 params[i].data = self._param_view(self.param_flat, i)
@@ -314,7 +323,7 @@ class FlatGroup:
         match what:
             case "fp32" if self.master is not None:
                 return gather_whole(self.comm, self.shard_world, self._whole_buckets(False),
-                                    lambda i: self.master[self._shard_slice(i)], torch.float32, device,
+                                    self._master_chunk, torch.float32, device,
                                     "fp32 weights", keep)
             case "fp32" | "working":
                 dtype = torch.float32 if what == "fp32" else self.dtype
@@ -341,14 +350,19 @@ class FlatGroup:
         b = self.layout.buckets[i]
         return flat[b.offset:b.offset + b.padded]
 
+    def _master_chunk(self, i: int) -> torch.Tensor:
+        """Bucket i's chunk of the fp32 master (read from disk when it is there)."""
+        chunk = self.master[self._shard_slice(i)]
+        return self.nvme.read("master", chunk) if chunk.is_meta else chunk
+
     def _shard_slice(self, i: int) -> slice:
         b = self.layout.buckets[i]
         return slice(b.shard_offset, b.shard_offset + b.chunk)
 
     # -- accounting -------------------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
-        def nbytes(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
+        def nbytes(t: torch.Tensor | None) -> int:  # a meta stand-in (states on NVMe) holds no memory
+            return 0 if t is None or t.is_meta else t.numel() * t.element_size()
 
         grads = nbytes(self.grad_flat) + nbytes(self.grad_shard)
         buffers = self._buffer_count * self._bucket_capacity * self.comm_dtype.itemsize

@@ -51,7 +51,9 @@ class Stage3Runtime:
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], *, comm: Comm,
                  dtype: torch.dtype, mixed: bool, zero, overlap: bool, reduce_scatter: bool, bucket_numel: int,
                  comm_dtype: torch.dtype | None = None, accum_dtype: torch.dtype | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, nvme=None):
+        """nvme: an engine.nvme.NvmeShard when offload_optimizer.device is "nvme" (the master shard is then one
+        region of its files, self.master its meta stand-in)."""
         if comm.world > MAX_SIGNATURE_WORLD:
             raise ValueError(f"stage 3 checks its gathers across at most {MAX_SIGNATURE_WORLD} ranks, got {comm.world}")
         self.params_on_host = zero.offload_param_device == "cpu"
@@ -104,7 +106,10 @@ class Stage3Runtime:
             self.param_shard = torch.zeros(shard, dtype=dtype, device=device)
         # offload_optimizer: the fp32 master shard lives on the host, in fp32 runs too (the optimizer's copy).
         self.master = None
-        if zero.offload_optimizer_device == "cpu":
+        self.nvme = nvme
+        if nvme is not None:  # offload_optimizer.device "nvme": the master is a region of the shard's files
+            self.master = nvme.add_region(shard)
+        elif zero.offload_optimizer_device == "cpu":
             self.master = host_tensor(shard, torch.float32, pin=zero.offload_optimizer_pin_memory and cuda)
         elif mixed:
             self.master = torch.zeros(shard, dtype=torch.float32, device=device)
@@ -174,7 +179,9 @@ class Stage3Runtime:
                     self.frozen.put(u.index, mine)  # from the fp32 values, not a 16-bit rounding of them
                 else:
                     self.param_shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
-                    if self.master is not None:
+                    if self.nvme is not None:
+                        self.nvme.write("master", self.master[b.shard_offset:b.shard_offset + b.chunk], mine)
+                    elif self.master is not None:
                         self.master[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
                 for p in u.plan.params:
                     p.data = self._empty
@@ -396,9 +403,14 @@ class Stage3Runtime:
                     if self.master is not None:
                         # Only the elements that changed take the 16-bit value: the others keep their fp32 master
                         # value, which the 16-bit copy had only rounded.
-                        master = self.master[b.shard_offset:b.shard_offset + b.chunk]
+                        region = self.master[b.shard_offset:b.shard_offset + b.chunk]
+                        master = self.nvme.read("master", region) if self.nvme is not None else region
                         changed = (mine.to(working.device) != working).to(master.device)
-                        master.copy_(torch.where(changed, mine.to(master.device, torch.float32), master))
+                        merged = torch.where(changed, mine.to(master.device, torch.float32), master)
+                        if self.nvme is not None:
+                            self.nvme.write("master", region, merged)
+                        else:
+                            master.copy_(merged)
                     working.copy_(mine)
         for u in units:
             u.unpin()
@@ -469,7 +481,8 @@ class Stage3Runtime:
             u = units[i]
             if self.frozen is not None and u.index in self.frozen:
                 return self.frozen.get(u.index, dtype)
-            return source[u.bucket.shard_offset:u.bucket.shard_offset + u.bucket.chunk]
+            chunk = source[u.bucket.shard_offset:u.bucket.shard_offset + u.bucket.chunk]
+            return self.nvme.read("master", chunk) if chunk.is_meta else chunk
 
         return gather_whole(self.comm, self.comm.world, buckets, chunk_of, dtype, self._empty.device, purpose, keep)
 
@@ -493,8 +506,8 @@ class Stage3Runtime:
         return {u.name: self.gatherer.counts[u.index] for u in self.units}
 
     def memory(self) -> dict[str, int]:
-        def nbytes(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
+        def nbytes(t: torch.Tensor | None) -> int:  # a meta stand-in (states on NVMe) holds no memory
+            return 0 if t is None or t.is_meta else t.numel() * t.element_size()
 
         persistent = sum(nbytes(u.buffer) for u in self.units if u.persistent)
         live = sum(nbytes(u.buffer) for u in self.units if not u.persistent)

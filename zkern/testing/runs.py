@@ -41,6 +41,7 @@ class TrainSpec:
     device: str = "cpu"  # "cuda" for the gpu-marked tests
     arch: str = "tiny"  # "tiny" (TinyGPT), "moe" (TinyMoE) or "hf_gpt2" (Hugging Face GPT-2); `model` holds kwargs
     param_groups: bool = False  # a client AdamW with HF Trainer's groups: decay on matrices, none on biases/norms
+    config_groups: bool = False  # the same two groups as model_parameters of the config's optimizer
     # moe: {step: [expert per rank]}: that step, every sequence of rank r goes to expert list[r] (the first token
     # picks the expert); other steps route by the data
     forced_routes: dict = field(default_factory=dict)
@@ -81,15 +82,27 @@ class TrainSpec:
             case other:
                 raise ValueError(f"unknown arch {other!r}")
 
-    def client_optimizer(self, model: nn.Module) -> torch.optim.Optimizer | None:
-        """param_groups: HF Trainer's two AdamW groups (decay on matrices and embeddings, none on biases and
-        norms); else None (the config's optimizer)."""
-        if not self.param_groups:
-            return None
+    def two_groups(self, model: nn.Module) -> list[dict]:
+        """HF Trainer's two AdamW groups: decay on matrices and embeddings, none on biases and norms."""
         decay = [p for p in model.parameters() if p.dim() >= 2 and p.requires_grad]
         rest = [p for p in model.parameters() if p.dim() < 2 and p.requires_grad]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
-                                  {"params": rest, "weight_decay": 0.0}], lr=self.lr)
+        return [{"params": decay, "weight_decay": self.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+    def client_optimizer(self, model: nn.Module) -> torch.optim.Optimizer | None:
+        """param_groups: a torch AdamW over two_groups; else None (the config's optimizer)."""
+        if not self.param_groups:
+            return None
+        return torch.optim.AdamW(self.two_groups(model), lr=self.lr)
+
+    def model_parameters(self, model: nn.Module) -> list[dict] | None:
+        """config_groups: two_groups, for the config's optimizer (Engine's model_parameters); else None."""
+        return self.two_groups(model) if self.config_groups else None
+
+    def build_engine(self, model: nn.Module, world: int):
+        import zkern
+
+        return zkern.Engine(model, self.config(world), optimizer=self.client_optimizer(model),
+                            model_parameters=self.model_parameters(model))
 
     def loss(self, model, idx: torch.Tensor, tgt: torch.Tensor, step: int, rank: int = 0) -> torch.Tensor:
         """The model's loss on one batch, as each arch computes it (HF GPT-2 shifts its labels itself)."""
@@ -140,7 +153,8 @@ def reference_run(spec: TrainSpec, world: int, prepare=None) -> tuple[dict[str, 
     batches = spec.batches(world)
     params = [p for p in model.parameters() if p.requires_grad]
     # DeepSpeed's (and so zkern's) "Adam" decouples weight decay like AdamW unless adam_w_mode is false.
-    opt = spec.client_optimizer(model) or torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    groups = spec.two_groups(model) if spec.param_groups or spec.config_groups else params
+    opt = torch.optim.AdamW(groups, lr=spec.lr, weight_decay=spec.weight_decay)
     losses = []
     for step in range(spec.steps):
         opt.zero_grad()
@@ -164,7 +178,6 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
     full_state_dict (rank 0), memory_report, comm_stats after construction and at the end, counters."""
     import logging
 
-    import zkern
 
     messages: list[str] = []
     handler = logging.Handler()
@@ -174,7 +187,7 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
     level = logger.level
     logger.setLevel(logging.INFO)
     model = spec.make_model()
-    engine = zkern.Engine(model, spec.config(world), optimizer=spec.client_optimizer(model))
+    engine = spec.build_engine(model, world)
     comm_start = engine.comm_stats()
     gathered_after_forward = []
 
@@ -187,9 +200,11 @@ def engine_run(rank: int, world: int, spec: TrainSpec) -> dict:
     comm_end = engine.comm_stats()  # before full_state_dict's own gather
     state = engine.full_state_dict(rank0_only=True)
     state = None if state is None else {k: v.cpu() for k, v in state.items()}
+    memory = engine.memory_report()
+    engine.destroy()
     logger.removeHandler(handler)
     logger.setLevel(level)
-    return {"losses": losses, "state": state, "memory": engine.memory_report(), **peak,
+    return {"losses": losses, "state": state, "memory": memory, **peak,
             "comm_start": comm_start,
             "comm_end": comm_end, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
             "log": messages, "gathered_after_forward": gathered_after_forward,

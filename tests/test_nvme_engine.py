@@ -1,0 +1,240 @@
+"""ZeRO-Infinity in the engine: offload_optimizer.device "nvme" trains exactly as host-memory offload does (the same
+arithmetic, the states in files instead of host memory), at stages 1-3, world 2; checkpoints cross between the
+two both ways; a directory zkern cannot write to is an error naming it before any step, and a state file changed
+behind zkern's back refuses the step whole."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from checkpoint_runs import SCHEDULER, spec_for, train
+
+import zkern
+from zkern import ops
+from zkern.checkpoint import load_optimizer_state_dict
+from zkern.testing import TrainSpec, assert_params_close, engine_run, reference_run, spawn
+
+pytestmark = pytest.mark.skipif(not ops.cpu_ext.available(), reason="needs the C++ extension (make setup)")
+
+SMALL_TILES = {"sub_group_size": 1000}  # many tiles per region, tiles that cross chunk and piece boundaries
+
+
+def host(spec: TrainSpec) -> TrainSpec:
+    zero = {k: v for k, v in spec.zero.items() if k != "offload_optimizer"}
+    return dataclasses.replace(spec, zero={**zero, "offload_optimizer": {"device": "cpu"}})
+
+
+def on_nvme(spec: TrainSpec, path) -> TrainSpec:
+    return dataclasses.replace(spec, zero={**spec.zero, **SMALL_TILES,
+                                           "offload_optimizer": {"device": "nvme", "nvme_path": str(path),
+                                                                 "buffer_count": 3}})
+
+
+CASES = {
+    # sometimes-unused parameters, unused in the first step: pieces that skip steps (their tiles are not read);
+    # two param groups (decay / no decay) through model_parameters: one region per group at stages 1-2
+    "stage1-groups": TrainSpec(stage=1, steps=4, model=dict(extra_branch=True), extra_every=2, extra_phase=1,
+                               config_groups=True, reduce_bucket_size=5000),
+    "stage2-bf16-groups-accum-clip": TrainSpec(stage=2, steps=4, precision="bf16", accumulation=2, clip=0.05,
+                                               config_groups=True, reduce_bucket_size=5000),
+    # one region for the whole shard; a frozen layer's master lies between trainable chunks
+    "stage3-bf16-groups-frozen": TrainSpec(stage=3, steps=4, precision="bf16", config_groups=True,
+                                           model=dict(reuse_first_block=True, frozen=("fc",))),
+    "stage3-offload-param": TrainSpec(stage=3, steps=4, zero={"offload_param": {"device": "cpu"}}),
+}
+
+
+def engine_runs(rank, world, specs):
+    return [engine_run(rank, world, s) for s in specs]
+
+
+@pytest.mark.dist
+def test_nvme_offload_trains_bit_for_bit_as_host_offload(tmp_path):
+    names = list(CASES)
+    specs = [on_nvme(CASES[n], tmp_path) for n in names] + [host(CASES[n]) for n in names]
+    per_rank = spawn(engine_runs, 2, specs)
+    k = len(names)
+    for i, name in enumerate(names):
+        nvme, plain = per_rank[0][i], per_rank[0][k + i]
+        assert nvme["global_steps"] == plain["global_steps"] == 4, name
+        assert nvme["losses"] == plain["losses"], name
+        for key, value in plain["state"].items():
+            assert torch.equal(nvme["state"][key], value), f"{name}: {key}"
+        spec = CASES[name]
+        if spec.precision == "fp32":  # and, like host offload, single-process torch AdamW's training
+            ref_state, _ = reference_run(spec, 2)
+            assert_params_close(nvme["state"], ref_state, lr=spec.lr, steps=spec.steps)
+        for r in range(2):
+            mem, host_mem = per_rank[r][i]["memory"], per_rank[r][k + i]["memory"]
+            # nothing of the master or the moments stays in host memory; the files hold them, padded per region
+            # to whole 4 KiB blocks, and the tile buffers are buffer_count x 3 states x one tile
+            assert mem["host"]["master"] == mem["host"]["optimizer"] == 0, name
+            master = host_mem["host"]["master"]
+            assert master <= mem["nvme"]["master"] < master + 4096 * 2, name
+            assert mem["nvme"]["optimizer"] == 2 * mem["nvme"]["master"], name
+            assert mem["host"]["nvme_buffers"] == 3 * 3 * 4 * 1024, name
+            log = "\n".join(per_rank[r][i]["log"])
+            assert "zkern NVMe: master and Adam moments in" in log or r > 0, name
+    assert os.listdir(tmp_path) == []  # engine.destroy() removed each rank's own directory under nvme_path
+
+
+def cross_resume(rank: int, world: int, specs: dict, root: str) -> dict:
+    """Host offload uninterrupted for 6 steps; then each setting saves at step 3 and each loads each other's
+    checkpoint and trains steps 3-5."""
+    engine = specs["cpu"].build_engine(specs["cpu"].make_model(), world)
+    train(engine, specs["cpu"], 0, 6, rank, world)
+    out = {"uninterrupted": engine.full_state_dict()}
+    for src, spec in specs.items():
+        engine = spec.build_engine(spec.make_model(), world)
+        train(engine, spec, 0, 3, rank, world)
+        engine.save_checkpoint(os.path.join(root, src))
+        engine.save_checkpoint(os.path.join(root, f"{src}-async"), async_save=True)
+        engine.destroy()  # waits for the asynchronous save first
+    for src in specs:
+        for dst, spec in specs.items():
+            engine = spec.build_engine(spec.make_model(), world)
+            engine.load_checkpoint(os.path.join(root, src))
+            train(engine, spec, 3, 6, rank, world)
+            out[f"{src}->{dst}"] = engine.full_state_dict()
+            out[f"{src}->{dst} steps"] = engine.global_steps
+            engine.destroy()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage, precision", [(2, "fp32"), (3, "bf16")])
+def test_checkpoints_cross_between_host_and_nvme_offload_both_ways(tmp_path, stage, precision):
+    base = spec_for(2, stage=stage, precision=precision, config_groups=True, reduce_bucket_size=500,
+                    extra_config=SCHEDULER)  # the warm-up's lr, read live by each tile's step, resumes too
+    specs = {"cpu": host(base), "nvme": on_nvme(base, tmp_path / "nvme")}
+    out = spawn(cross_resume, 2, specs, str(tmp_path / "ckpt"))[0]
+    for key in ("cpu->cpu", "cpu->nvme", "nvme->cpu", "nvme->nvme"):
+        assert out[f"{key} steps"] == 6, key
+        for name, value in out["uninterrupted"].items():
+            assert torch.equal(out[key][name], value), f"{key}: {name}"
+    # what the NVMe engine wrote equals what the host engine wrote: the optimizer states read back from its files
+    for suffix in ("", "-async"):
+        a = load_optimizer_state_dict(str(tmp_path / "ckpt" / f"cpu{suffix}"))
+        b = load_optimizer_state_dict(str(tmp_path / "ckpt" / f"nvme{suffix}"))
+        assert sorted(a) == sorted(b)
+        for name in a:
+            assert a[name]["step"] == b[name]["step"] == 3
+            for state in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(a[name][state], b[name][state]), (suffix, name, state)
+
+
+# -- errors ------------------------------------------------------------------------------------------------------
+def _config(path, **zero):
+    return {"train_micro_batch_size_per_gpu": 2, "device": "cpu",
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2, **SMALL_TILES,
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}, **zero}}
+
+
+def _model():
+    torch.manual_seed(0)
+    return zkern.testing.TinyGPT(vocab=67, dim=32, n_layer=1, n_head=2, seq=16)
+
+
+def _step(engine, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 67, (2, 16), generator=g)
+    engine.backward(engine(idx, idx))
+    engine.step()
+
+
+def test_a_directory_zkern_cannot_write_is_an_error_naming_it_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match=rf"cannot create the optimizer directory {blocker}/zkern-optimizer-rank0"):
+        zkern.Engine(_model(), _config(blocker))
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    if os.geteuid() == 0:  # root writes through permission bits; an immutable directory stops it too
+        subprocess.run(["chattr", "+i", str(locked)], check=True)
+    else:
+        locked.chmod(0o555)
+    try:
+        with pytest.raises(OSError, match=rf"cannot create the optimizer directory {locked}/zkern-optimizer-rank0"):
+            zkern.Engine(_model(), _config(locked))
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(locked)], check=True)
+        else:
+            locked.chmod(0o755)
+
+
+FULL_DISK = """
+import resource, signal, sys, torch, zkern, zkern.testing
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))  # files of 16 KiB at most: a full disk
+torch.manual_seed(0)
+model = zkern.testing.TinyGPT(vocab=67, dim=32, n_layer=1, n_head=2, seq=16)
+config = {"train_micro_batch_size_per_gpu": 2, "device": "cpu", "optimizer": {"type": "AdamW"},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1]}}}
+try:
+    zkern.Engine(model, config)
+except OSError as e:
+    print("OSError", e)
+"""
+
+
+def test_a_full_disk_is_an_error_naming_the_file_when_the_engine_is_built(tmp_path):
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert "OSError" in out.stdout and "cannot reserve" in out.stdout and str(tmp_path) in out.stdout, \
+        out.stdout + out.stderr
+
+
+def test_a_state_file_changed_behind_zkern_refuses_the_step_before_any_change(tmp_path):
+    engine = zkern.Engine(_model(), _config(tmp_path))
+    _step(engine, 0)
+    before = engine.full_state_dict()
+    (victim,) = [os.path.join(root, f) for root, _, files in os.walk(tmp_path) for f in files
+                 if f == "exp_avg_sq-0.bin"]
+    os.truncate(victim, 4096)
+    with pytest.raises(OSError, match=rf"{victim} changed under zkern"):
+        _step(engine, 1)
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and engine.global_steps == 1
+
+
+def test_gathered_parameters_writes_reach_the_master_on_disk(tmp_path):
+    """Stage 3: a GatheredParameters(modifier_rank=0) write goes into the master in the files (only the elements
+    it changed), and training goes on from it exactly as with host offload."""
+    results = []
+    for offload in ({"device": "cpu"}, {"device": "nvme", "nvme_path": str(tmp_path)}):
+        cfg = _config(tmp_path, stage=3, offload_optimizer=offload, stage3_param_persistence_threshold=10)
+        cfg["bf16"] = {"enabled": True}
+        model = _model()
+        engine = zkern.Engine(model, cfg)
+        _step(engine, 0)
+        with zkern.GatheredParameters([model.head.weight], modifier_rank=0), torch.no_grad():
+            model.head.weight[:3].fill_(0.25)
+        after_write = engine.full_state_dict()
+        _step(engine, 1)
+        results.append((after_write, engine.full_state_dict()))
+        engine.destroy()
+    (host_write, host_end), (nvme_write, nvme_end) = results
+    assert torch.equal(nvme_write["head.weight"][:3], torch.full_like(nvme_write["head.weight"][:3], 0.25))
+    for key in host_end:
+        assert torch.equal(nvme_write[key], host_write[key]) and torch.equal(nvme_end[key], host_end[key]), key
+
+
+def test_nvme_needs_zkerns_adam_and_a_path():
+    with pytest.raises(zkern.ConfigError, match="nvme_path' is required"):
+        zkern.Config.load({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}})
+    with pytest.raises(zkern.ConfigError, match="buffer_count' must be >= 3"):
+        zkern.Config.load({"zero_optimization": {"stage": 1, "offload_optimizer": {
+            "device": "nvme", "nvme_path": "/tmp", "buffer_count": 2}}})
+    with pytest.raises(zkern.ConfigError, match="offload_param.device' \"nvme\" .* not implemented"):
+        zkern.Config.load({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                 "offload_param": {"device": "nvme"}}})
+    model = _model()
+    cfg = _config("/tmp")
+    del cfg["optimizer"]
+    with pytest.raises(zkern.ConfigError, match="steps zkern's own Adam/AdamW"):
+        zkern.Engine(model, cfg, optimizer=torch.optim.AdamW(model.parameters()))

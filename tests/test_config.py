@@ -83,8 +83,8 @@ def test_not_implemented_keys_pass_at_default_and_fail_otherwise():
                wall_clock_breakdown=False, tensorboard={"enabled": False}, fp16={"enabled": False, "auto_cast": False})
     assert cfg.zero_optimization.stage == 2
     cases = [
-        (dict(zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "max_in_cpu": 5}}),
-         "zero_optimization.offload_param.max_in_cpu"),
+        (dict(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+         "zero_optimization.offload_optimizer.ratio"),
         (dict(zero_optimization={"stage3_module_granularity_threshold": 5}),
          "zero_optimization.stage3_module_granularity_threshold"),
         (dict(zero_optimization={"stage3_max_reuse_distance": 5}), "zero_optimization.stage3_max_reuse_distance"),

@@ -23,14 +23,25 @@ SMALL_TILES = {"sub_group_size": 1000}  # many tiles per region, tiles that cros
 
 
 def host(spec: TrainSpec) -> TrainSpec:
-    zero = {k: v for k, v in spec.zero.items() if k != "offload_optimizer"}
-    return dataclasses.replace(spec, zero={**zero, "offload_optimizer": {"device": "cpu"}})
+    """The same run with every offload in host memory."""
+    zero = {k: v for k, v in spec.zero.items() if k not in ("offload_optimizer", "offload_param", "sub_group_size")}
+    zero["offload_optimizer"] = {"device": "cpu"}
+    if "offload_param" in spec.zero:
+        zero["offload_param"] = {"device": "cpu"}
+    return dataclasses.replace(spec, zero=zero)
 
 
-def on_nvme(spec: TrainSpec, path) -> TrainSpec:
-    return dataclasses.replace(spec, zero={**spec.zero, **SMALL_TILES,
-                                           "offload_optimizer": {"device": "nvme", "nvme_path": str(path),
-                                                                 "buffer_count": 3}})
+def on_nvme(spec: TrainSpec, path, optimizer: bool = True) -> TrainSpec:
+    """The optimizer's states (optimizer=True; else in host memory) on NVMe, and stage 3's parameter shard too
+    where the spec offloads it, with a host cache of 2000 elements and two reads ahead of 3000 elements at most:
+    chunks leave the cache and are read again every pass."""
+    zero = {**spec.zero, **SMALL_TILES,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(path), "buffer_count": 3} if optimizer
+            else {"device": "cpu"}}
+    if "offload_param" in spec.zero:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 2000, "buffer_count": 2,
+                                 "buffer_size": 3000}
+    return dataclasses.replace(spec, zero=zero)
 
 
 CASES = {
@@ -43,8 +54,13 @@ CASES = {
     # one region for the whole shard; a frozen layer's master lies between trainable chunks
     "stage3-bf16-groups-frozen": TrainSpec(stage=3, steps=4, precision="bf16", config_groups=True,
                                            model=dict(reuse_first_block=True, frozen=("fc",))),
-    "stage3-offload-param": TrainSpec(stage=3, steps=4, zero={"offload_param": {"device": "cpu"}}),
+    # the parameter shard on NVMe too (and with the optimizer in host memory, below); unused parameters
+    "stage3-params": TrainSpec(stage=3, steps=4, zero={"offload_param": {}}, model=dict(extra_branch=True),
+                               extra_every=2, extra_phase=1),
+    "stage3-bf16-params-frozen": TrainSpec(stage=3, steps=4, precision="bf16", zero={"offload_param": {}},
+                                           model=dict(frozen=("fc",))),
 }
+PARAMS_ONLY = "stage3-params-only"  # stage3-params with the optimizer in host memory
 
 
 def engine_runs(rank, world, specs):
@@ -53,8 +69,10 @@ def engine_runs(rank, world, specs):
 
 @pytest.mark.dist
 def test_nvme_offload_trains_bit_for_bit_as_host_offload(tmp_path):
-    names = list(CASES)
-    specs = [on_nvme(CASES[n], tmp_path) for n in names] + [host(CASES[n]) for n in names]
+    cases = {**CASES, PARAMS_ONLY: CASES["stage3-params"]}
+    names = list(cases)
+    specs = [on_nvme(cases[n], tmp_path, optimizer=n != PARAMS_ONLY) for n in names] + \
+        [host(cases[n]) for n in names]
     per_rank = spawn(engine_runs, 2, specs)
     k = len(names)
     for i, name in enumerate(names):
@@ -63,12 +81,18 @@ def test_nvme_offload_trains_bit_for_bit_as_host_offload(tmp_path):
         assert nvme["losses"] == plain["losses"], name
         for key, value in plain["state"].items():
             assert torch.equal(nvme["state"][key], value), f"{name}: {key}"
-        spec = CASES[name]
+        spec = cases[name]
         if spec.precision == "fp32":  # and, like host offload, single-process torch AdamW's training
             ref_state, _ = reference_run(spec, 2)
             assert_params_close(nvme["state"], ref_state, lr=spec.lr, steps=spec.steps)
         for r in range(2):
             mem, host_mem = per_rank[r][i]["memory"], per_rank[r][k + i]["memory"]
+            if "offload_param" in spec.zero:  # the file holds the shard (4 KiB-padded); the cache 2000 elements
+                width = 2 if spec.precision == "bf16" else 4
+                shard = host_mem["host"]["params"]
+                assert shard <= mem["nvme"]["params"] < shard + 4096 and mem["host"]["params"] <= 2000 * width, name
+            if name == PARAMS_ONLY:
+                continue
             # nothing of the master or the moments stays in host memory; the files hold them, padded per region
             # to whole 4 KiB blocks, and the tile buffers are buffer_count x 3 states x one tile
             assert mem["host"]["master"] == mem["host"]["optimizer"] == 0, name
@@ -105,10 +129,14 @@ def cross_resume(rank: int, world: int, specs: dict, root: str) -> dict:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("stage, precision", [(2, "fp32"), (3, "bf16")])
-def test_checkpoints_cross_between_host_and_nvme_offload_both_ways(tmp_path, stage, precision):
-    base = spec_for(2, stage=stage, precision=precision, config_groups=True, reduce_bucket_size=500,
-                    extra_config=SCHEDULER)  # the warm-up's lr, read live by each tile's step, resumes too
+@pytest.mark.parametrize("stage, precision, zero, model", [
+    (2, "fp32", {}, {}),
+    # the parameter file too, with a frozen layer: its shard is saved from and loaded into the file
+    (3, "bf16", {"offload_param": {}}, {"frozen": ("fc",)}),
+])
+def test_checkpoints_cross_between_host_and_nvme_offload_both_ways(tmp_path, stage, precision, zero, model):
+    base = spec_for(2, stage=stage, precision=precision, config_groups=True, reduce_bucket_size=500, zero=zero,
+                    model=model, extra_config=SCHEDULER)  # the warm-up's lr, read live by each tile, resumes too
     specs = {"cpu": host(base), "nvme": on_nvme(base, tmp_path / "nvme")}
     out = spawn(cross_resume, 2, specs, str(tmp_path / "ckpt"))[0]
     for key in ("cpu->cpu", "cpu->nvme", "nvme->cpu", "nvme->nvme"):
@@ -203,11 +231,13 @@ def test_a_state_file_changed_behind_zkern_refuses_the_step_before_any_change(tm
 
 
 def test_gathered_parameters_writes_reach_the_master_on_disk(tmp_path):
-    """Stage 3: a GatheredParameters(modifier_rank=0) write goes into the master in the files (only the elements
-    it changed), and training goes on from it exactly as with host offload."""
+    """Stage 3: a GatheredParameters(modifier_rank=0) write goes into the master and the parameter shard in the
+    files (the master only where it changed), and training goes on from it exactly as with host offload."""
     results = []
-    for offload in ({"device": "cpu"}, {"device": "nvme", "nvme_path": str(tmp_path)}):
-        cfg = _config(tmp_path, stage=3, offload_optimizer=offload, stage3_param_persistence_threshold=10)
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    for offload in ({"device": "cpu"}, nvme):
+        cfg = _config(tmp_path, stage=3, offload_optimizer=offload, offload_param=offload,
+                      stage3_param_persistence_threshold=10)
         cfg["bf16"] = {"enabled": True}
         model = _model()
         engine = zkern.Engine(model, cfg)
@@ -224,13 +254,32 @@ def test_gathered_parameters_writes_reach_the_master_on_disk(tmp_path):
         assert torch.equal(nvme_write[key], host_write[key]) and torch.equal(nvme_end[key], host_end[key]), key
 
 
+def test_parameter_chunks_are_read_ahead_of_their_gathers(tmp_path):
+    """With no host cache (max_in_cpu 0) every gather needs its chunk from disk: after the first pass records the
+    order, the gatherer's prefetch starts those reads ahead, and the gathers find them under way."""
+    cfg = _config(tmp_path, stage=3, offload_optimizer={"device": "cpu"}, stage3_param_persistence_threshold=10,
+                  stage3_prefetch_bucket_size=3000,
+                  offload_param={"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0})
+    engine = zkern.Engine(_model(), cfg)
+    store = engine.runtime.param_store
+    for seed in range(3):
+        _step(engine, seed)
+    assert store.ahead_hits > store.reads / 3 and store.cached == 0, (store.ahead_hits, store.reads)
+    (params,) = [os.path.join(root, f) for root, _, files in os.walk(tmp_path) for f in files if f == "params.bin"]
+    os.truncate(params, 4096)  # a parameter file shortened behind zkern's back: the next gather names it
+    with pytest.raises(OSError, match=rf"{params} reached the end of the file"):
+        _step(engine, 4)
+    engine.destroy()
+    assert os.listdir(tmp_path) == []
+
+
 def test_nvme_needs_zkerns_adam_and_a_path():
     with pytest.raises(zkern.ConfigError, match="nvme_path' is required"):
         zkern.Config.load({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}})
     with pytest.raises(zkern.ConfigError, match="buffer_count' must be >= 3"):
         zkern.Config.load({"zero_optimization": {"stage": 1, "offload_optimizer": {
             "device": "nvme", "nvme_path": "/tmp", "buffer_count": 2}}})
-    with pytest.raises(zkern.ConfigError, match="offload_param.device' \"nvme\" .* not implemented"):
+    with pytest.raises(zkern.ConfigError, match="offload_param.nvme_path' is required"):
         zkern.Config.load({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                                  "offload_param": {"device": "nvme"}}})
     model = _model()

@@ -54,6 +54,10 @@ def test_estimate_memory_matches_the_zero_paper():
     assert {k: nvme[k] for k in ("host", "nvme", "total")} == {"host": 500, "nvme": 3000, "total": off["total"]}
     nvme32 = zkern.estimate_memory(1000, 4, 2, offload_optimizer="nvme", precision="fp32")
     assert (nvme32["host"], nvme32["nvme"]) == (0, 2000 + 1000)  # moments + the fp32 master the files hold
+    both = zkern.estimate_memory(1000, 4, 3, offload_optimizer="nvme", offload_param="nvme")
+    assert (both["host"], both["nvme"]) == (0, 3000 + 500)
+    params_only = zkern.estimate_memory(1000, 4, 3, offload_optimizer="cpu", offload_param="nvme")
+    assert (params_only["host"], params_only["nvme"]) == (3000, 500)
     with pytest.raises(ValueError, match="offload_optimizer must be"):
         zkern.estimate_memory(1000, 4, 2, offload_optimizer="disk")
     with pytest.raises(ValueError, match="offload_param needs ZeRO stage 3"):

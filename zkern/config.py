@@ -101,6 +101,12 @@ class ZeroConfig:
     offload_optimizer_buffer_count: int = 4
     offload_optimizer_fast_init: bool = False
     sub_group_size: int = 1_000_000_000
+    # offload_param.device "nvme" (stage 3, engine/nvme_params.py): the parameter shard in a file under nvme_path,
+    # read ahead by at most buffer_count reads / buffer_size elements, up to max_in_cpu elements cached on the host.
+    offload_param_nvme_path: str | None = None
+    offload_param_buffer_count: int = 5
+    offload_param_buffer_size: int = 100_000_000
+    offload_param_max_in_cpu: int = 1_000_000_000
     # ZeRO++ (engine/zeropp.py)
     zero_quantized_weights: bool = False  # qwZ: stage 3's all-gathers send int8 codes + an fp32 scale per group
     zero_quantized_nontrainable_weights: bool = False  # stage 3: units with nothing to train rest as int8 codes
@@ -305,17 +311,19 @@ def _parse_offload(name: str, raw: Any) -> dict:
     path = f"zero_optimization.{name}."
     values = _section(path, raw, keys.OFFLOAD_KEYS[name], keys.NOT_IMPLEMENTED_OFFLOAD[name])
     device = values.get("device", "none")
-    if device == "nvme" and name == "offload_param":
-        raise ConfigError(f"'{path}device' \"nvme\" (parameter shards on NVMe) is not implemented in zkern yet; use "
-                          f"\"cpu\" (host memory) or \"none\"; offload_optimizer takes \"nvme\"")
     if device not in ("none", "cpu", "nvme"):
         raise ConfigError(f"'{path}device' must be \"none\", \"cpu\" or \"nvme\", got {device!r}")
     if device == "nvme" and not values.get("nvme_path"):
         raise ConfigError(f"'{path}nvme_path' is required with device \"nvme\": a directory on the local NVMe drive "
                           f"(each rank makes its own sub-directory there)")
-    if values.get("buffer_count", 4) < 3:
+    if name == "offload_optimizer" and values.get("buffer_count", 4) < 3:
         raise ConfigError(f"'{path}buffer_count' must be >= 3 (a tile read ahead, one stepping, one written "
                           f"behind), got {values['buffer_count']}")
+    for key in ("buffer_count", "buffer_size") if name == "offload_param" else ():
+        if values.get(key, 1) < 1:
+            raise ConfigError(f"'{path}{key}' must be >= 1, got {values[key]}")
+    if values.get("max_in_cpu", 0) < 0:
+        raise ConfigError(f"'{path}max_in_cpu' must be >= 0 elements, got {values['max_in_cpu']}")
     return {f"{name}_{key}": value for key, value in values.items()}
 
 
@@ -483,7 +491,8 @@ def _check_values(top: dict, fp16: FP16Config, bf16: BF16Config, zero: ZeroConfi
         raise ConfigError(f"'zero_optimization.sub_group_size' must be >= 1 element, got {zero.sub_group_size}")
     if zero.offload_param_device != "none" and zero.offload_optimizer_device == "none":
         raise ConfigError("'zero_optimization.offload_param' needs 'zero_optimization.offload_optimizer' with device "
-                          "\"cpu\" too: the optimizer writes the updated parameter shards where they rest, on the host")
+                          "\"cpu\" or \"nvme\" too: the optimizer writes the updated parameter shards where they rest, "
+                          "from the host")
     if zero.stage3_param_persistence_threshold != AUTO and zero.stage3_param_persistence_threshold < 0:
         raise ConfigError("'zero_optimization.stage3_param_persistence_threshold' must be >= 0 (0: nothing stays "
                           "whole)")

@@ -94,7 +94,11 @@ OFFLOAD_KEYS = {
                           # device "nvme": the directory of the state files, the tile buffer sets (>= 3), and
                           # DeepSpeed's faster start (zkern's start is always the fast one: see engine/nvme.py)
                           "nvme_path": ("str_or_null", None), "buffer_count": ("int", 4), "fast_init": ("bool", False)},
-    "offload_param": {"device": ("str", "none"), "pin_memory": ("bool", False)},
+    # device "nvme" (stage 3): the directory of the parameter file, the reads in flight ahead of use (count and
+    # elements), and the elements of parameter chunks kept in host memory
+    "offload_param": {"device": ("str", "none"), "pin_memory": ("bool", False), "nvme_path": ("str_or_null", None),
+                      "buffer_count": ("int", 5), "buffer_size": ("int", 100_000_000),
+                      "max_in_cpu": ("int", 1_000_000_000)},
 }
 # DeepSpeed's aio section: zkern's reader is a thread pool over pread/pwrite (cpu/aio.py). thread_count is
 # DeepSpeed's older name of intra_op_parallelism; single_submit and overlap_events choose libaio submission modes
@@ -108,10 +112,10 @@ AIO_KEYS = {
     "overlap_events": ("bool", True),
 }
 NOT_IMPLEMENTED_AIO = {"use_gds": False}
-# Offload keys for parameters on NVMe and DeepSpeed's partial offload: accepted at their defaults only.
+# DeepSpeed's partial-offload and pipelining keys: accepted at their defaults only.
 NOT_IMPLEMENTED_OFFLOAD = {
     "offload_optimizer": {"ratio": 1.0, "pipeline": False, "pipeline_read": False, "pipeline_write": False},
-    "offload_param": {"nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
+    "offload_param": {},
 }
 ADAM_PARAMS = {
     "lr": ("float", 1e-3),
@@ -210,6 +214,6 @@ ALL_KNOWN_PATHS = (
     + [f"zero_optimization.zeropp_loco_param.{k}" for k in LOCO_KEYS]
     + [f"data_types.{k}" for k in DATA_TYPES_KEYS]
     + [f"aio.{k}" for k in [*AIO_KEYS, *NOT_IMPLEMENTED_AIO]]
-    + [f"zero_optimization.offload_optimizer.{k}" for k in OFFLOAD_KEYS["offload_optimizer"]]
+    + [f"zero_optimization.{name}.{k}" for name, specs in OFFLOAD_KEYS.items() for k in specs]
     + [f"optimizer.params.{k}" for k in [*ADAM_PARAMS, *NOT_IMPLEMENTED_OPTIMIZER_PARAMS]]
 )

@@ -202,8 +202,8 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
     rt, opt = engine.runtime, engine.optimizer
     with torch.no_grad():
         for live, staged in plan.copies:
-            if live.is_meta:  # a master on NVMe
-                engine.nvme.write("master", live, staged)
+            if live.is_meta:  # a master or a working shard on NVMe
+                engine._stand_in_write(live, staged)
             else:
                 live.copy_(staged)
         if plan.commit is not None:
@@ -213,7 +213,11 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
         for g in groups:
             for chunk in g.chunks:
                 if chunk.out is not None:
-                    chunk.out.copy_(engine.nvme.read("master", chunk.param) if chunk.param.is_meta else chunk.param)
+                    master = engine._stand_in_read(chunk.param) if chunk.param.is_meta else chunk.param
+                    if chunk.out.is_meta:
+                        engine._stand_in_write(chunk.out, master)
+                    else:
+                        chunk.out.copy_(master)
         if load_optimizer_states and not load_module_only:
             for gi, k, piece, state in plan.optim:
                 _set_optimizer_state(opt, gi, k, piece, state)

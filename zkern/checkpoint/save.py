@@ -100,8 +100,9 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
     rt, opt = engine.runtime, engine.optimizer
     smap = rt.shard_map()
     snap = Snapshot(entries=[])
-    if engine.nvme is not None:  # master and moments on disk: each range is read as it is written
-        snap.materialize = lambda kind, t: engine.nvme.read("master" if kind == "master" else kind[len("optim."):], t)
+    # ZeRO-Infinity: master, moments or working shard on disk; each range is read as it is written
+    snap.materialize = lambda kind, t: engine._stand_in_read(t, kind[len("optim."):] if kind.startswith("optim.")
+                                                            else "master")
     for gi, group in enumerate(rt.shard_groups):
         for i, piece in enumerate(group.pieces):
             index, start, mine = smap.pieces[gi][i]

@@ -105,7 +105,8 @@ class Engine(torch.nn.Module):
             self.runtime = Stage3Runtime(model, groups, comm=self.comm, dtype=self.dtype, mixed=mixed, zero=zero,
                                          overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
                                          bucket_numel=zero.reduce_bucket_size, comm_dtype=comm_dtype,
-                                         accum_dtype=accum_dtype, device=self.device, nvme=self.nvme)
+                                         accum_dtype=accum_dtype, device=self.device, nvme=self.nvme,
+                                         param_files=self._param_files(cfg, rank))
         else:
             self.runtime = Stage12Runtime(model, groups, build.param_names(model),
                                           quantized=QuantizedReduce.from_config(self.comm, zero),
@@ -123,7 +124,8 @@ class Engine(torch.nn.Module):
         if self.offload:
             # The optimizer sees host shard groups: host master, host gradient and parameter staging buffers.
             self.host_step = HostStep(shard_groups, pin=pin and zero.offload_optimizer_pin_memory,
-                                      out_on_host=zero.offload_param_device == "cpu")
+                                      out_on_host=zero.offload_param_device != "none", read=self._stand_in_read,
+                                      write=self._stand_in_write)
             shard_groups = self.host_step.host_groups
         self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups, requested, nvme=self.nvme)
         self._log_offload()
@@ -148,13 +150,43 @@ class Engine(torch.nn.Module):
         for line in self.runtime.warnings(self.config.zero_optimization.reduce_bucket_size):
             log.warning("zkern: %s", line)
 
+    @staticmethod
+    def _param_files(cfg, rank: int):
+        """Stage 3's parameter file maker for offload_param.device "nvme", else None."""
+        if cfg.zero_optimization.offload_param_device != "nvme":
+            return None
+        return lambda numel, dtype, units: nvme.params_from_config(cfg, rank, numel, dtype, units)
+
+    def _stand_in_read(self, t: torch.Tensor, state: str = "master") -> torch.Tensor:
+        """Values of a meta stand-in's slice (ZeRO-Infinity): from the parameter file when it is the working
+        shard's, else from the optimizer's `state` file."""
+        store = getattr(self.runtime, "param_store", None)
+        if store is not None and store.owns(t):
+            return store.read(t)
+        return self.nvme.read(state, t)
+
+    def _stand_in_write(self, t: torch.Tensor, values: torch.Tensor, state: str = "master") -> None:
+        store = getattr(self.runtime, "param_store", None)
+        if store is not None and store.owns(t):
+            store.write(t, values)
+        else:
+            self.nvme.write(state, t, values)
+
     def _log_offload(self) -> None:
         """Say where the optimizer's states went, and what the offload keys that do nothing here would have done."""
         zero = self.config.zero_optimization
         if self.nvme is not None:
             self.nvme.buffers()  # the tile size is fixed now that every region exists
+        store = getattr(self.runtime, "param_store", None)
         if self.rank != 0:
             return
+        if store is not None:
+            log.info("zkern NVMe: stage-3 parameter shard in %s (%.1f MB per rank), read ahead by up to %d reads / "
+                     "%d elements, up to %d elements cached in host memory", store.directory, store.nbytes / 1e6,
+                     store.buffer_count, store.buffer_size, store.max_in_cpu)
+        if zero.offload_param_device != "nvme" and zero.offload_param_nvme_path is not None:
+            log.warning("zkern: zero_optimization.offload_param.nvme_path is set but the device is %r: the "
+                        "parameter shards are not on NVMe (set device \"nvme\" for that)", zero.offload_param_device)
         if self.nvme is not None:
             log.info("zkern NVMe: master and Adam moments in %s (%.1f MB per rank, %s I/O), stepped in tiles of %d "
                      "elements through %d buffer sets (%.1f MB of host memory)", self.nvme.directory,
@@ -367,6 +399,7 @@ class Engine(torch.nn.Module):
         host = {"params": 0, "optimizer": 0, "master": 0, "offload_buffers": 0}
         held = self.runtime.memory()
         on_host = held.pop("host_params")
+        params_on_disk = held.pop("disk_params", 0)
         for key, value in held.items():  # ZeRO++ adds hpz_secondary, loco_error and frozen_int8 where they are on
             if key.startswith("host_"):  # resting on the host (offload_param)
                 host[key[len("host_"):]] = host.get(key[len("host_"):], 0) + value
@@ -384,10 +417,14 @@ class Engine(torch.nn.Module):
             device["optimizer"] = optimizer
         host["params"], device["params"] = on_host, device["params"] - on_host
         on_nvme = None
+        if self.nvme is not None or params_on_disk:
+            on_nvme = {"params": params_on_disk, "master": 0, "optimizer": 0}
         if self.nvme is not None:  # the three state files are the same size: master, then exp_avg + exp_avg_sq
             host["nvme_buffers"] = self.nvme.buffer_bytes()
             on_disk = self.nvme.nbytes()
-            on_nvme = {"master": on_disk // 3, "optimizer": on_disk - on_disk // 3, "total": on_disk}
+            on_nvme.update(master=on_disk // 3, optimizer=on_disk - on_disk // 3)
+        if on_nvme is not None:
+            on_nvme["total"] = sum(on_nvme.values())
         device["total"], host["total"] = sum(device.values()), sum(host.values())
         # offload_param needs offload_optimizer, so only an offloaded run has anything on the host
         report = {self.device.type: device, "host": host} if self.offload else {self.device.type: device}
@@ -454,13 +491,14 @@ class Engine(torch.nn.Module):
 
     def destroy(self) -> None:
         """Release what the engine holds outside this process (DeepSpeed's method): wait for an asynchronous save,
-        then remove this rank's NVMe state files (offload_optimizer.device "nvme"; they also go at interpreter
-        exit). The engine cannot step after it."""
+        then remove this rank's NVMe files (offload_optimizer / offload_param device "nvme"; they also go at
+        interpreter exit). The engine cannot step after it."""
         try:
             self.wait_checkpoint()
         finally:
-            if self.nvme is not None:
-                self.nvme.close()
+            for files in (self.nvme, getattr(self.runtime, "param_store", None)):
+                if files is not None:
+                    files.close()
 
     @property
     def checkpoint_in_flight(self) -> bool:

@@ -35,9 +35,10 @@ class Gatherer:
     def __init__(self, units: list[Unit], comm: Comm, *, param_shard: torch.Tensor, dtype: torch.dtype,
                  device: torch.device, layout: dict[int, tuple[torch.Size, int]], params_on_host: bool,
                  prefetch_numel: int, max_live: int, quantize_weights: int = 0,
-                 secondary: Secondary | None = None, frozen: FrozenStore | None = None):
+                 secondary: Secondary | None = None, frozen: FrozenStore | None = None, param_store=None):
         """layout: id(parameter) -> (full shape, offset inside its unit's buffer). quantize_weights: qwZ;
-        secondary: hpZ's secondary partition; frozen: the units resting as int8 (zeropp.py)."""
+        secondary: hpZ's secondary partition; frozen: the units resting as int8 (zeropp.py); param_store: the
+        parameter file (offload_param "nvme", nvme_params.py), read ahead along the recorded order."""
         self.units, self.comm = units, comm
         self.param_shard, self.dtype, self.device = param_shard, dtype, device
         self.layout, self.params_on_host = layout, params_on_host
@@ -55,11 +56,14 @@ class Gatherer:
         self.verify = False  # this pass verifies (begin_pass)
         self._said_reorder = False
         self.quantize_weights, self.secondary, self.frozen = quantize_weights, secondary, frozen
+        self.param_store = param_store
 
     # -- one unit ---------------------------------------------------------------------------------------------
     def _own_chunk(self, u: Unit, buffer: torch.Tensor) -> torch.Tensor:
         b = u.bucket
         own = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
+        if self.param_store is not None:  # on NVMe: cached, read ahead, or read now
+            own = self.param_store.unit(u.index)
         if self.params_on_host:
             # Copied up into this rank's own slot of the gather buffer, then gathered in place: no extra buffer.
             slot = buffer[self.comm.rank * b.chunk:(self.comm.rank + 1) * b.chunk]
@@ -213,6 +217,10 @@ class Gatherer:
             u.prefetched = True
             self.ahead += size
             self._prefetched.add(u.index)
+        if self.param_store is not None:  # the chunks of the units after those, read from disk meanwhile
+            for ui in self.order.upcoming(phase):
+                if not self.units[ui].live and not self.param_store.read_ahead(ui):
+                    break
 
     def _unmark_prefetched(self, u: Unit) -> None:
         if u.prefetched:

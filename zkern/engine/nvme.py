@@ -202,6 +202,19 @@ def shard_from_config(cfg, rank: int) -> NvmeShard:
                      buffer_count=zero.offload_optimizer_buffer_count, remove=True)
 
 
+def params_from_config(cfg, rank: int, numel: int, dtype: torch.dtype, units: dict[int, tuple[int, int]]):
+    """Stage 3's parameter file (offload_param.device "nvme"), in a directory of its own under
+    offload_param.nvme_path for this rank and run."""
+    from zkern.engine.nvme_params import NvmeParams
+
+    zero, aio = cfg.zero_optimization, cfg.aio
+    pool = ops.nvme_pool(thread_count=aio.thread_count, block_size=aio.block_size, queue_depth=aio.queue_depth)
+    directory = os.path.join(zero.offload_param_nvme_path,
+                             f"zkern-params-rank{rank}-{os.getpid()}-{secrets.token_hex(4)}")
+    return NvmeParams(directory, pool, numel, dtype, units, max_in_cpu=zero.offload_param_max_in_cpu,
+                      buffer_count=zero.offload_param_buffer_count, buffer_size=zero.offload_param_buffer_size)
+
+
 class NvmeAdam(ShardAdam):
     """ShardAdam whose fp32 master and moments live in an NvmeShard: each chunk's param is a slice of a region's
     meta stand-in; grad and out are real tensors (the host staging buffers of offload.HostStep)."""

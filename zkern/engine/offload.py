@@ -8,7 +8,11 @@ gradient shard from the device into a host buffer in its own dtype (the CPU Adam
 steps chunk by chunk on the host, writing the updated parameter straight into a host buffer in the working
 dtype, and copies that back into the device's parameter shard. On CUDA the copies run on a side stream:
 chunk i+1's gradient comes down while chunk i steps, and chunk i's parameters go up while chunk i+1 steps.
-With offload_param (stage 3) the parameter shard itself lives on the host, so nothing goes back.
+With offload_param (stage 3) the parameter shard itself lives on the host, so nothing goes back; with its device
+"nvme" the updated chunks go to the parameter file instead (nvme_params.py). Only the pieces that stepped are
+sent: the others' values may have been written since the staging copy was filled (GatheredParameters, a load).
+With offload_optimizer "nvme" the optimizer (nvme.NvmeAdam) streams master and moments from files and calls the
+same per-chunk hooks.
 
 On a CPU-only run host and device are the same memory; the staging copies still run, so the path a GPU
 takes is the path CPU tests check.
@@ -29,10 +33,14 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
 class HostStep:
     """Staging buffers and the copy/step pipeline of an offloaded optimizer step."""
 
-    def __init__(self, device_groups: list[ShardGroup], *, pin: bool, out_on_host: bool):
+    def __init__(self, device_groups: list[ShardGroup], *, pin: bool, out_on_host: bool, read=None, write=None):
         """device_groups: the runtime's shard groups (param = host master chunk, grad = device gradient chunk,
-        out = device parameter chunk, or a host one when out_on_host)."""
+        out = device parameter chunk, or a host one when out_on_host). An out that is a meta stand-in (the
+        parameter shard on NVMe) is staged on the host and sent with write(out, values); read(out) gives its
+        starting values."""
         self.device_groups = device_groups
+        self.read, self.write = read, write
+        self._active: list[list[bool]] | None = None
         cuda = any(c.grad.is_cuda for g in device_groups for c in g.chunks)
         self.stream = torch.cuda.Stream() if cuda else None
         self.host_groups: list[ShardGroup] = []
@@ -42,10 +50,9 @@ class HostStep:
             for c in g.chunks:
                 grad = host_tensor(c.grad.numel(), c.grad.dtype, pin=pin)
                 out = c.out
-                if c.out is not None and not out_on_host:
-                    # Starts as the device's values: a piece that does not step (no gradient) is sent back as is.
+                if c.out is not None and (not out_on_host or c.out.is_meta):
                     out = host_tensor(c.out.numel(), c.out.dtype, pin=pin)
-                    out.copy_(c.out)
+                    out.copy_(read(c.out) if c.out.is_meta else c.out)
                     self.staging_bytes += out.numel() * out.element_size()
                 self.staging_bytes += grad.numel() * grad.element_size()
                 chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))
@@ -66,15 +73,37 @@ class HostStep:
         self._events[(gi, ci)] = event
 
     def _up(self, gi: int, ci: int) -> None:
-        """Host parameter chunk -> device parameter shard (async on CUDA)."""
+        """Host parameter chunk -> device parameter shard (async on CUDA), or its file. Only the pieces that
+        stepped go: the others' device values may have changed since the staging copy was last written (a
+        GatheredParameters write, a checkpoint load) and must not be overwritten with it."""
         dev, host = self.device_groups[gi].chunks[ci].out, self.host_groups[gi].chunks[ci].out
         if host is None or host is dev:
             return
-        if self.stream is None:
-            dev.copy_(host)
-            return
-        with torch.cuda.stream(self.stream):
-            dev.copy_(host, non_blocking=True)
+        for lo, hi in self._stepped(gi, ci):
+            if dev.is_meta:
+                self.write(dev[lo:hi], host[lo:hi])
+            elif self.stream is None:
+                dev[lo:hi].copy_(host[lo:hi])
+            else:
+                with torch.cuda.stream(self.stream):
+                    dev[lo:hi].copy_(host[lo:hi], non_blocking=True)
+
+    def _stepped(self, gi: int, ci: int) -> list[tuple[int, int]]:
+        """Element ranges of chunk ci of group gi that this step updated: the whole chunk (padding included)
+        when every piece stepped, else the runs of adjacent pieces that did."""
+        chunk = self.host_groups[gi].chunks[ci]
+        on = self._active[gi]
+        if all(on[i] for i, _, _ in chunk.pieces):
+            return [(0, chunk.out.numel())]
+        runs: list[list[int]] = []
+        for index, start, numel in chunk.pieces:
+            if not on[index]:
+                continue
+            if runs and runs[-1][1] == start:
+                runs[-1][1] = start + numel
+            else:
+                runs.append([start, start + numel])
+        return [tuple(r) for r in runs]
 
     def _wait_down(self, gi: int, ci: int) -> None:
         event = self._events.pop((gi, ci), None)
@@ -85,6 +114,7 @@ class HostStep:
     def step(self, optimizer: torch.optim.Optimizer, *, grad_scale: float, active: list[list[bool]]) -> None:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # gradients are final on the compute stream
+        self._active = active
         order = [(gi, ci) for gi, g in enumerate(self.host_groups) for ci in range(len(g.chunks))]
         for gi, ci in order:
             self._down(gi, ci)

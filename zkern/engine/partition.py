@@ -154,7 +154,7 @@ def _layout(numels: list[int], world: int, groups: list[tuple[int, int]]) -> Lay
 
 
 def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimizer: bool | str = False,
-                    offload_param: bool = False, optimizer_bytes_per_param: int | None = None,
+                    offload_param: bool | str = False, optimizer_bytes_per_param: int | None = None,
                     precision: str = "mixed", hpz_partition_size: int = 1) -> dict[str, int]:
     """Model-state bytes per device by the ZeRO paper's formulas (Psi = num_params, N = world_size).
 
@@ -163,16 +163,20 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
     precision "fp32": 4-byte parameters and gradients, no master copy (default K = 8, Adam's two moments).
     offload_optimizer (stages 1-3; True or "cpu") moves the K*Psi/N optimizer bytes to "host" (in fp32 plus the
     host's own 4*Psi/N copy of the shard, which the optimizer steps); "nvme" moves the same bytes to "nvme" (the
-    files; the host keeps only tile buffers, a config choice not counted here); offload_param (stage 3) moves the
-    parameter shard to "host".
+    files; the host keeps only tile buffers, a config choice not counted here); offload_param (stage 3; True or
+    "cpu") moves the parameter shard to "host", "nvme" to "nvme" (less the host cache, max_in_cpu, not counted).
     hpz_partition_size k > 1 (ZeRO++ hpZ, stage 3): a secondary copy of the working weights over groups of k ranks,
     width * Psi / k more per device, under "hpz_secondary".
     Returns {"params", "grads", "optimizer_states", ["hpz_secondary",] "total", "host"[, "nvme"]}.
     """
     if offload_optimizer not in (False, True, "none", "cpu", "nvme"):
         raise ValueError(f"offload_optimizer must be False, True, 'cpu' or 'nvme', got {offload_optimizer!r}")
+    if offload_param not in (False, True, "none", "cpu", "nvme"):
+        raise ValueError(f"offload_param must be False, True, 'cpu' or 'nvme', got {offload_param!r}")
     nvme = offload_optimizer == "nvme"
+    params_nvme = offload_param == "nvme"
     offload_optimizer = offload_optimizer not in (False, "none")
+    offload_param = offload_param not in (False, "none")
     match precision:
         case "mixed":
             width, k = 2, 12 if optimizer_bytes_per_param is None else optimizer_bytes_per_param
@@ -215,8 +219,8 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
         out["hpz_secondary"] = width * num_params / hpz_partition_size
     out = {key: int(round(v)) for key, v in out.items()}
     out["total"] = sum(out.values())
-    if nvme:  # the optimizer's bytes sit in the files; the host keeps what offload_param puts there
-        on_disk = host - (params_host if offload_param else 0)
+    if nvme or params_nvme:  # what sits in the files; the host keeps the rest
+        on_disk = (host - (params_host if offload_param else 0) if nvme else 0) + (params_host if params_nvme else 0)
         out["host"] = int(round(host - on_disk))
         out["nvme"] = int(round(on_disk))
         return out

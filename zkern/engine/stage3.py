@@ -3,11 +3,12 @@
     python -m pytest tests/test_stage3.py tests/test_stage3_checkpointing.py tests/test_stage3_moe.py -q
 
 At rest every parameter's .data is an empty tensor; each rank holds its chunk of every fetch unit (units.py)
-in `param_shard` (working dtype; on the host with offload_param), `master` (fp32: mixed precision, or on the
-host with offload_optimizer) and `grad_shard`. The layout is partition.plan_unit_layout: one bucket per unit,
-padded to the world size, rank r owning chunk r. With zero_quantized_nontrainable_weights the units with nothing
-to train are laid out last and rest as int8 in `frozen` (zeropp.FrozenStore): the three dense buffers stop before
-their chunks.
+in `param_shard` (working dtype; on the host with offload_param, in a file with offload_param "nvme"), `master`
+(fp32: mixed precision, or on the host with offload_optimizer, in files with its device "nvme") and
+`grad_shard`. A shard in files is a meta stand-in here (nvme.py): values(t) and write_values(t, v) reach it.
+The layout is partition.plan_unit_layout: one bucket per unit, padded to the world size, rank r owning chunk r.
+With zero_quantized_nontrainable_weights the units with nothing to train are laid out last and rest as int8 in
+`frozen` (zeropp.FrozenStore): the three dense buffers stop before their chunks.
 
 The pieces, one job each:
   lifecycle.py      the unit's states and the only transitions between them; invariants at each pass's end
@@ -51,12 +52,13 @@ class Stage3Runtime:
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], *, comm: Comm,
                  dtype: torch.dtype, mixed: bool, zero, overlap: bool, reduce_scatter: bool, bucket_numel: int,
                  comm_dtype: torch.dtype | None = None, accum_dtype: torch.dtype | None = None,
-                 device: torch.device | None = None, nvme=None):
+                 device: torch.device | None = None, nvme=None, param_files=None):
         """nvme: an engine.nvme.NvmeShard when offload_optimizer.device is "nvme" (the master shard is then one
-        region of its files, self.master its meta stand-in)."""
+        region of its files, self.master its meta stand-in). param_files(numel, dtype, units) -> an
+        nvme_params.NvmeParams when offload_param.device is "nvme" (self.param_shard its meta stand-in)."""
         if comm.world > MAX_SIGNATURE_WORLD:
             raise ValueError(f"stage 3 checks its gathers across at most {MAX_SIGNATURE_WORLD} ranks, got {comm.world}")
-        self.params_on_host = zero.offload_param_device == "cpu"
+        self.params_on_host = zero.offload_param_device in ("cpu", "nvme")  # gathers start from host values
         self.comm, self.dtype, self.mixed = comm, dtype, mixed
         self.merge_divergent = zero.stage3_merge_divergent_modules
         self.root = model
@@ -100,7 +102,12 @@ class Stage3Runtime:
             if zero.zero_quantized_nontrainable_weights else []
         shard = frozen_units[0].bucket.shard_offset if frozen_units else self.layout.shard_numel
         cuda = device.type == "cuda"  # page-locked host memory only helps (and only exists) with a GPU
-        if self.params_on_host:  # offload_param: the working shard rests on the host, copied up per gather
+        self.param_store = None
+        if param_files is not None:  # offload_param "nvme": the working shard rests in a file, read per gather
+            self.param_store = param_files(shard, dtype, {u.index: (u.bucket.shard_offset, u.bucket.chunk)
+                                                          for u in self.units if u.bucket.shard_offset < shard})
+            self.param_shard = self.param_store.stand_in
+        elif self.params_on_host:  # offload_param: the working shard rests on the host, copied up per gather
             self.param_shard = host_tensor(shard, dtype, pin=zero.offload_param_pin_memory and cuda)
         else:
             self.param_shard = torch.zeros(shard, dtype=dtype, device=device)
@@ -118,7 +125,8 @@ class Stage3Runtime:
         self.frozen = None
         if frozen_units:
             self.frozen = FrozenStore({u.index: u.bucket.chunk for u in frozen_units}, zero.zeropp_weight_group_size,
-                                      self.param_shard.device, pin=self.param_shard.is_pinned())
+                                      torch.device("cpu") if self.param_store is not None else self.param_shard.device,
+                                      pin=self.param_shard.is_pinned())
         self._partition()
 
         where = {id(p): (self._full_shape[id(p)], self._offset[id(p)]) for p in self.all_params}
@@ -130,7 +138,8 @@ class Stage3Runtime:
                                        device)
         self.gatherer = Gatherer(self.units, comm, param_shard=self.param_shard, dtype=dtype, device=device,
                                  layout=where,
-                                 params_on_host=self.params_on_host, prefetch_numel=zero.stage3_prefetch_bucket_size,
+                                 params_on_host=self.params_on_host, param_store=self.param_store,
+                                 prefetch_numel=zero.stage3_prefetch_bucket_size,
                                  max_live=zero.stage3_max_live_parameters,
                                  quantize_weights=zero.zeropp_weight_group_size if zero.zero_quantized_weights else 0,
                                  secondary=self.secondary, frozen=self.frozen)
@@ -178,7 +187,7 @@ class Stage3Runtime:
                 if self.frozen is not None and u.index in self.frozen:
                     self.frozen.put(u.index, mine)  # from the fp32 values, not a 16-bit rounding of them
                 else:
-                    self.param_shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
+                    self.write_values(self.param_shard[b.shard_offset:b.shard_offset + b.chunk], mine)
                     if self.nvme is not None:
                         self.nvme.write("master", self.master[b.shard_offset:b.shard_offset + b.chunk], mine)
                     elif self.master is not None:
@@ -399,7 +408,8 @@ class Stage3Runtime:
                     if self.frozen is not None and u.index in self.frozen:
                         self.frozen.write(u.index, mine)
                         continue
-                    working = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
+                    resting = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
+                    working = self.values(resting)
                     if self.master is not None:
                         # Only the elements that changed take the 16-bit value: the others keep their fp32 master
                         # value, which the 16-bit copy had only rounded.
@@ -411,7 +421,7 @@ class Stage3Runtime:
                             self.nvme.write("master", region, merged)
                         else:
                             master.copy_(merged)
-                    working.copy_(mine)
+                    self.write_values(resting, mine)
         for u in units:
             u.unpin()
             self.gatherer.release(u)
@@ -452,6 +462,25 @@ class Stage3Runtime:
         finally:
             self._unguarded = False
 
+    # -- values of stand-ins (ZeRO-Infinity) ------------------------------------------------------------------
+    def values(self, t: torch.Tensor) -> torch.Tensor:
+        """The values of a slice of the master or the working shard: t itself, or (a meta stand-in of a shard on
+        NVMe) read from its file."""
+        if not t.is_meta:
+            return t
+        if self.param_store is not None and self.param_store.owns(t):
+            return self.param_store.read(t)
+        return self.nvme.read("master", t)
+
+    def write_values(self, t: torch.Tensor, values: torch.Tensor) -> None:
+        """t <- values, into the file where t is a meta stand-in's slice."""
+        if not t.is_meta:
+            t.copy_(values)
+        elif self.param_store is not None and self.param_store.owns(t):
+            self.param_store.write(t, values)
+        else:
+            self.nvme.write("master", t, values)
+
     # -- whole weights ----------------------------------------------------------------------------------------
     def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
         """id(parameter) -> fp32 value (collective; None off rank 0 with rank0_only)."""
@@ -481,8 +510,7 @@ class Stage3Runtime:
             u = units[i]
             if self.frozen is not None and u.index in self.frozen:
                 return self.frozen.get(u.index, dtype)
-            chunk = source[u.bucket.shard_offset:u.bucket.shard_offset + u.bucket.chunk]
-            return self.nvme.read("master", chunk) if chunk.is_meta else chunk
+            return self.values(source[u.bucket.shard_offset:u.bucket.shard_offset + u.bucket.chunk])
 
         return gather_whole(self.comm, self.comm.world, buckets, chunk_of, dtype, self._empty.device, purpose, keep)
 
@@ -514,9 +542,12 @@ class Stage3Runtime:
         frozen = self.frozen.memory() if self.frozen is not None else {}
         if self.params_on_host:  # the int8 shards rest where the others do
             frozen = {f"host_{k}": v for k, v in frozen.items()}
-        return {"params": nbytes(self.param_shard) + persistent, "grads": nbytes(self.grad_shard),
+        shard, disk = nbytes(self.param_shard), {}
+        if self.param_store is not None:  # the file, and the chunks cached in host memory
+            shard, disk = self.param_store.cache_bytes(), {"disk_params": self.param_store.nbytes}
+        return {"params": shard + persistent, "grads": nbytes(self.grad_shard),
                 "master": nbytes(self.master), "comm_buffers": live + self.reducer.buffer_bytes(),
-                "host_params": nbytes(self.param_shard) if self.params_on_host else 0,
+                "host_params": shard if self.params_on_host else 0, **disk,
                 **frozen, **(self.secondary.memory() if self.secondary is not None else {}),
                 **(self.quantized_reduce.memory() if self.quantized_reduce is not None else {})}
 

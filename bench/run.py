@@ -131,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             record = kernels_suite.run(args.kernels_numel, interpret=args.interpret)
         print(SUITES[suite].table(record) + "\n")
         records.append(record)
+    if args.gate:  # before the record is written: it keeps both runs of a stage measured again
+        committed = gates.load(args.gate)
+        for r in records:
+            if r["suite"] == "engine":
+                _remeasure_slow_stages(r, committed, lambda stages: engine_suite.run(
+                    stages, args.world, model, args.steps, wanted, device=args.device, precision=args.precision,
+                    peak_tflops=args.peak_tflops, zeropp=args.zeropp.split(",") if args.zeropp else None))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records[0] if len(records) == 1 else {"suites": records}, f, indent=2)
@@ -148,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--plot draws the engine or the scale suite; run one of them")
         print(f"wrote {args.plot}")
     if args.gate:
-        committed = gates.load(args.gate)
         failures = [line for r in records for line in gates.check(r, committed)]
         unchecked = sorted({g.suite for g in committed} - {r["suite"] for r in records})
         elsewhere = [g for g in committed if g.suite in suites and not any(gates.applies(g, r) for r in records)]
@@ -162,6 +168,29 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', '.join(sorted({f'{g.figure} ({g.device})' for g in elsewhere}))})")
         print(f"gates: all {args.gate} gates of the {', '.join(suites)} suite(s) that apply hold{note}")
     return 0
+
+
+def _remeasure_slow_stages(record: dict, committed: list, measure) -> None:
+    """A stage whose step-time ratio fails its gate is measured once more, and the gate judges the lower of the two
+    ratios (both stay in the record under "step_time_runs"). A burst of load from a neighbour on a shared machine
+    slows one run of a candidate; a regression slows every run, so it still fails."""
+    slow = sorted({st["stage"] for st in record["stages"] for g in committed
+                   if gates.applies(g, record) and g.figure.startswith("step_time") and st["stage"] in g.stages
+                   and st["ratios"].get(g.figure) is not None
+                   and gates._bound_failure("", st["ratios"][g.figure], g) is not None})
+    if not slow:
+        return
+    print(f"bench/run.py: the step time of stage(s) {slow} fails its gate; measuring once more", file=sys.stderr)
+    again = {st["stage"]: st for st in measure(slow)["stages"]}
+    for st in record["stages"]:
+        if st["stage"] not in again:
+            continue
+        runs = st.setdefault("step_time_runs", {})
+        for key, value in again[st["stage"]]["ratios"].items():
+            if key.startswith("step_time") and value is not None and st["ratios"].get(key) is not None:
+                runs[key] = [st["ratios"][key], value]
+                st["ratios"][key] = min(st["ratios"][key], value)
+        print(f"stage {st['stage']}: step time ratios of the two runs: {runs}", file=sys.stderr)
 
 
 if __name__ == "__main__":

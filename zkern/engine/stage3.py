@@ -313,8 +313,10 @@ class Stage3Runtime:
                 continue
             u = self.units[piece.bucket]
             if self.frozen is not None and u.index in self.frozen:
+                # fp32, code x scale exactly: quantizing these again gives the same codes and scales (a load into a
+                # model initialised otherwise gets the saved weights bit for bit; a 16-bit copy would move them)
                 if u.index not in staged:
-                    staged[u.index] = self.frozen.get(u.index, self.dtype)
+                    staged[u.index] = self.frozen.get(u.index, torch.float32)
                 lo = piece.shard_start - u.bucket.shard_offset
                 view = staged[u.index][lo:lo + piece.numel]
             else:

@@ -273,7 +273,7 @@ def test_parameter_chunks_are_read_ahead_of_their_gathers(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_nvme_needs_zkerns_adam_and_a_path():
+def test_nvme_config_needs_zkerns_adam_and_a_path_and_reads_the_aio_section():
     with pytest.raises(zkern.ConfigError, match="nvme_path' is required"):
         zkern.Config.load({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}})
     with pytest.raises(zkern.ConfigError, match="buffer_count' must be >= 3"):
@@ -282,6 +282,12 @@ def test_nvme_needs_zkerns_adam_and_a_path():
     with pytest.raises(zkern.ConfigError, match="offload_param.nvme_path' is required"):
         zkern.Config.load({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                                  "offload_param": {"device": "nvme"}}})
+    aio = zkern.Config.load({"aio": {"intra_op_parallelism": 3, "block_size": 65536, "single_submit": True}}).aio
+    assert (aio.thread_count, aio.block_size, aio.queue_depth, aio.single_submit) == (3, 65536, 8, True)
+    with pytest.raises(zkern.ConfigError, match="same setting under DeepSpeed's old and new names"):
+        zkern.Config.load({"aio": {"thread_count": 2, "intra_op_parallelism": 4}})
+    with pytest.raises(zkern.ConfigError, match="'aio.use_gds' is a DeepSpeed key that zkern does not implement"):
+        zkern.Config.load({"aio": {"use_gds": True}})
     model = _model()
     cfg = _config("/tmp")
     del cfg["optimizer"]

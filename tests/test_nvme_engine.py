@@ -1,7 +1,8 @@
-"""ZeRO-Infinity in the engine: offload_optimizer.device "nvme" trains exactly as host-memory offload does (the same
-arithmetic, the states in files instead of host memory), at stages 1-3, world 2; checkpoints cross between the
-two both ways; a directory zkern cannot write to is an error naming it before any step, and a state file changed
-behind zkern's back refuses the step whole."""
+"""ZeRO-Infinity in the engine: offload_optimizer.device "nvme" (stages 1-3) and offload_param.device "nvme" (stage
+3) train exactly as host-memory offload does (the same arithmetic, the states and the parameter shard in files
+instead of host memory), world 2; checkpoints cross between the two both ways; parameter chunks are read ahead of
+their gathers; a directory zkern cannot write to is an error naming it before any step, and a file changed behind
+zkern's back refuses the step whole (the parameter file: the gather that reads it)."""
 
 import dataclasses
 import os

@@ -53,13 +53,25 @@ def _rank(rank: int, world: int, spec: TrainSpec, root: str, steps: int) -> dict
     engine.save_checkpoint(os.path.join(root, "async"), async_save=True)
     copy_s = time.perf_counter() - start  # the host copy the caller waits for
     during = []
-    while engine.checkpoint_in_flight:
+    while _in_flight_on_any_rank(engine):
         during.append(step(len(during)))
     async_s = time.perf_counter() - start
     engine.wait_checkpoint()
     after = [step(s) for s in range(steps)]
     return {"save_s": save_s, "bytes": nbytes, "load_s": load_s, "quiet_steps_s": quiet + after,
             "steps_during_async_s": during, "async_copy_s": copy_s, "async_total_s": async_s}
+
+
+def _in_flight_on_any_rank(engine) -> bool:
+    """Whether any rank's asynchronous save still writes. Every rank must take the same number of steps: each rank
+    asking only its own writer, one saw it finish a step before the other, took a step fewer, and finished its
+    run while the other still waited in a collective (the gate once failed so: "Connection closed by peer")."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if engine.checkpoint_in_flight else 0])
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _consolidate(ckpt: str, out: str) -> dict:

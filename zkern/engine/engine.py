@@ -17,7 +17,8 @@ import os
 import torch
 
 from zkern import checkpointing, ops
-from zkern.config import Config, node_size
+from zkern.config import Config
+from zkern.config_resolve import node_size
 from zkern.engine import build, nvme
 from zkern.engine.comm import Comm, backend_for, init_distributed
 from zkern.engine.divergence import signatures_differ
@@ -158,19 +159,11 @@ class Engine(torch.nn.Module):
         return lambda numel, dtype, units: nvme.params_from_config(cfg, rank, numel, dtype, units)
 
     def _stand_in_read(self, t: torch.Tensor, state: str = "master") -> torch.Tensor:
-        """Values of a meta stand-in's slice (ZeRO-Infinity): from the parameter file when it is the working
-        shard's, else from the optimizer's `state` file."""
-        store = getattr(self.runtime, "param_store", None)
-        if store is not None and store.owns(t):
-            return store.read(t)
-        return self.nvme.read(state, t)
+        """Values of a meta stand-in's slice (ZeRO-Infinity): the parameter file's or the optimizer's `state`."""
+        return nvme.read_stand_in(t, self.nvme, getattr(self.runtime, "param_store", None), state)
 
     def _stand_in_write(self, t: torch.Tensor, values: torch.Tensor, state: str = "master") -> None:
-        store = getattr(self.runtime, "param_store", None)
-        if store is not None and store.owns(t):
-            store.write(t, values)
-        else:
-            self.nvme.write(state, t, values)
+        nvme.write_stand_in(t, values, self.nvme, getattr(self.runtime, "param_store", None), state)
 
     def _log_offload(self) -> None:
         """Say where the optimizer's states went, and what the offload keys that do nothing here would have done."""

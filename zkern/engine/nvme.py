@@ -188,13 +188,17 @@ class NvmeShard:
             self._cleanup()
 
 
-def shard_from_config(cfg, rank: int) -> NvmeShard:
-    """The engine's NvmeShard: a directory of its own under offload_optimizer.nvme_path for this rank and run
-    (removed when the engine goes), read and written by the aio section's pool."""
-    zero, aio = cfg.zero_optimization, cfg.aio
+def _pool_and_directory(cfg, path: str, what: str, rank: int):
+    """The aio section's I/O pool, and a directory of this rank and run's own under path."""
+    aio = cfg.aio
     pool = ops.nvme_pool(thread_count=aio.thread_count, block_size=aio.block_size, queue_depth=aio.queue_depth)
-    directory = os.path.join(zero.offload_optimizer_nvme_path,
-                             f"zkern-optimizer-rank{rank}-{os.getpid()}-{secrets.token_hex(4)}")
+    return pool, os.path.join(path, f"zkern-{what}-rank{rank}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def shard_from_config(cfg, rank: int) -> NvmeShard:
+    """The engine's NvmeShard under offload_optimizer.nvme_path (removed when the engine goes)."""
+    zero, aio = cfg.zero_optimization, cfg.aio
+    pool, directory = _pool_and_directory(cfg, zero.offload_optimizer_nvme_path, "optimizer", rank)
     if rank == 0 and (aio.single_submit, aio.overlap_events) != (False, True):
         log.info("zkern NVMe: aio.single_submit and aio.overlap_events choose libaio submission modes; zkern's reader "
                  "is a thread pool over pread/pwrite, where they change nothing")
@@ -203,16 +207,29 @@ def shard_from_config(cfg, rank: int) -> NvmeShard:
 
 
 def params_from_config(cfg, rank: int, numel: int, dtype: torch.dtype, units: dict[int, tuple[int, int]]):
-    """Stage 3's parameter file (offload_param.device "nvme"), in a directory of its own under
-    offload_param.nvme_path for this rank and run."""
+    """Stage 3's parameter file (offload_param.device "nvme") under offload_param.nvme_path."""
     from zkern.engine.nvme_params import NvmeParams
 
-    zero, aio = cfg.zero_optimization, cfg.aio
-    pool = ops.nvme_pool(thread_count=aio.thread_count, block_size=aio.block_size, queue_depth=aio.queue_depth)
-    directory = os.path.join(zero.offload_param_nvme_path,
-                             f"zkern-params-rank{rank}-{os.getpid()}-{secrets.token_hex(4)}")
+    zero = cfg.zero_optimization
+    pool, directory = _pool_and_directory(cfg, zero.offload_param_nvme_path, "params", rank)
     return NvmeParams(directory, pool, numel, dtype, units, max_in_cpu=zero.offload_param_max_in_cpu,
                       buffer_count=zero.offload_param_buffer_count, buffer_size=zero.offload_param_buffer_size)
+
+
+def read_stand_in(t: torch.Tensor, shard: NvmeShard | None, params, state: str = "master") -> torch.Tensor:
+    """Values of a stand-in's slice: from the parameter file (params, an NvmeParams) when it is the working
+    shard's, else from the optimizer shard's `state` file."""
+    if params is not None and params.owns(t):
+        return params.read(t)
+    return shard.read(state, t)
+
+
+def write_stand_in(t: torch.Tensor, values: torch.Tensor, shard: NvmeShard | None, params,
+                   state: str = "master") -> None:
+    if params is not None and params.owns(t):
+        params.write(t, values)
+    else:
+        shard.write(state, t, values)
 
 
 class NvmeAdam(ShardAdam):
@@ -224,6 +241,7 @@ class NvmeAdam(ShardAdam):
         super().__init__(groups, options)
         self._spans = sorted((shard.locate(c.param) + (c.param.numel(), gi, ci))
                              for gi, g in enumerate(groups) for ci, c in enumerate(g.chunks))
+        self._first = {(gi, ci): start for _, start, _, gi, ci in self._spans}  # chunk -> its first region element
         self.io_wait_s = 0.0  # seconds the last step waited for the disk
         self.compute_s = 0.0  # seconds the last step spent in the Adam kernel
 
@@ -366,7 +384,7 @@ class NvmeAdam(ShardAdam):
         for gi, ci, lo, hi, step in work:
             chunk = self.shard_groups[gi].chunks[ci]
             o = self.param_groups[gi]
-            _, first = self.shard.locate(chunk.param)
+            first = self._first[(gi, ci)]
             x, y = first + lo - tile.start, first + hi - tile.start
             ops.adam_step_(buffers["master"][x:y], chunk.grad[lo:hi], buffers["exp_avg"][x:y],
                            buffers["exp_avg_sq"][x:y], step=step + 1,

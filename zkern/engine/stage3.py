@@ -27,6 +27,7 @@ import logging
 import torch
 
 from zkern import ops
+from zkern.engine import nvme as nvme_files
 from zkern.engine.comm import Comm, CommError
 from zkern.engine.divergence import MAX_SIGNATURE_WORLD, TagKind, describe_mismatch, exchange_tags
 from zkern.engine.gathered import register_owner
@@ -468,20 +469,14 @@ class Stage3Runtime:
     def values(self, t: torch.Tensor) -> torch.Tensor:
         """The values of a slice of the master or the working shard: t itself, or (a meta stand-in of a shard on
         NVMe) read from its file."""
-        if not t.is_meta:
-            return t
-        if self.param_store is not None and self.param_store.owns(t):
-            return self.param_store.read(t)
-        return self.nvme.read("master", t)
+        return nvme_files.read_stand_in(t, self.nvme, self.param_store) if t.is_meta else t
 
     def write_values(self, t: torch.Tensor, values: torch.Tensor) -> None:
         """t <- values, into the file where t is a meta stand-in's slice."""
-        if not t.is_meta:
-            t.copy_(values)
-        elif self.param_store is not None and self.param_store.owns(t):
-            self.param_store.write(t, values)
+        if t.is_meta:
+            nvme_files.write_stand_in(t, values, self.nvme, self.param_store)
         else:
-            self.nvme.write("master", t, values)
+            t.copy_(values)
 
     # -- whole weights ----------------------------------------------------------------------------------------
     def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:

@@ -82,6 +82,19 @@ def test_async_save_writes_the_state_of_its_call_while_training_goes_on(tmp_path
                         "async optimizer state")
 
 
+def test_async_save_keeps_the_client_state_of_its_call(tmp_path):
+    spec = spec_for(1, stage=1)
+    engine = build(spec, 1)
+    train(engine, spec, 0, 1, 0, 1)
+    client = {"epoch": 3, "seen": [1, 2]}
+    engine.save_checkpoint(tmp_path, client_state=client, async_save=True)
+    client["epoch"] += 1  # the loop goes on while the writer runs
+    client["seen"].append(3)
+    engine.wait_checkpoint()
+    _, loaded = build(spec, 1).load_checkpoint(tmp_path)
+    assert loaded == {"epoch": 3, "seen": [1, 2]}
+
+
 def test_async_save_error_surfaces_on_the_next_call(tmp_path):
     spec = spec_for(1, stage=1)
     engine = build(spec, 1)
@@ -143,3 +156,27 @@ def test_module_only_and_fresh_optimizer_loads(tmp_path):
 def test_exported_names():
     assert zkern.CheckpointError is CheckpointError
     assert callable(zkern.Engine.save_checkpoint) and callable(zkern.Engine.load_checkpoint)
+
+
+class _StillWriting:
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        return None
+
+
+def in_flight_worker(rank: int, world: int, root: str) -> tuple[bool, bool]:
+    spec = spec_for(world, stage=1)
+    engine = build(spec, world)
+    train(engine, spec, 0, 1, rank, world)
+    idle = engine.checkpoint_in_flight
+    engine.save_checkpoint(root, async_save=True)
+    engine.wait_checkpoint()
+    if rank == 1:
+        engine._pending_save = _StillWriting()  # rank 1's writer is slower than rank 0's
+    return idle, engine.checkpoint_in_flight
+
+
+def test_checkpoint_in_flight_is_the_same_answer_on_every_rank(tmp_path):
+    assert spawn(in_flight_worker, 2, str(tmp_path)) == [(False, True), (False, True)]

@@ -21,7 +21,9 @@ from zkern.checkpoint.control import all_gather_json
 from zkern.checkpoint.errors import CheckpointError
 from zkern.checkpoint.manifest import check_sizes, read_latest, read_manifest, tag_dir
 from zkern.checkpoint.ranges import TORCH_DTYPES, RangeReader
+from zkern.checkpoint.save import loco_layout, loco_reducer
 from zkern.engine.optimizer import ShardAdam
+from zkern.engine.state import kinds_a_load_resets
 
 log = logging.getLogger("zkern")
 
@@ -38,6 +40,8 @@ class _Plan:
         self.optim: list[tuple[int, int, torch.Tensor, dict]] = []  # (group, piece index, piece, state to set)
         self.rng: dict[str, torch.Tensor] = {}  # "cpu" / "cuda" -> this rank's saved generator state
         self.commit = None  # ShardMap.commit: stores the resting views that are staged copies
+        self.hyper: list[dict] = []  # per optimizer param group: the checked hyper-parameters to set
+        self.loco: dict[str, torch.Tensor] | None = None  # LoCo's error buffers, where the layout matches
 
 
 def load(engine, ctrl, load_dir, tag, *, strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
@@ -60,8 +64,12 @@ def load(engine, ctrl, load_dir, tag, *, strict: bool, load_optimizer_states: bo
             check_sizes(manifest, os.path.join(path, "manifest.json"))
             plan = _stage(engine, manifest, path, strict=strict,
                           optimizer=load_optimizer_states and not load_module_only)
+            if load_lr_scheduler_states and not load_module_only:
+                _check_scheduler_state(engine, manifest, os.path.join(path, "manifest.json"))
     except (CheckpointError, OSError) as e:
         status["error"] = str(e)
+    except Exception as e:  # anything else a damaged checkpoint provokes still reaches every rank as an error
+        status["error"] = f"{path or load_dir}: the checkpoint cannot be read ({type(e).__name__}: {e})"
     statuses = all_gather_json(ctrl, status, "checkpoint load: every rank's outcome")
     errors = [(r, s["error"]) for r, s in enumerate(statuses) if "error" in s]
     if errors:
@@ -124,6 +132,7 @@ def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) 
                                   f"{rt.names[i]!r} has {list(smap.shapes[i])}")
     if optimizer:
         _check_optimizer(engine, manifest, where)
+        plan.hyper = _checked_hyper_parameters(engine.optimizer, manifest["optimizer"]["param_groups"], where)
     for gi, group in enumerate(rt.shard_groups):
         for k, piece in enumerate(group.pieces):
             index, start, _ = smap.pieces[gi][k]
@@ -146,22 +155,27 @@ def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) 
         if id(t) in trainable or id(t) in done:
             continue
         found = saved_name(name)
-        if found is None or found not in saved_module:
+        if found is None:
             continue
+        # A tensor frozen here may have been trained when saved: then its values are the saved master (fp32),
+        # rounded to this engine's working dtype as the optimizer's own copy-out rounds them.
+        kind = "master" if found in saved_params else "module"
         done.add(id(t))
-        shape = saved_module[found]["shape"]
+        shape = (saved_params if kind == "master" else saved_module)[found]["shape"]
         full = next((s for p, s, _, _ in smap.resting if p is t), t.shape)
         if list(shape) != list(full):
             raise CheckpointError(f"{where}: {found!r} has shape {shape}, the model's {name!r} has {list(full)}")
         for start, live in resting.get(id(t), [(0, t.detach().reshape(-1))]):
             staged = torch.empty(live.numel(), dtype=live.dtype)
-            reader.request("module", found, start, staged)
+            reader.request(kind, found, start, staged)
             plan.copies.append((live, staged))
     rank_name = f"rank{engine.rank}"
     for e in manifest["tensors"]:
         if e["name"] == rank_name and e["kind"] in ("rng.cpu", "rng.cuda"):
             plan.rng[e["kind"][4:]] = staged = torch.empty(e["numel"], dtype=torch.uint8)
             reader.request(e["kind"], rank_name, 0, staged)
+    if optimizer:
+        plan.loco = _stage_loco(engine, manifest, reader, where)
     reader.check_files()
     reader.run()
     return plan
@@ -177,6 +191,92 @@ def _check_optimizer(engine, manifest: dict, where: str) -> None:
         raise CheckpointError(f"{where}: the checkpoint's optimizer has {len(saved['param_groups'])} parameter "
                               f"groups, the engine's {len(engine.optimizer.param_groups)}; pass "
                               f"load_optimizer_states=False to load the weights only")
+
+
+def _checked_hyper_parameters(optimizer, saved_groups: list, where: str) -> list[dict]:
+    """Each saved param group's hyper-parameters, only those the live group has (never 'params'), each of the live
+    value's type: a checkpoint cannot add keys to the optimizer or set one to something it does not take."""
+    out = []
+    for gi, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{where}: optimizer param_groups[{gi}] is a {type(saved).__name__}, not a dict")
+        values = {}
+        for key, live in group.items():
+            if key == "params" or key not in saved:
+                continue
+            value = saved[key]
+            if isinstance(live, bool) or live is None:
+                ok = value is None or isinstance(value, bool) if live is None else isinstance(value, bool)
+            elif isinstance(live, (int, float)):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            elif isinstance(live, (tuple, list)):
+                ok = isinstance(value, list) and len(value) == len(live) and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+                value = tuple(value) if ok and isinstance(live, tuple) else value
+            elif isinstance(live, str):
+                ok = isinstance(value, str)
+            else:
+                continue  # an object the checkpoint cannot describe (kept as it is)
+            if not ok:
+                raise CheckpointError(f"{where}: optimizer param_groups[{gi}][{key!r}] is {value!r}, the engine's "
+                                      f"optimizer holds a {type(live).__name__} there")
+            values[key] = value
+        out.append(values)
+    return out
+
+
+def _same_kind(saved, live) -> bool:
+    """Plain JSON `saved` can stand where the live value is (numbers for numbers, lists for lists and tuples, ...)."""
+    if live is None or saved is None:
+        return True
+    if isinstance(live, bool) or isinstance(saved, bool):
+        return isinstance(live, bool) and isinstance(saved, bool)
+    if isinstance(live, (int, float)):
+        return isinstance(saved, (int, float))
+    if isinstance(live, (list, tuple)):
+        return isinstance(saved, list) and len(saved) == len(live) and all(map(_same_kind, saved, live))
+    if isinstance(live, dict):
+        return isinstance(saved, dict) and all(_same_kind(saved[k], live[k]) for k in saved.keys() & live.keys())
+    return isinstance(saved, type(live))
+
+
+def _check_scheduler_state(engine, manifest: dict, where: str) -> None:
+    """The saved scheduler state has the live scheduler's keys, each of the live value's kind: loading it cannot
+    fail half-way or plant a key the scheduler never had."""
+    saved, live = manifest["lr_scheduler"], engine.lr_scheduler
+    if saved is None or live is None:
+        return
+    mine = live.state_dict()
+    if set(saved) != set(mine) or not all(_same_kind(saved[k], mine[k]) for k in mine):
+        raise CheckpointError(f"{where}: the saved {manifest.get('lr_scheduler_type')} state (keys "
+                              f"{sorted(saved)[:10]}) does not fit this engine's {type(live).__name__} (keys "
+                              f"{sorted(mine)[:10]}); pass load_lr_scheduler_states=False to keep the scheduler as "
+                              f"it is")
+
+
+def _stage_loco(engine, manifest: dict, reader: RangeReader, where: str) -> dict[str, torch.Tensor] | None:
+    """This rank's LoCo error buffers, when the checkpoint's layout is this engine's (errors are per rank, hop and
+    bucket); None, with a log line, when they cannot carry over and restart at zero."""
+    quantizer = loco_reducer(engine)
+    if quantizer is None:
+        return None
+    saved = manifest.get("loco")
+    if not isinstance(saved, dict) or saved.get("layout") != loco_layout(engine):
+        if engine.rank == 0:
+            log.warning("zkern: load_checkpoint: %s LoCo error buffers for this layout (world size, ranks per node, "
+                        "stage, buckets); they restart at zero, as at a reset_T boundary",
+                        "the checkpoint has no" if not isinstance(saved, dict) else "the checkpoint's are not")
+        return None
+    if not isinstance(saved.get("steps"), int):
+        raise CheckpointError(f"{where}: loco.steps is missing or not an integer")
+    out = {}
+    rank_name = f"rank{engine.rank}"
+    for e in manifest["tensors"]:
+        if e["name"] == rank_name and e["kind"].startswith("loco."):
+            staged = torch.empty(e["numel"], dtype=TORCH_DTYPES[e["dtype"]])
+            reader.request(e["kind"], rank_name, 0, staged)
+            out[e["kind"][len("loco."):]] = staged
+    return out
 
 
 def _stage_optimizer(engine, reader: RangeReader, manifest: dict, name: str, start: int, piece: torch.Tensor) -> dict:
@@ -200,6 +300,12 @@ def _stage_optimizer(engine, reader: RangeReader, manifest: dict, name: str, sta
 def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_optimizer_states: bool,
            load_lr_scheduler_states: bool) -> None:
     rt, opt = engine.runtime, engine.optimizer
+    # What this load does not restore goes back to a fresh engine's value first (gradients accumulated since the last
+    # step always; the optimizer, scheduler, scaler and counters by the flags): the engine then equals a fresh engine
+    # loaded from the same checkpoint, whenever the load comes.
+    engine.state.reset(*kinds_a_load_resets(load_module_only=load_module_only,
+                                            load_optimizer_states=load_optimizer_states,
+                                            load_lr_scheduler_states=load_lr_scheduler_states))
     with torch.no_grad():
         for live, staged in plan.copies:
             if live.is_meta:  # a master or a working shard on NVMe
@@ -221,15 +327,12 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
         if load_optimizer_states and not load_module_only:
             for gi, k, piece, state in plan.optim:
                 _set_optimizer_state(opt, gi, k, piece, state)
-            for group, saved in zip(opt.param_groups, manifest["optimizer"]["param_groups"]):
-                for key, value in saved.items():
-                    group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
-    rt.after_step()  # every whole copy (stage 1-2 buckets, stage 3 persistent units) from the loaded shards
-    zero = engine.config.zero_optimization
-    if zero.zero_quantized_gradients and zero.loco_err_beta is not None and engine.rank == 0:
-        log.warning("zkern: LoCo's error buffers (zeropp_loco_param) are not in checkpoints: they restart at zero, "
-                    "as at a reset_T boundary, so the resumed run's gradients differ from an uninterrupted run's by "
-                    "the error that was kept")
+            for group, values in zip(opt.param_groups, plan.hyper):
+                group.update(values)
+            if plan.loco is not None:
+                loco_reducer(engine).load_errors(plan.loco, manifest["loco"]["steps"], engine.device)
+    engine.state.reset("derived")  # hpZ's slices no longer stand for the shards
+    rt.refresh()  # every whole copy (stage 1-2 buckets, stage 3 persistent units) from the loaded shards
     if load_module_only:
         return
     if manifest["precision"] == "fp16" and engine.config.precision == "fp16":
@@ -244,7 +347,8 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
     engine.global_steps = manifest["global_steps"]
     engine.skipped_steps = manifest["skipped_steps"]
     engine.micro_steps = manifest["micro_steps"]
-    engine.pending_micro_steps = 0  # checkpoints are taken at accumulation boundaries
+    norm = manifest.get("last_grad_norm")
+    engine.last_grad_norm = float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) else None
     _restore_rng(engine, manifest, plan)
 
 

@@ -23,6 +23,7 @@ import os
 import re
 
 from zkern.checkpoint.errors import CheckpointError
+from zkern.checkpoint.safe_io import parse_json, read_capped
 from zkern.checkpoint.tensorfile import DTYPE_SIZES
 
 FORMAT = "zkern-checkpoint"
@@ -107,19 +108,15 @@ def read_manifest(tag_dir: str) -> dict:
     """The manifest of one tag, its checksum and structure verified."""
     path = os.path.join(tag_dir, MANIFEST)
     try:
-        size = os.path.getsize(path)
-        if size > MAX_MANIFEST:
-            raise CheckpointError(f"{path}: {size} bytes, larger than any manifest zkern writes")
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_capped(path, MAX_MANIFEST, "manifest")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (the directory is not a complete zkern checkpoint)") from None
-    try:
-        outer = json.loads(raw)
-        body, stored = outer["manifest"], outer["sha256"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: not a zkern manifest ({type(e).__name__}: {e}); the file is damaged or "
-                              f"was not written by zkern") from None
+    outer = parse_json(raw, path, "manifest")
+    if not isinstance(outer, dict) or not isinstance(outer.get("manifest"), dict) \
+            or not isinstance(outer.get("sha256"), str):
+        raise CheckpointError(f"{path}: not a zkern manifest (no 'manifest' object and 'sha256' string); the file is "
+                              f"damaged or was not written by zkern")
+    body, stored = outer["manifest"], outer["sha256"]
     if not isinstance(body, dict) or _digest(body) != stored:
         raise CheckpointError(f"{path}: its sha256 does not match its content (stored {stored}, computed "
                               f"{_digest(body) if isinstance(body, dict) else 'n/a'}): the manifest was altered")
@@ -139,6 +136,28 @@ def _validate(body: dict, path: str) -> None:
         raise CheckpointError(f"{path}: format version {body.get('version')!r}; this zkern reads version {VERSION}")
     for key in ("world_size", "stage", "global_steps", "skipped_steps", "micro_steps"):
         need(body, key, int, "")
+    need(body, "precision", str, "")
+    need(body, "excluded_frozen", bool, "")
+    aliases = need(body, "aliases", dict, "")
+    if not all(isinstance(v, str) for v in aliases.values()):
+        raise CheckpointError(f"{path}: 'aliases' maps names to something other than names")
+    scaler = need(body, "loss_scaler", dict, "")
+    for key, kind in (("scale", (int, float)), ("hysteresis_left", int), ("iter", int), ("last_overflow_iter", int)):
+        if not isinstance(scaler.get(key), kind) or isinstance(scaler.get(key), bool):
+            raise CheckpointError(f"{path}: loss_scaler[{key!r}] is missing or not a number")
+    if body.get("lr_scheduler") is not None and not isinstance(body["lr_scheduler"], dict):
+        raise CheckpointError(f"{path}: 'lr_scheduler' is neither null nor an object")
+    optimizer = need(body, "optimizer", dict, "")
+    need(optimizer, "type", str, "optimizer.")
+    if not all(isinstance(g, dict) for g in need(optimizer, "param_groups", list, "optimizer.")):
+        raise CheckpointError(f"{path}: optimizer.param_groups holds something other than objects")
+    for name, values in need(optimizer, "scalars", dict, "optimizer.").items():
+        if not isinstance(values, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                   for v in values.values()):
+            raise CheckpointError(f"{path}: optimizer.scalars[{name!r}] is not an object of numbers")
+    for key, dtype in need(optimizer, "scalar_types", dict, "optimizer.").items():
+        if dtype is not None and dtype not in DTYPE_SIZES:
+            raise CheckpointError(f"{path}: optimizer.scalar_types[{key!r}] is {dtype!r}, not a dtype")
     files = need(body, "files", dict, "")
     for name, info in files.items():
         if not _RANK_FILE.fullmatch(name):
@@ -164,8 +183,7 @@ def _validate(body: dict, path: str) -> None:
 def read_latest(ckpt_dir: str) -> str | None:
     path = os.path.join(ckpt_dir, LATEST)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(4096)
+        raw = read_capped(path, 4096, "'latest' file")
     except FileNotFoundError:
         return None
     try:
@@ -216,6 +234,10 @@ def check_sizes(manifest: dict, path: str) -> None:
         if e["kind"].startswith("rng."):
             if e["numel"] > 1 << 20 or e["dtype"] != "U8":
                 raise CheckpointError(f"{path}: generator state {e['name']} is {e['dtype']} x {e['numel']}: not one")
+            continue
+        if e["kind"].startswith("loco."):  # a rank's LoCo error buffer, as large as its gradient bucket
+            if not re.fullmatch(r"rank\d+", e["name"]) or e["dtype"] not in ("F32", "F16", "BF16"):
+                raise CheckpointError(f"{path}: LoCo entry {e['kind']}:{e['name']} ({e['dtype']}) is not one")
             continue
         n = numels.get(e["name"])
         if n is None or e["start"] + e["numel"] > n:

@@ -153,6 +153,10 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
             module[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "frozen": frozen}
             if engine.rank == 0:
                 snap.entries.append(("module", name, 0, t.detach().reshape(-1)))
+    quantizer = loco_reducer(engine)
+    if quantizer is not None:  # per rank, hop and bucket: they carry over to this layout only (load._stage_loco)
+        snap.entries.extend((f"loco.{name}", f"rank{engine.rank}", 0, e.reshape(-1))
+                            for name, e in quantizer.error_entries())
     snap.entries.append(("rng.cpu", f"rank{engine.rank}", 0, torch.get_rng_state()))
     if engine.device.type == "cuda":
         snap.entries.append(("rng.cuda", f"rank{engine.rank}", 0, torch.cuda.get_rng_state(engine.device)))
@@ -164,6 +168,7 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
     snap.body = {
         "format": FORMAT, "version": VERSION, "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps, "world_size": engine.world_size,
+        "last_grad_norm": engine.last_grad_norm,
         "stage": zero.stage, "precision": cfg.precision, "offload_optimizer": zero.offload_optimizer_device,
         "offload_param": zero.offload_param_device, "saved_at": time.time(), "torch": torch.__version__,
         "loss_scaler": engine.scaler.state_dict(),
@@ -175,9 +180,26 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
         "client_state": client_state,
         "params": params, "module": module, "aliases": aliases, "order": order,
         "excluded_frozen": bool(exclude_frozen),
+        "loco": None if quantizer is None else {"steps": quantizer.steps, "layout": loco_layout(engine)},
         "config": plain(_jsonable(cfg.to_dict()), "the config"),
     }
     return snap
+
+
+def loco_reducer(engine):
+    """The engine's qgZ reduction when it keeps LoCo error buffers, else None."""
+    runtime = engine.runtime
+    quantizer = getattr(runtime, "quantized", None) or getattr(runtime, "quantized_reduce", None)
+    return quantizer if quantizer is not None and quantizer.loco is not None else None
+
+
+def loco_layout(engine) -> dict:
+    """What LoCo's per-rank error buffers depend on: a checkpoint's carry over only to an engine where this is equal."""
+    zero = engine.config.zero_optimization
+    return {"world_size": engine.world_size, "ranks_per_node": engine.comm.node_size, "stage": zero.stage,
+            "reduce_bucket_size": zero.reduce_bucket_size, "allgather_bucket_size": zero.allgather_bucket_size,
+            "group_size": zero.zeropp_grad_group_size, "trainable": list(engine.runtime.names),
+            "precision": engine.config.precision, "communication_data_type": engine.config.communication_data_type}
 
 
 def _jsonable(value):

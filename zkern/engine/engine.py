@@ -10,6 +10,7 @@ The stage runtime (stage12.Stage12Runtime, stage3.Stage3Runtime) owns buffers an
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ from zkern.config_resolve import node_size
 from zkern.engine import build, nvme
 from zkern.engine.comm import Comm, backend_for, init_distributed
 from zkern.engine.divergence import signatures_differ
+from zkern.engine.engine_state import build_registry
 from zkern.engine.offload import HostStep
 from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
 from zkern.engine.precision import LossScaler, gradient_dtypes, working_dtype
@@ -141,6 +143,8 @@ class Engine(torch.nn.Module):
         self.last_grad_norm: float | None = None
         self._checkpoint_comm = None  # the checkpoint's own process group, made by the first save or load
         self._pending_save = None  # an asynchronous save in flight
+        # Every stateful piece, with how it resets: loads, zero_grad and the tests walk this (engine/state.py).
+        self.state = build_registry(self)
 
     def _log_layout(self) -> None:
         """Say once how the parameters were laid out (padding included) and warn about costly layouts."""
@@ -225,8 +229,12 @@ class Engine(torch.nn.Module):
         """step() clears the gradients it applied, so after a step this does nothing; mid-accumulation it drops
         the gradients accumulated since the last step, as torch's zero_grad does."""
         if self.pending_micro_steps:
-            self.runtime.zero_grad()
-            self.pending_micro_steps = 0
+            self.state.reset("transient")
+
+    def _reset_accumulation(self) -> None:
+        """No micro-step accumulated, and the accumulation boundary back to counting (the registry's reset)."""
+        self.pending_micro_steps = 0
+        self._boundary = None
 
     @contextlib.contextmanager
     def gathered_for_generation(self):
@@ -329,6 +337,7 @@ class Engine(torch.nn.Module):
         if signatures_differ(values[2], values[3], signature, self.world_size):
             self.runtime.diverged_step()  # stage 3: ranks paired different units; never apply this step
             self.skipped_steps += 1
+            self.runtime.skipped_step()
             self.runtime.zero_grad()
             return
         sq = values[1]
@@ -352,7 +361,10 @@ class Engine(torch.nn.Module):
                 self.optimizer.step(grad_scale=inv * coef, active=active, after_chunk=self.runtime.chunk_stepped)
             else:
                 step_torch_optimizer(self.optimizer, self.runtime.shard_groups, grad_scale=inv * coef, active=active)
+            scale = self.scaler.scale
             self.scaler.update(False)
+            if self.scaler.scale != scale:  # LoCo's errors are kept in loss-scaled units: they follow the scale
+                self.runtime.loss_scale_changed(self.scaler.scale / scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.runtime.after_step()
@@ -360,6 +372,7 @@ class Engine(torch.nn.Module):
 
     def _skip(self, norm: float) -> None:
         self.skipped_steps += 1
+        self.runtime.skipped_step()
         before = self.scaler.scale
         if self.config.precision == "fp16":
             self.scaler.update(True)
@@ -468,6 +481,9 @@ class Engine(torch.nn.Module):
         tag = checked_tag(tag, self.global_steps)
         client_state = {} if client_state is None else client_state
         check_plain(client_state, "client_state")
+        # A copy, taken now: an asynchronous save writes the manifest later, and the caller's dict may change by then
+        # (the epoch counter of the loop that saved).
+        client_state = json.loads(json.dumps(client_state))
         ctrl = self._checkpoint_group()
         snap = snapshot(self, client_state=client_state, exclude_frozen=exclude_frozen_parameters, copy=async_save)
         save_dir = os.fspath(save_dir)
@@ -495,8 +511,16 @@ class Engine(torch.nn.Module):
 
     @property
     def checkpoint_in_flight(self) -> bool:
-        """An asynchronous save is still writing."""
-        return self._pending_save is not None and not self._pending_save.done()
+        """Whether an asynchronous save is still writing on any rank: the same answer on every rank (a collective,
+        so every rank must ask it at the same point). A rank asking only its own writer may see it finish a step
+        before another rank does, and ranks that branch on that take different numbers of steps."""
+        mine = self._pending_save is not None and not self._pending_save.done()
+        if self.world_size == 1:
+            return mine
+        flag = torch.tensor([1.0 if mine else 0.0], device=self.device)
+        self.comm.all_reduce(flag, "checkpoint_in_flight: whether any rank's asynchronous save still writes",
+                             kind="control", op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

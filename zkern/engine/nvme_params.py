@@ -74,6 +74,10 @@ class NvmeParams:
     def cache_bytes(self) -> int:
         return self.cached * self.itemsize
 
+    def cached_tensors(self) -> list[torch.Tensor]:
+        """The host copies of unit chunks (cached, or being read ahead): derived from the file, never saved."""
+        return [*self.cache.values(), *(buf for _, buf, _ in self.pending.values())]
+
     # -- element ranges ---------------------------------------------------------------------------------------
     def _start(self, lo: int, hi: int) -> tuple:
         a, b = _cover(lo, hi, self.itemsize)

@@ -59,6 +59,17 @@ class HostStep:
             self.host_groups.append(ShardGroup(pieces=g.pieces, chunks=chunks))
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
 
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """The host staging buffers: gradient copies (scratch within a step) and, where the parameters live on the
+        device, the working copy the host step writes (derived from the master; refreshed piece by piece)."""
+        out = []
+        for host, device in zip(self.host_groups, self.device_groups):
+            for h, d in zip(host.chunks, device.chunks):
+                out.append(h.grad)
+                if h.out is not None and h.out is not d.out:
+                    out.append(h.out)
+        return out
+
     # -- copies -----------------------------------------------------------------------------------------------
     def _down(self, gi: int, ci: int) -> None:
         """Device gradient chunk -> host staging (async on CUDA; the event marks its arrival)."""

@@ -94,6 +94,17 @@ class ShardAdam(torch.optim.Optimizer):
             exp_avg_sq.zero_()
             self.steps[group][index] = 0
 
+    def reset_state(self) -> None:
+        """Every piece as if it never stepped: zero moments, step counts 0."""
+        for gi, g in enumerate(self.shard_groups):
+            if self.exp_avg:  # the flat buffers at once (NvmeAdam keeps them on disk: piece by piece there)
+                self.exp_avg[gi].zero_()
+                self.exp_avg_sq[gi].zero_()
+                self.steps[gi] = [0] * len(g.pieces)
+            else:
+                for i in range(len(g.pieces)):
+                    self.set_piece_state(gi, i, {})
+
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.exp_avg, *self.exp_avg_sq))
 

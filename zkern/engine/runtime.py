@@ -66,11 +66,23 @@ class Runtime(Protocol):
     def active(self, flags: list[bool]) -> list[list[bool]]:
         """Per shard group and piece: did its parameter get a gradient on any rank (flags: per parameter)?"""
 
+    def skipped_step(self) -> None:
+        """The step was skipped (overflow, non-finite gradient, diverged gathers): drop what it left behind."""
+
+    def loss_scale_changed(self, factor: float) -> None:
+        """The fp16 loss scale was multiplied by factor (state kept in scaled units follows)."""
+
+    def state_components(self) -> list:
+        """This runtime's stateful pieces for the engine's registry (engine/state.py)."""
+
     def chunk_stepped(self, group: int, chunk: int) -> None:
         """The optimizer finished one chunk of one group's shard."""
 
     def after_step(self) -> None:
         """The shards changed: bring every whole copy up to date."""
+
+    def refresh(self) -> None:
+        """The shards were written outside a step (a load): bring every whole copy up to date."""
 
     def shard_map(self) -> ShardMap:
         """This rank's shard in terms of the model's tensors (checkpoints)."""

@@ -30,12 +30,15 @@ from collections import deque
 import torch
 
 from zkern import ops
-from zkern.engine.comm import Comm, Work
+from zkern.engine.comm import Comm, CommError, Work
+from zkern.engine.divergence import TagKind, exchange_tags
+from zkern.engine.gathered import register_owner
 from zkern.engine.offload import host_tensor
 from zkern.engine.optimizer import Chunk, ShardGroup
 from zkern.engine.partition import Bucket, Layout, plan_layout
 from zkern.engine.runtime import ShardMap
 from zkern.engine.schedule import ReduceSchedule, fold_reduced
+from zkern.engine.state import Component, host_copy
 from zkern.engine.whole import WholeBucket, gather_whole
 from zkern.engine.zeropp import QuantizedReduce
 
@@ -359,6 +362,53 @@ class FlatGroup:
         b = self.layout.buckets[i]
         return slice(b.shard_offset, b.shard_offset + b.chunk)
 
+    def write_master(self, i: int, before: torch.Tensor) -> None:
+        """Parameter i's working values were written (GatheredParameters with a modifier rank; `before`: its values
+        when the context began): the elements that changed take the new value in this rank's fp32 master pieces."""
+        if self.master is None:  # fp32 without offload: the flat parameter buffer is the master
+            return
+        new = self.params[i].detach().reshape(-1)
+        changed = new != before.reshape(-1)
+        for piece in self.pieces:
+            if piece.param != i:
+                continue
+            lo, hi = piece.param_start, piece.param_start + piece.numel
+            region = self.master[piece.shard_start:piece.shard_start + piece.numel]
+            master = self.nvme.read("master", region) if region.is_meta else region
+            merged = torch.where(changed[lo:hi].to(master.device), new[lo:hi].to(master.device, torch.float32),
+                                 master)
+            if region.is_meta:
+                self.nvme.write("master", region, merged)
+            else:
+                region.copy_(merged)
+
+    # -- state (engine/state.py) ------------------------------------------------------------------------------
+    def master_values(self) -> torch.Tensor | None:
+        """The fp32 master shard's values (read from its files when on NVMe), or None in fp32 without offload."""
+        if self.master is None:
+            return None
+        return self.nvme.read("master", self.master) if self.master.is_meta else self.master
+
+    def grad_values(self) -> dict:
+        """The accumulated gradient as the next step would read it (stage 2's shard only counts once a
+        micro-step has been folded into it since the last step)."""
+        if self.grad_shard is not None:
+            shard = self.grad_shard if self._micro_since_step else torch.zeros_like(self.grad_shard)
+            return {"grad_shard": shard, "used": list(self.used)}
+        return {"grad_flat": self.grad_flat, "used": list(self.used)}
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.param_flat, self.master) if t is not None] + list(self.params)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        grads = [t for t in (self.grad_flat, self.grad_shard) if t is not None]
+        return grads + list(self._grad_views or ()) + [p.grad for p in self.params if p.grad is not None]
+
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """Stage 2's bucket buffers: filled and reduced within one backward."""
+        in_flight = [buf for _, _, buf, _ in self._in_flight if buf is not None]
+        return [*self._free_buffers, *self._open.values(), *in_flight]
+
     # -- accounting -------------------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         def nbytes(t: torch.Tensor | None) -> int:  # a meta stand-in (states on NVMe) holds no memory
@@ -410,7 +460,8 @@ class Stage12Runtime:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(g, i)))
         # Which modules' forward makes a parameter able to get a gradient: its owners and declared readers.
         readers: dict[int, list[tuple[FlatGroup, int]]] = {}
-        index = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        index = self._index = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        register_owner(model.parameters(), self)  # zkern.GatheredParameters writes through pin/unpin
         for module in model.modules():
             own = [*module.parameters(recurse=False), *module.__dict__.get("_zkern_external_params", ())]
             mine = [index[id(p)] for p in own if id(p) in index]
@@ -520,11 +571,25 @@ class Stage12Runtime:
         if flat is not None:
             flat.gather_bucket(chunk)
 
+    def skipped_step(self) -> None:
+        """The step was skipped: LoCo's errors from its micro-steps are dropped (zeropp.QuantizedReduce)."""
+        if self.quantized is not None:
+            self.quantized.skipped_step()
+
+    def loss_scale_changed(self, factor: float) -> None:
+        """The fp16 loss scale was multiplied by factor: LoCo's errors (in loss-scaled units) follow."""
+        if self.quantized is not None:
+            self.quantized.rescale_errors(factor)
+
     def after_step(self) -> None:
-        for g in self.groups:
-            g.gather_params()
+        self.refresh()
         if self.quantized is not None:
             self.quantized.after_step()
+
+    def refresh(self) -> None:
+        """The shards were written (a step, a load): bring every whole copy up to date."""
+        for g in self.groups:
+            g.gather_params()
 
     def shard_map(self) -> ShardMap:
         """Stage 0 keeps every piece on every rank: bucket k (counted across groups) is written by rank k % world."""
@@ -559,6 +624,62 @@ class Stage12Runtime:
         gradient_predivide_factor times each rank's gradient, in the accumulation dtype (a collective; for tests
         and debugging, between the last backward and step())."""
         return {k: v for g in self.groups for k, v in g.whole("grads", True).items()}
+
+    # -- GatheredParameters (gathered.py) ---------------------------------------------------------------------
+    def pin(self, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list:
+        """Parameters are whole at stages 0-2: nothing to gather. With a modifier rank, each one's values are kept,
+        so that unpin can tell which elements the modifier changed (a collective: the ranks check they agree)."""
+        comm = self.groups[0].comm
+        if modifier_rank is not None and modifier_rank >= comm.world:
+            raise ValueError(f"GatheredParameters: modifier_rank {modifier_rank} is not a rank of this world of "
+                             f"{comm.world}")
+        tags = exchange_tags(comm, (TagKind.PIN, len(params), -1 if modifier_rank is None else modifier_rank),
+                             self.groups[0].param_flat.device)
+        if any(t != tags[0] for t in tags):
+            raise CommError(f"zkern rank {comm.rank} of {comm.world}: GatheredParameters was entered with different "
+                            f"parameters or modifier ranks on different ranks ({tags}); every rank must pass the same "
+                            f"parameters in the same order")
+        return [(p, p.detach().clone() if modifier_rank is not None else None) for p in params]
+
+    def unpin(self, pinned: list, modifier_rank: int | None) -> None:
+        """Leave a GatheredParameters context. With modifier_rank, that rank's values reach every rank's copy, and
+        the elements it changed the fp32 master shard (which the next step would otherwise write back over them;
+        the others keep their fp32 master value, which the 16-bit copy had only rounded). The optimizer's moments
+        are kept. Without one, the parameters are the training copies as they are: a change made in the context
+        on one rank is not written into the masters, and the next optimizer step writes over it."""
+        if modifier_rank is None:
+            return
+        comm = self.groups[0].comm
+        with torch.no_grad():
+            for p, before in pinned:
+                comm.broadcast(p.data, f"GatheredParameters: a parameter modified on rank {modifier_rank}",
+                               src=modifier_rank)
+                if id(p) in self._index:
+                    g, i = self._index[id(p)]
+                    g.write_master(i, before)
+
+    def add_external_reader(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
+        """`module` reads p in its forward (GatheredParameters' fwd_module): its forward now marks p as able to get
+        a gradient in that micro-step."""
+        if id(p) in self._index:
+            self._handles.append(module.register_forward_pre_hook(self._touch_hook([self._index[id(p)]])))
+
+    def state_components(self) -> list[Component]:
+        """This runtime's state for the engine's registry (engine/state.py)."""
+        out = [
+            Component("stage12.weights", "weights",
+                      snapshot=lambda: host_copy([{"param_flat": g.param_flat, "master": g.master_values()}
+                                                  for g in self.groups]),
+                      tensors=lambda: [t for g in self.groups for t in g.weight_tensors()]),
+            Component("stage12.gradients", "transient", reset=self.zero_grad,
+                      snapshot=lambda: host_copy([g.grad_values() for g in self.groups]),
+                      tensors=lambda: [t for g in self.groups for t in g.grad_tensors()]),
+            Component("stage12.buckets", "scratch",
+                      tensors=lambda: [t for g in self.groups for t in g.scratch_tensors()]),
+        ]
+        if self.quantized is not None:
+            out += self.quantized.state_components()
+        return out
 
     def memory(self) -> dict[str, int]:
         report: dict[str, int] = {"host_params": 0}

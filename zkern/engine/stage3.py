@@ -40,6 +40,7 @@ from zkern.engine.runtime import ShardMap
 from zkern.engine.sharded_init import forget_sharding, full_shape, gather_built, is_sharded, release_freed_memory
 from zkern.engine.stage3_hooks import Stage3Hooks
 from zkern.engine.stage3_reduce import GradReducer
+from zkern.engine.state import Component, host_copy
 from zkern.engine.units import plan_units
 from zkern.engine.whole import WholeBucket, gather_whole
 from zkern.engine.zeropp import FrozenStore, QuantizedReduce, Secondary
@@ -298,10 +299,24 @@ class Stage3Runtime:
     def chunk_stepped(self, group: int, chunk: int) -> None:
         """Stage 3 gathers nothing chunk by chunk: the next forward gathers each unit as it needs it."""
 
+    def skipped_step(self) -> None:
+        """The step was skipped: LoCo's errors from its micro-steps are dropped (zeropp.QuantizedReduce)."""
+        if self.quantized_reduce is not None:
+            self.quantized_reduce.skipped_step()
+
+    def loss_scale_changed(self, factor: float) -> None:
+        """The fp16 loss scale was multiplied by factor: LoCo's errors (in loss-scaled units) follow."""
+        if self.quantized_reduce is not None:
+            self.quantized_reduce.rescale_errors(factor)
+
     def after_step(self) -> None:
-        self.gatherer.after_step()
+        self.refresh()
         if self.quantized_reduce is not None:
             self.quantized_reduce.after_step()
+
+    def refresh(self) -> None:
+        """The shards were written (a step, a load): a new version, and the copies kept whole follow it."""
+        self.gatherer.after_step()
 
     def shard_map(self) -> ShardMap:
         pieces = [[(i, s, True) for i, s in zip(idx, starts)]
@@ -510,6 +525,49 @@ class Stage3Runtime:
             return self.values(source[u.bucket.shard_offset:u.bucket.shard_offset + u.bucket.chunk])
 
         return gather_whole(self.comm, self.comm.world, buckets, chunk_of, dtype, self._empty.device, purpose, keep)
+
+    # -- state (engine/state.py) ------------------------------------------------------------------------------
+    def state_components(self) -> list[Component]:
+        """This runtime's state for the engine's registry: the shards (weights), the gradient shard and reduction
+        buffers (transient), the gathered copies and hpZ's slices (derived from the shards), LoCo's errors."""
+
+        def weights() -> dict:
+            return host_copy({"param_shard": self.values(self.param_shard),
+                              "master": None if self.master is None else self.values(self.master),
+                              "frozen_int8": None if self.frozen is None else self.frozen.store})
+
+        def gradients() -> dict:
+            r = self.reducer
+            shard = self.grad_shard if r.micro_since_step else torch.zeros_like(self.grad_shard)
+            return host_copy({"grad_shard": shard, "used": list(r.used)})
+
+        def derived() -> list[torch.Tensor]:
+            out = [u.buffer for u in self.units if u.buffer is not None]
+            if self.secondary is not None:
+                out.append(self.secondary.store)
+            if self.param_store is not None:
+                out += self.param_store.cached_tensors()
+            return out
+
+        out = [
+            Component("stage3.weights", "weights", snapshot=weights,
+                      tensors=lambda: [t for t in (self.param_shard, self.master, self._empty,
+                                                   self.frozen.store if self.frozen is not None else None)
+                                       if t is not None] + list(self.all_params)),
+            Component("stage3.gradients", "transient", reset=self.zero_grad, snapshot=gradients,
+                      tensors=lambda: [self.grad_shard,
+                                       *(g.buffer for g in self.reducer.groups if g.buffer is not None),
+                                       *(p.grad for p in self.params if p.grad is not None)]),
+            Component("stage3.gathered", "derived", reset=self._forget_derived, tensors=derived),
+        ]
+        if self.quantized_reduce is not None:
+            out += self.quantized_reduce.state_components()
+        return out
+
+    def _forget_derived(self) -> None:
+        """hpZ's secondary slices no longer stand for the shards (a load wrote them)."""
+        if self.secondary is not None:
+            self.secondary.versions.clear()
 
     # -- accounting -------------------------------------------------------------------------------------------
     @property

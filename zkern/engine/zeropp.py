@@ -37,6 +37,7 @@ import torch
 
 from zkern import ops
 from zkern.engine.comm import Comm, Work
+from zkern.engine.state import Component, host_copy
 
 WEIGHT_GROUP = 2048  # int8 weights: elements per fp32 scale
 GRAD_GROUP = 64  # int4 gradients: elements per fp32 scale
@@ -271,6 +272,62 @@ class QuantizedReduce:
                 e1.zero_()
                 e2.zero_()
 
+    def skipped_step(self) -> None:
+        """The step these reductions fed was skipped (an fp16 overflow, a non-finite gradient): the errors the
+        skipped step's micro-steps left are made of the gradients that overflowed, and carrying them into the next
+        steps would add them back (LoCo restarts here, as at a reset_T boundary; reset_T's count is not moved)."""
+        self.reset_errors()
+
+    def rescale_errors(self, factor: float) -> None:
+        """The loss scale changed by factor: the errors, kept in the scaled gradients' units, change with it."""
+        for e1, e2 in self.errors.values():
+            e1.mul_(factor)
+            e2.mul_(factor)
+
+    def reset_errors(self) -> None:
+        for e1, e2 in self.errors.values():
+            e1.zero_()
+            e2.zero_()
+
+    def state_components(self) -> list[Component]:
+        """LoCo's error buffers and its step count (optimizer state: a load of the optimizer's state restores
+        them where the checkpoint's layout matches this engine's); nothing without LoCo."""
+        if self.loco is None:
+            return []
+
+        def reset() -> None:
+            self.errors.clear()
+            self.steps = 0
+
+        return [Component("loco", "optimizer", reset=reset,
+                          snapshot=lambda: host_copy({"steps": self.steps, "errors": {
+                              str(k): list(v) for k, v in self.errors.items()}}),
+                          tensors=lambda: [t for pair in self.errors.values() for t in pair])]
+
+    def error_entries(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, buffer) of every error buffer, named by hop and bucket (what a checkpoint stores per rank)."""
+        return [(f"{hop}.{_key_name(key)}", e) for key, pair in sorted(self.errors.items(), key=lambda kv: str(kv[0]))
+                for hop, e in zip(("err1", "err2"), pair)]
+
+    def load_errors(self, saved: dict[str, torch.Tensor], steps: int, device: torch.device) -> None:
+        """Restore error buffers saved by error_entries() (the caller checked the checkpoint's layout is this
+        engine's: same world, nodes, stage, buckets)."""
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for name, values in saved.items():
+            hop, _, key = name.partition(".")
+            pairs.setdefault(key, {})[hop] = values
+        self.errors = {_key_of(k): tuple(v[hop].reshape(-1).to(device) for hop in ("err1", "err2"))
+                       for k, v in pairs.items() if set(v) == {"err1", "err2"}}
+        self.steps = steps
+
+    def ensure_errors(self, key: object, world_numel: int, node_numel: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The error buffers of one bucket, made zero at its first use."""
+        if key not in self.errors:
+            self.errors[key] = (torch.zeros(world_numel, dtype=dtype, device=device),
+                                torch.zeros(node_numel, dtype=dtype, device=device))
+        return self.errors[key]
+
     def _quantize(self, h: torch.Tensor, err: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, scales) of h + err; err updated by LoCo's moving average."""
         if err is not None:
@@ -292,10 +349,7 @@ class QuantizedReduce:
         padded = grad_section_padded(section, self.group)
         err1 = err2 = None
         if self.loco is not None:
-            if key not in self.errors:
-                self.errors[key] = (torch.zeros(world * padded, dtype=data.dtype, device=data.device),
-                                    torch.zeros(nodes * padded, dtype=data.dtype, device=data.device))
-            err1, err2 = self.errors[key]
+            err1, err2 = self.ensure_errors(key, world * padded, nodes * padded, data.dtype, data.device)
         # (node m, local j) rows -> send order (local j' major, node m minor), each section padded to whole groups,
         # so that local rank j' gets one message: the codes and scales of every node's rank j'.
         x = torch.zeros(nodes, k, padded, dtype=torch.float32, device=data.device)
@@ -326,6 +380,17 @@ class QuantizedReduce:
         if self.loco is None:
             return {}
         return {"loco_error": sum(e.numel() * e.element_size() for pair in self.errors.values() for e in pair)}
+
+
+def _key_name(key: object) -> str:
+    """A bucket key (an int, or a tuple of ints) as a name: 3 -> "3", (0, 2) -> "0-2"."""
+    return "-".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+
+def _key_of(name: str) -> object:
+    """_key_name's inverse."""
+    parts = name.split("-")
+    return tuple(int(p) for p in parts) if len(parts) > 1 else int(name)
 
 
 class _Bucket:

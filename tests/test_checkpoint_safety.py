@@ -174,12 +174,20 @@ def test_a_save_killed_at_any_moment_leaves_latest_loadable_at_its_step(tmp_path
     code = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_checkpoint_safety import kill_child; "
             f"kill_child({str(directory)!r})")
     mid_save, steps_seen = 0, []
-    for _ in range(20):
+    for attempt in range(20):
+        left_over = _temporaries(directory)  # what earlier kills left (the child's next save sweeps them)
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                  env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}, text=True)
         line = child.stdout.readline()
         assert line.startswith("ready"), f"the saving child did not start: {line!r}"
-        time.sleep(rng.uniform(0.0, 0.6))
+        if attempt % 2:  # between or inside saves, wherever a random moment falls
+            time.sleep(rng.uniform(0.0, 0.6))
+        else:  # provably inside a save: once its temporary directory exists, at a random point of the writing
+            deadline = time.monotonic() + 60
+            while not _temporaries(directory) - left_over:
+                assert time.monotonic() < deadline, "the child never started a save"
+                time.sleep(0.0005)
+            time.sleep(rng.uniform(0.0, 0.002))
         child.send_signal(signal.SIGKILL)
         child.wait()
         mid_save += any(p.name.startswith(".tmp-") for p in directory.iterdir())
@@ -192,8 +200,12 @@ def test_a_save_killed_at_any_moment_leaves_latest_loadable_at_its_step(tmp_path
         assert_state_equal(engine_state(engine), expected[engine.global_steps])
         steps_seen.append(engine.global_steps)
     # The kills landed inside saves (a temporary directory was left behind) as well as between them.
-    assert mid_save >= 3, f"only {mid_save} of 20 kills interrupted a save"
+    assert mid_save >= 5, f"only {mid_save} of 20 kills interrupted a save"
     assert steps_seen[-1] > steps_seen[0], steps_seen
+
+
+def _temporaries(directory) -> set[str]:
+    return {p.name for p in directory.iterdir() if p.name.startswith(".tmp-")} if directory.exists() else set()
 
 
 def test_consolidating_a_1gb_checkpoint_stays_under_a_quarter_of_its_size(tmp_path):

@@ -96,7 +96,10 @@ def test_tensors_missing_from_the_checkpoint_are_initialised_by_the_model(tmp_pa
     GPT2LMHeadModel(small).save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
     full = {k: v.clone() for k, v in weights.items()}
-    for name in ("transformer.ln_f.weight", "transformer.h.1.ln_2.bias"):
+    # Each missing tensor has a loaded sibling in its module, which the model's _init_weights would reset too (the
+    # c_attn weight by 1.7 in the worst element before the fix)
+    lost = ("transformer.ln_f.weight", "transformer.h.1.ln_2.bias", "transformer.h.0.attn.c_attn.bias")
+    for name in lost:
         weights[name] = None
     save_file({k: v for k, v in weights.items() if v is not None}, tmp_path / "model.safetensors",
               metadata={"format": "pt"})
@@ -105,8 +108,9 @@ def test_tensors_missing_from_the_checkpoint_are_initialised_by_the_model(tmp_pa
     assert results[0]["dropout"] == 0.0  # a config override
     torch.testing.assert_close(got["transformer.ln_f.weight"], torch.ones(32), rtol=0, atol=0)  # GPT-2's init
     torch.testing.assert_close(got["transformer.h.1.ln_2.bias"], torch.zeros(32), rtol=0, atol=0)
+    torch.testing.assert_close(got["transformer.h.0.attn.c_attn.bias"], torch.zeros(96), rtol=0, atol=0)
     for name, value in full.items():
-        if name not in ("transformer.ln_f.weight", "transformer.h.1.ln_2.bias"):
+        if name not in lost:
             torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
     torch.testing.assert_close(results[1]["full"]["transformer.ln_f.weight"], torch.ones(32), rtol=0, atol=0)
 

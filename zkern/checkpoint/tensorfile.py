@@ -18,10 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
 from zkern.checkpoint.errors import CheckpointError
+from zkern.checkpoint.safe_io import parse_json
 
 # safetensors dtype name -> bytes per element
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -127,8 +129,17 @@ class StreamWriter:
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """{name: TensorInfo}, metadata of a safetensors file, every field checked against the file's size."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO under the name must not block the reader
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file (a FIFO, device or socket under its name); refusing it")
+    try:
+        size = os.fstat(fd).st_size
+        with os.fdopen(fd, "rb") as f:
             first = f.read(8)
             if len(first) < 8:
                 raise CheckpointError(f"{path}: {size} bytes, too short to be a safetensors file (truncated?)")
@@ -139,14 +150,12 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             raw = f.read(length)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: the header is not valid JSON ({e}): the file is damaged or not a "
-                              f"safetensors file") from None
+    header = parse_json(raw, path, "safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is not a JSON object")
     metadata = header.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: the header's __metadata__ is not a JSON object")
     start = 8 + length
     out = {}
     for name, info in header.items():

@@ -20,7 +20,6 @@ unpickled.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -28,6 +27,7 @@ import torch
 
 from zkern.checkpoint.errors import CheckpointError
 from zkern.checkpoint.ranges import TORCH_DTYPES, byte_view
+from zkern.checkpoint.safe_io import confined, parse_json, read_capped
 from zkern.checkpoint.tensorfile import TensorInfo, read_header
 from zkern.config import Config
 from zkern.engine.gathered import GatheredParameters
@@ -37,6 +37,7 @@ from zkern.engine.sharded_init import full_shape, init_sharded, is_sharded, shar
 log = logging.getLogger("zkern")
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+MAX_INDEX = 256 << 20  # an index lists each tensor once: tens of kB for the largest public models
 
 
 def checkpoint_files(path: str) -> dict[str, str]:
@@ -46,12 +47,11 @@ def checkpoint_files(path: str) -> dict[str, str]:
                                 f"(download it first, e.g. huggingface_hub.snapshot_download)")
     single, index = os.path.join(path, SINGLE), os.path.join(path, INDEX)
     if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
-        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+        weight_map = parse_json(read_capped(index, MAX_INDEX, "safetensors index"), index, "safetensors index")
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+            raise CheckpointError(f"{index}: not a safetensors index (no 'weight_map' object of tensor names)")
+        return {name: confined(path, file, "safetensors index") for name, file in weight_map.items()}
     if os.path.isfile(single):
         return {name: single for name in read_header(single)[0]}
     pickled = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
@@ -147,14 +147,23 @@ def _tensors_and_names(model: torch.nn.Module) -> list[tuple[torch.Tensor, list[
 
 def _init_missing(model, missing: list[str], rank: int) -> None:
     """The model's own _init_weights for each module that owns a missing tensor, one module at a time: its
-    parameters gathered whole, rank 0 initialises, its values reach every rank's shard."""
+    parameters gathered whole, rank 0 initialises, its values reach every rank's shard. _init_weights sets every
+    tensor of the module, so the ones the checkpoint did provide are put back afterwards (transformers' loader keeps
+    them too)."""
     if rank == 0:
         log.warning("zkern: %d tensors are not in the checkpoint and are initialised: %s", len(missing), missing[:20])
+    missing_set = set(missing)
     owners = {name.rpartition(".")[0] for name in missing}
     for module_name, module in model.named_modules():
         if module_name not in owners:
             continue
+        prefix = f"{module_name}." if module_name else ""
         with GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
             if rank == 0:
                 with torch.no_grad():
+                    loaded = {name: t.detach().clone() for name, t in [*module.named_parameters(recurse=False),
+                                                                        *module.named_buffers(recurse=False)]
+                              if f"{prefix}{name}" not in missing_set}
                     model._init_weights(module)
+                    for name, values in loaded.items():
+                        getattr(module, name).copy_(values)

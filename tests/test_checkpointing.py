@@ -100,3 +100,32 @@ def test_configure_reads_a_config_and_keywords_override_it(caplog):
         settings = checkpointing._state.settings
         assert settings.partition_activations is True and settings.synchronize_checkpoint_boundary is False
     assert sum("changes nothing" in r.getMessage() for r in caplog.records) == 1  # said once
+
+
+def test_cpu_checkpointing_keeps_the_gpu_generator_in_the_recomputation(monkeypatch):
+    """With cpu_checkpointing the region's inputs reach torch's checkpoint as host copies; torch saves the generator
+    state only of the devices its arguments are on, so an empty anchor on each original GPU goes with them (checked
+    here with fake CUDA tensors: no GPU needed to see which devices torch is handed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        anchors = zkern.checkpointing.rng_anchors([torch.device("cuda", 1), None, torch.device("cpu"),
+                                                   torch.device("cuda", 1), torch.device("cuda", 0)])
+    assert [a.device for a in anchors] == [torch.device("cuda", 1), torch.device("cuda", 0)]
+    assert all(a.numel() == 0 for a in anchors)
+    assert zkern.checkpointing.rng_anchors([torch.device("cpu"), None]) == []
+    handed = []
+    real = torch.utils.checkpoint.checkpoint
+
+    def spy(fn, *args, **kwargs):
+        handed.append([a.device for a in args if isinstance(a, torch.Tensor)])
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", spy)
+    zkern.checkpointing.configure(checkpoint_in_cpu=True)
+    try:
+        x = torch.randn(3, requires_grad=True)
+        zkern.checkpointing.checkpoint(lambda t: t * 2, x).sum().backward()
+    finally:
+        zkern.checkpointing.reset()
+    assert handed == [[torch.device("cpu")]] and torch.equal(x.grad, torch.full((3,), 2.0))

@@ -285,6 +285,8 @@ def test_nvme_config_needs_zkerns_adam_and_a_path_and_reads_the_aio_section():
                                                  "offload_param": {"device": "nvme"}}})
     aio = zkern.Config.load({"aio": {"intra_op_parallelism": 3, "block_size": 65536, "single_submit": True}}).aio
     assert (aio.thread_count, aio.block_size, aio.queue_depth, aio.single_submit) == (3, 65536, 8, True)
+    with pytest.raises(zkern.ConfigError, match="'aio.block_size' must be a multiple of 4096"):
+        zkern.Config.load({"aio": {"block_size": 1000}})  # failed with EINVAL inside a step before
     with pytest.raises(zkern.ConfigError, match="same setting under DeepSpeed's old and new names"):
         zkern.Config.load({"aio": {"thread_count": 2, "intra_op_parallelism": 4}})
     with pytest.raises(zkern.ConfigError, match="'aio.use_gds' is a DeepSpeed key that zkern does not implement"):

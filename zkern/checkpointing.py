@@ -135,6 +135,7 @@ def checkpoint(function, *args):
                 stats.forward_seconds += seconds
 
     devices: list[torch.device | None] = []
+    anchors: list[torch.Tensor] = []
     if settings.cpu_checkpointing:
         moved = []
         for a in args:
@@ -146,10 +147,29 @@ def checkpoint(function, *args):
                 devices.append(None)
                 moved.append(a)
         args = tuple(moved)
+        anchors = rng_anchors(devices)
     _synchronize()
-    out = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+    if anchors:
+        # torch's checkpoint saves the generator state of the devices its arguments are on; the host copies alone
+        # would leave the GPU's out, and the recomputation would draw other dropout masks. An empty tensor on each
+        # original device puts it back in the list.
+        def run_anchored(*anchored):
+            return run(*anchored[len(anchors):])
+
+        out = torch.utils.checkpoint.checkpoint(run_anchored, *anchors, *args, use_reentrant=False)
+    else:
+        out = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
     _synchronize()
     return out
+
+
+def rng_anchors(devices: list[torch.device | None]) -> list[torch.Tensor]:
+    """An empty tensor on each distinct accelerator the region's inputs came from (none for host inputs)."""
+    seen = []
+    for d in devices:
+        if d is not None and d.type != "cpu" and d not in seen:
+            seen.append(d)
+    return [torch.empty(0, device=d) for d in seen]
 
 
 def _synchronize_for_timing() -> None:

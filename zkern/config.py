@@ -457,6 +457,9 @@ def _parse_aio(raw: Any) -> AioConfig:
     for key in ("block_size", "queue_depth", "thread_count"):
         if values.get(key, 1) < 1:
             raise ConfigError(f"'aio.{key}' must be >= 1, got {values[key]}")
+    if values.get("block_size", 4096) % 4096:
+        raise ConfigError(f"'aio.block_size' must be a multiple of 4096 bytes (direct I/O moves whole 4 KiB blocks; "
+                          f"DeepSpeed's default is 1048576), got {values['block_size']}")
     return AioConfig(**values)
 
 

@@ -121,8 +121,9 @@ def trainable_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     """The parameter groups zkern trains: the client optimizer's groups, the requested groups
     (model_parameters), or one group of all trainable params.
 
-    Every parameter that requires grad must be in exactly one group; groups hold only the model's own
-    trainable parameters.
+    Every parameter that requires grad must be in exactly one group; groups hold only the model's own parameters.
+    Frozen parameters in a group are left out of it (a torch optimizer skips them too; DeepSpeed leaves them out), so
+    model.parameters() of a partly frozen model can be passed as it is.
     """
     names = param_names(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -132,14 +133,14 @@ def trainable_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     source = optimizer.param_groups if optimizer is not None else requested
     groups, seen = [], set()
     for gi, group in enumerate(source):
-        params = list(group["params"])
-        for p in params:
+        params = []
+        for p in group["params"]:
             if id(p) not in names:
                 raise ValueError(f"{what} {gi} holds a tensor of shape {tuple(p.shape)} that is not "
                                  f"a parameter of the model; build the groups from model.parameters()")
-            if not p.requires_grad:
-                raise ValueError(f"{what} {gi} holds frozen parameter '{names[id(p)]}'; remove it "
-                                 f"from the group or set requires_grad=True")
+            if not p.requires_grad:  # model.parameters() of a partly frozen model (LoRA): skipped, as torch does
+                continue
+            params.append(p)
             if id(p) in seen:
                 raise ValueError(f"parameter '{names[id(p)]}' is in two param groups ({what} {gi} and an earlier "
                                  f"one); each parameter belongs to one group")

@@ -174,6 +174,49 @@ class Gatherer:
             self._prefetch(phase, u.bucket.padded)
         return event
 
+    # -- following the record --------------------------------------------------------------------------------
+    def catch_up(self, u: Unit, phase: str) -> bool:
+        """A pass that follows its record needs u now. Every rank issues the record's all-gathers in its order, each
+        exactly once, whatever it needs itself: the entries before u's next one that this rank passes over (an
+        expert it did not choose this time) are joined now, so its next all-gather is the one the others issue
+        next. Returns False when the rest of the record does not hold u (a departure: the hooks agree on it)."""
+        ahead = self.order.find(phase, u.index)
+        if ahead is None:
+            return False
+        self._pass_over(self.order.skip(phase, ahead), phase)
+        return True
+
+    def drain(self, phase: str) -> None:
+        """The pass ends (or leaves its record): join the all-gathers the rest of the record holds."""
+        self._pass_over(self.order.skip(phase, self.order.remaining(phase)), phase)
+
+    def _pass_over(self, entries: list[int], phase: str) -> None:
+        for ui in entries:
+            v = self.units[ui]
+            if v.persistent:
+                continue
+            if v.prefetched:  # gathered ahead by every rank, not needed here: it goes
+                self._unmark_prefetched(v)
+                self.release(v)
+            elif v.live:  # whole here still (a longer backward hold than the record's): join into its own buffer
+                self.regather(v, "parameters gathered to keep the ranks' order")
+            else:
+                self.join(v, "parameters another rank needs")
+
+    def join(self, u: Unit, purpose: str) -> None:
+        """Take part in an all-gather of u that other ranks need and this one does not: gather, then let it go
+        (a lingering copy is regathered into its own buffer)."""
+        if u.lingering:
+            u.lingering = False
+            self.regather(u, purpose)
+            self.release(u)
+            return
+        if u.live:
+            self.regather(u, purpose)
+            return
+        self.gather(u, async_op=False)
+        self.release(u)
+
     # -- prefetch along the record ----------------------------------------------------------------------------
     def begin_pass(self, phase: str) -> bool:
         """A forward or backward pass begins. Returns whether it verifies (exchanges a tag before every gather,

@@ -72,6 +72,12 @@ class Unit:
     divergent: bool = False
     holder: object = None
     lingering: bool = False
+    # Parameters of the unit that only some calls use: the children of a ModuleList/ModuleDict inside the unit's
+    # modules (an MoE layer declared as one fetch unit: its experts). id(child) -> positions of its trainable
+    # parameters; `ran` holds the children that ran forward since the last backward. A child that did not run
+    # gives no gradient, so its positions count as arrived when backward begins.
+    optional: dict = field(default_factory=dict)
+    ran: set = field(default_factory=set)
 
     # -- names ------------------------------------------------------------------------------------------------
     @property
@@ -148,15 +154,21 @@ class Unit:
             raise self._fail("completed twice in one backward pass")
         self.grads = GradState.COMPLETE
 
+    def skipped_positions(self) -> set[int]:
+        """Positions of trainable parameters whose optional child did not run (they get no gradient)."""
+        return {pos for child, positions in self.optional.items() if child not in self.ran for pos in positions}
+
     def abandon_grads(self) -> None:
         """The backward pass raised: its gradients are dropped, not reduced."""
         self.grads, self.fired, self.touched = GradState.IDLE, set(), False
+        self.ran = set()
 
     def close_grads(self) -> None:
         if self.grads is not GradState.COMPLETE:
             raise self._fail("the backward pass ended before its gradients were complete")
         self.grads = GradState.IDLE
         self.touched = False
+        self.ran = set()
 
 
 def pass_end_violations(units: list[Unit], phase: str) -> list[str]:

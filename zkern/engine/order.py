@@ -36,6 +36,36 @@ class OrderRecord:
         self._valid[phase] = False
         return trace[cursor] if cursor < len(trace) else -1
 
+    def follows(self, phase: str) -> bool:
+        """This pass has a record and has not left it."""
+        return not self.recording_only(phase)
+
+    def find(self, phase: str, unit: int) -> int | None:
+        """How many record entries lie before the next occurrence of unit from the cursor on (0: it is next), or
+        None when the rest of the record does not hold it (or the pass follows no record)."""
+        if self.recording_only(phase):
+            return None
+        trace, cursor = self._trace[phase], self._cursor[phase]
+        for k in range(cursor, len(trace)):
+            if trace[k] == unit:
+                return k - cursor
+        return None
+
+    def skip(self, phase: str, count: int) -> list[int]:
+        """Pass over the next `count` record entries without needing them (other ranks do: the caller joins their
+        all-gathers); returns them. They enter this pass's recording, as the gathers they are."""
+        trace, cursor = self._trace[phase], self._cursor[phase]
+        passed = trace[cursor:cursor + count]
+        self._cursor[phase] = cursor + len(passed)
+        self._recording[phase].extend(passed)
+        return passed
+
+    def remaining(self, phase: str) -> int:
+        """Record entries not reached yet (0 when the pass follows no record)."""
+        if self.recording_only(phase):
+            return 0
+        return len(self._trace[phase]) - self._cursor[phase]
+
     def upcoming(self, phase: str) -> Iterator[int]:
         """The units the record says come next, lazily (nothing when the pass does not follow a record): the
         caller stops at its prefetch budget, so a call costs what it prefetches, not the rest of the pass."""

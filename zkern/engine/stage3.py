@@ -149,6 +149,7 @@ class Stage3Runtime:
             if u.persistent:
                 self.gatherer.gather(u, async_op=False)
         self.hooks = Stage3Hooks(model, self.units, needs, self.gatherer, merge_divergent=self.merge_divergent)
+        self._child_handles = _watch_optional_children(model, self.units, needs)
         reduce_comm = comm.sibling()
         self.quantized_reduce = QuantizedReduce.from_config(reduce_comm, zero)
         self.reducer = GradReducer(self.units, reduce_comm, grad_shard=self.grad_shard,
@@ -257,6 +258,7 @@ class Stage3Runtime:
         self.hooks.begin_backward()
 
     def end_backward(self) -> None:
+        self.hooks.agree_end_backward()  # before waiting for reductions: a rank may still need this one's gathers
         self.reducer.end_backward()
         self.hooks.end_backward()
         check_pass_end(self.units, "backward")
@@ -630,6 +632,42 @@ class Stage3Runtime:
                     f"as the whole gradient. Set zero_optimization.reduce_bucket_size well below {n} (\"auto\" = "
                     f"hidden_size**2) to reduce during backward and keep memory at the shard."]
         return []
+
+
+def _watch_optional_children(model: torch.nn.Module, units: list[Unit], needs: dict) -> list:
+    """For units whose modules hold a ModuleList/ModuleDict (an MoE layer declared as one fetch unit: its experts),
+    note which of those children ran forward, so that the parameters of the others count as complete when backward
+    begins (Unit.optional). A child whose subtree holds every module that gathers the unit is left out: the unit's
+    own `touched` already says whether it ran."""
+    unit_of = {id(p): (u, i) for u in units for i, p in enumerate(u.plan.params)}
+    readers: dict[int, set[int]] = {}  # unit index -> ids of the modules that gather it
+    for m, wanted in needs.items():
+        for ui in wanted:
+            readers.setdefault(ui, set()).add(id(m))
+    watched: dict[int, tuple[torch.nn.Module, list[Unit]]] = {}
+    for container in model.modules():
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue
+        for child in container.children():
+            subtree = {id(m) for m in child.modules()}
+            for p in {id(p): p for p in child.parameters()}.values():
+                if not p.requires_grad or id(p) not in unit_of:
+                    continue
+                u, position = unit_of[id(p)]
+                if readers.get(u.index, set()) <= subtree:
+                    continue
+                u.optional.setdefault(id(child), []).append(position)
+                entry = watched.setdefault(id(child), (child, []))
+                if u not in entry[1]:
+                    entry[1].append(u)
+    handles = []
+    for child, owners in watched.values():
+        def ran(module, args, owners=owners) -> None:
+            if torch.is_grad_enabled():  # a no_grad forward (generation, evaluation) gives no gradient
+                for u in owners:
+                    u.ran.add(id(module))
+        handles.append(child.register_forward_pre_hook(ran))
+    return handles
 
 
 def _frozen_last(plans: list, needs: dict) -> tuple[list, dict]:

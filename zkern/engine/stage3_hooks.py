@@ -94,6 +94,7 @@ class Stage3Hooks:
         self.frames: list[Frame] = []
         self.phase = "forward"
         self.verify = False  # this pass exchanges a tag before each gather (decided when the pass begins)
+        self.departed = False  # this pass left its record here: every further gather is agreed first
         self.recording = True  # this forward pass follows no record (it watches for external reads)
         self.in_hook = False
         self.suspended = False  # every unit is pinned whole (gathered_for_generation): forwards need no hooks
@@ -125,8 +126,11 @@ class Stage3Hooks:
         on the gather."""
         if u.persistent:
             return
-        if self.verify and not u.live:
-            self._agree((TagKind.GATHER, u.index, self._module_number(requester)), requester=frame)
+        if self.comm.world > 1 and (not u.live or u.prefetched):
+            if not self.verify and not self.departed and not self.gatherer.catch_up(u, self.phase):
+                self._depart(u)
+            if (self.verify or self.departed) and not u.live:
+                self._agree((TagKind.GATHER, u.index, self._module_number(requester)), requester=frame)
         event = self.gatherer.use(u, self.phase)
         if frame is not None:
             u.ref()
@@ -238,7 +242,21 @@ class Stage3Hooks:
             t.register_hook(lambda grad: self._pre_backward(module, grad))
         return t
 
+    def _depart(self, u: Unit) -> None:
+        """A pass that follows its record needs u, which the rest of the record does not hold (a module this rank
+        never ran in the recorded pass): issue the rest of the record, as the other ranks will, then agree on every
+        further all-gather with them; those that finished their pass serve it (_serve)."""
+        self.gatherer.drain(self.phase)
+        self.departed = True
+        self.needs_changed = True  # the next passes record afresh, verifying
+        if f"depart:{self.phase}" not in self._said:  # said by the rank it happens on, once
+            self._said.add(f"depart:{self.phase}")
+            log.warning("zkern stage 3: rank %d's %s pass needs unit '%s' where its recorded order has none left; its "
+                        "further all-gathers are agreed with the other ranks one by one, and the next passes record "
+                        "the order afresh (said once)", self.comm.rank, self.phase, u.name)
+
     def _begin_forward(self) -> None:
+        self.departed = False
         self.verify = self.gatherer.begin_pass("forward")
         self.recording = self.gatherer.order.recording_only("forward")
         if self.recording:
@@ -247,8 +265,7 @@ class Stage3Hooks:
 
     def _end_forward(self) -> None:
         self._stop_watching()
-        if self.verify:
-            self._agree((TagKind.END_FORWARD, -1, -1), requester=None)
+        self._agree_end(TagKind.END_FORWARD)
         self._end_pass("forward")
         check_pass_end(self.units, "forward")
 
@@ -322,17 +339,31 @@ class Stage3Hooks:
         finally:
             self.in_hook = False
 
+    def agree_end_backward(self) -> None:
+        """loss.backward() returned: issue what the record still holds and agree with every rank that backward
+        ended, serving the all-gathers a rank that left its record still needs. This comes before the wait for the
+        reductions, which another rank may complete only after such a gather."""
+        self.in_hook = True
+        try:
+            self._agree_end(TagKind.END_BACKWARD)
+        finally:
+            self.in_hook = False
+
     def end_backward(self) -> None:
-        """Every gradient is in: agree that backward ended (verifying passes), release what backward held."""
-        if self.verify:
-            self.in_hook = True
-            try:
-                self._agree((TagKind.END_BACKWARD, -1, -1), requester=None)
-            finally:
-                self.in_hook = False
+        """Every gradient is in and reduced: release what backward held."""
         self.release_backward()
         self._end_pass("backward")
         self.phase = "forward"
+
+    def _agree_end(self, kind: TagKind) -> None:
+        """At the end of every pass (several ranks): the rest of the record is issued, then the ranks agree that the
+        pass ended. Passes that follow their record exchange this one tag per pass; a rank that departed from it
+        is served here."""
+        if self.comm.world == 1:
+            return
+        if not self.verify and not self.departed:
+            self.gatherer.drain(self.phase)
+        self._agree((kind, -1, -1), requester=None)
 
     def release_backward(self) -> None:
         """Backward is over (or failed): nothing it held or left lingering stays gathered."""
@@ -360,16 +391,20 @@ class Stage3Hooks:
             tags = exchange_tags(self.comm, tag, self.gatherer.device)
             if all(t == tags[0] for t in tags):
                 return
-            self._resolve(tags, requester)
+            self._resolve(tags, requester, tag)
             if tag[0] == TagKind.GATHER and self.units[tag[1]].live:
                 return  # the resolution gathered it
 
-    def _resolve(self, tags: list[tuple[int, int, int]], requester: Frame | None) -> None:
+    def _resolve(self, tags: list[tuple[int, int, int]], requester: Frame | None,
+                 mine: tuple[int, int, int]) -> None:
         end = TagKind.END_FORWARD if self.phase == "forward" else TagKind.END_BACKWARD
         wanted = sorted({t[1] for t in tags if t[0] == TagKind.GATHER})
         what = describe_mismatch(tags, [u.name for u in self.units], [self._path(m) for m in self.modules])
         if not wanted or any(t[0] not in (TagKind.GATHER, end) for t in tags):
             raise self._diverged(what, "no merge can line these up")
+        if not self.verify:  # a pass that followed its record, and a rank left it: serve, no merge
+            self._serve(wanted, mine[1] if mine[0] == TagKind.GATHER else None)
+            return
         if not self.merge_divergent:
             raise self._diverged(what, "zero_optimization.stage3_merge_divergent_modules is false")
         if self.phase == "backward":
@@ -378,6 +413,17 @@ class Stage3Hooks:
             self._merge_into_container(wanted, requester, what)
         self.needs_changed = True
         self.gatherer.verify_all = False  # found and merged: passes that follow their record need not verify
+
+    def _serve(self, wanted: list[int], own: int | None) -> None:
+        """Every rank takes part in the all-gathers of the units some rank asked for, in unit order: the asker keeps
+        its own (its _acquire uses it next), the others let theirs go. The next passes record afresh."""
+        self.needs_changed = True
+        for ui in wanted:
+            u = self.units[ui]
+            if ui == own:
+                self._gather_agreed(u)
+            else:
+                self.gatherer.join(u, "parameters another rank asked for")
 
     def _merge_into_container(self, wanted: list[int], requester: Frame | None, what: str) -> None:
         """Forward: the units under the deepest module containing every wanted unit become one group, gathered

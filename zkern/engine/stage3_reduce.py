@@ -86,12 +86,21 @@ class GradReducer:
         # rank completes a group at the same point of the (shared) sequence of all-gathers. Once ranks run different
         # modules (divergent units), a rank blocked on a reduction could be the one whose all-gather another rank
         # needs to reach that reduction: reductions then run asynchronously and are retired as they finish.
-        self._may_block = not any(u.divergent for u in self.units)
+        # Likewise once this rank skipped a module the others may have run (an expert it did not choose): it
+        # completes that unit's gradients now, possibly long before they do, and must not wait on a reduction they
+        # reach only after all-gathers this rank has yet to join.
+        skipped = [u for u in self.units if u.trainable and not (u.touched or u.persistent or u.pins)]
+        partial = [(u, u.skipped_positions()) for u in self.units if u.optional]
+        self._may_block = not any(u.divergent for u in self.units) and not skipped and not any(p for _, p in partial)
         self.schedule.begin()
         for u in self.units:
             u.open_grads()
-        for u in self.units:  # nothing to wait for: frozen units, and units no module read on this rank
-            if u.trainable == 0 or not (u.touched or u.persistent or u.pins):
+        for u, positions in partial:  # the parameters of optional children that did not run: no gradient comes
+            if u.trainable and (u.touched or u.persistent or u.pins):
+                u.fired.update(positions)
+        for u in self.units:  # nothing to wait for: frozen units, units no module read on this rank, and units
+            # whose only parameters left are those of children that did not run
+            if u.trainable == 0 or not (u.touched or u.persistent or u.pins) or len(u.fired) == u.trainable:
                 self._complete(u)
 
     def on_grad(self, p: torch.nn.Parameter) -> None:

@@ -11,7 +11,7 @@ endif
 STAMP := .setup-stamp
 BENCH_ARGS ?=
 
-.PHONY: setup test bench gate lint clean
+.PHONY: setup test bench gate fuzz verify lint clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,17 @@ bench: setup
 # CI's quick regression gate: ratios measured in one run, checked against bench/gates.toml (about a minute).
 gate: setup
 	$(PY) bench/run.py --suite all --stage 0,1,2,3 --model small --steps 8 --gate bench/gates.toml
+
+# The differential fuzzer (zkern/verify/): FUZZ_DRAWS random crossings of features on 1, 2 and 4 CPU ranks, each against
+# a single-process torch reference; a failing draw prints as the command that repeats it. CI runs a fixed sample.
+FUZZ_DRAWS ?= 2000
+FUZZ_SEED ?= 0
+fuzz: setup
+	$(PY) -m zkern.verify.fuzz --draws $(FUZZ_DRAWS) --seed $(FUZZ_SEED) --json fuzz-$(FUZZ_SEED).json
+
+# zkern's self-test on this machine (python -m zkern.verify): a short matrix against the single-process reference.
+verify: setup
+	$(PY) -m zkern.verify
 
 lint: setup
 	$(PY) -m ruff check .

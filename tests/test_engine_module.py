@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import zkern
+from zkern.testing import TinyGPT
 from zkern.testing.compare import assert_params_close
 from zkern.testing.ranks import spawn
 
@@ -177,3 +178,19 @@ def test_generation_at_stage_3_gathers_each_unit_once_and_matches_the_whole_mode
         assert r["inside"] == 0  # no gather while generating: every unit stayed whole
         assert r["pinned_calls"] <= r["units"]  # entering gathered each unit at most once
         assert r["per_use_calls"] >= 12 * r["units"] / 2  # without it, units are gathered again for every token
+
+
+def test_the_loader_zkern_made_resumes_at_its_epoch(tmp_path):
+    """The DistributedSampler's epoch (set by the loop each epoch) is part of the engine's state: a checkpoint keeps
+    it, a load restores it, a module-only load leaves a fresh loader's."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "device": "cpu"}
+    data = torch.utils.data.TensorDataset(torch.randint(0, 67, (8, 17)))
+    engine, _, loader, _ = zkern.initialize(model=TinyGPT(), config=cfg, training_data=data)
+    loader.sampler.set_epoch(3)
+    engine.save_checkpoint(tmp_path)
+    fresh, _, fresh_loader, _ = zkern.initialize(model=TinyGPT(), config=cfg, training_data=data)
+    fresh.load_checkpoint(tmp_path)
+    assert fresh_loader.sampler.epoch == 3
+    other, _, other_loader, _ = zkern.initialize(model=TinyGPT(), config=cfg, training_data=data)
+    other.load_checkpoint(tmp_path, load_module_only=True)
+    assert other_loader.sampler.epoch == 0

@@ -347,6 +347,10 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
     engine.global_steps = manifest["global_steps"]
     engine.skipped_steps = manifest["skipped_steps"]
     engine.micro_steps = manifest["micro_steps"]
+    loader = next((c for c in engine.state if c.name == "dataloader"), None)
+    saved_loader = manifest.get("dataloader")
+    if loader is not None and isinstance(saved_loader, dict) and isinstance(saved_loader.get("epoch"), int):
+        loader.restore(saved_loader)
     norm = manifest.get("last_grad_norm")
     engine.last_grad_norm = float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) else None
     _restore_rng(engine, manifest, plan)

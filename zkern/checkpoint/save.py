@@ -181,6 +181,7 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
         "params": params, "module": module, "aliases": aliases, "order": order,
         "excluded_frozen": bool(exclude_frozen),
         "loco": None if quantizer is None else {"steps": quantizer.steps, "layout": loco_layout(engine)},
+        "dataloader": engine.state.snapshot("training").get("dataloader"),  # the sampler's epoch, where zkern made it
         "config": plain(_jsonable(cfg.to_dict()), "the config"),
     }
     return snap

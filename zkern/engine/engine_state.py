@@ -126,4 +126,5 @@ def dataloader_component(sampler) -> Component:
     def reset() -> None:
         sampler.set_epoch(0)
 
-    return Component("dataloader", "training", reset=reset, snapshot=lambda: {"epoch": sampler.epoch})
+    return Component("dataloader", "training", reset=reset, snapshot=lambda: {"epoch": sampler.epoch},
+                     restore=lambda saved: sampler.set_epoch(saved["epoch"]))

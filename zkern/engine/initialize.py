@@ -41,7 +41,10 @@ def initialize(model: torch.nn.Module | None = None, model_parameters=None,
     engine = Engine(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters)
     dataloader = None
     if training_data is not None:
+        from zkern.engine.engine_state import dataloader_component
+
         dataloader = training_dataloader(training_data, engine, collate_fn)
+        engine.state.add(dataloader_component(dataloader.sampler))  # its epoch is saved with the counters
     return engine, engine.optimizer, dataloader, engine.lr_scheduler
 
 

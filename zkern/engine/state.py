@@ -47,6 +47,7 @@ class Component:
     reset: Callable[[], None] | None = None
     snapshot: Callable[[], Any] | None = None
     tensors: Callable[[], Iterable[torch.Tensor]] = field(default=_nothing)
+    restore: Callable[[Any], None] | None = None  # where a checkpoint keeps the snapshot itself (plain data)
 
     def __post_init__(self):
         if self.kind not in KINDS:

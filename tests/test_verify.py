@@ -1,0 +1,96 @@
+"""The differential fuzzer and python -m zkern.verify: a fixed-seed sample of random draws passes; the checks fail on
+known-wrong results and on a reintroduced bug; the CLI runs.
+
+    python -m pytest tests/test_verify.py -q
+    make fuzz          # thousands of draws
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zkern.engine.state
+from zkern.verify import Draw, random_draw, verify_draw
+from zkern.verify.check import compare, compare_runs
+from zkern.verify.fuzz import fuzz
+from zkern.verify.runner import run_phases
+from zkern.verify.single import reference
+
+CI_SEED, CI_DRAWS = 20261124, 36
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_fixed_sample_of_random_draws_matches_the_reference():
+    """CI's share of `make fuzz`: the same draws every run (the seed), over worlds 1, 2 and 4."""
+    lines = []
+    outcomes = fuzz(CI_DRAWS, CI_SEED, report=lines.append)
+    failed = [o for o in outcomes if not o.ok]
+    assert not failed, "\n".join(f"{o.draw.repro()}\n  " + "\n  ".join(o.failures[:5]) for o in failed)
+    kinds = {(o.draw.stage, o.draw.precision) for o in outcomes}
+    assert len(outcomes) == CI_DRAWS and len(kinds) >= 8, kinds  # the sample covers the stages and precisions
+
+
+def test_draws_round_trip_and_refuse_clashes():
+    rng = random.Random(7)
+    for _ in range(200):
+        d = random_draw(rng)
+        assert Draw.from_json(d.to_json()) == d
+    with pytest.raises(ValueError, match="offload_param needs stage 3"):
+        Draw(stage=2, offload_optimizer="cpu", offload_param="cpu").checked()
+    with pytest.raises(ValueError, match="must divide 4"):
+        Draw(world=4, accumulation=2).checked()
+    with pytest.raises(ValueError, match="frozen at load needs a load into a fresh engine"):
+        Draw(frozen="load").checked()
+    with pytest.raises(ValueError, match="not Draw's"):
+        Draw.from_json('{"stage": 1, "stgae": 2}')
+
+
+def test_the_checks_fail_on_known_wrong_results():
+    draw = Draw(world=1, stage=1, steps=3, frozen="start").checked()
+    ref = reference(draw)
+    good = [[run_phases(0, 1, draw, "/nonexistent", [0])]]
+    assert compare(draw, good, ref) == []
+    assert compare_runs(good, good, "same") == []
+
+    def changed(edit) -> list[list[dict]]:
+        bad = copy.deepcopy(good)
+        edit(bad[0][0])
+        return bad
+
+    ulp = lambda t: torch.nextafter(t, torch.full_like(t, float("inf")))  # noqa: E731
+    cases = {
+        "a trained weight lr / 100 off": lambda r: r["state"]["blocks.0.fc.weight"].view(-1)[0].add_(1e-4),
+        "a frozen weight one step off": lambda r: r["state"]["blocks.0.qkv.weight"].view(-1)[3].add_(draw.lr),
+        "a skipped step": lambda r: r.update(skipped=1),
+        "a loss 1% off": lambda r: r["losses"].update({1: r["losses"][1] * 1.01}),
+        "a gradient norm 1% off": lambda r: r["grad_norms"].update({2: r["grad_norms"][2] * 1.01}),
+    }
+    for what, edit in cases.items():
+        assert compare(draw, changed(edit), ref), f"{what} was not caught"
+    one_ulp = changed(lambda r: r["state"]["ln_f.bias"].copy_(ulp(r["state"]["ln_f.bias"])))
+    assert compare_runs(good, one_ulp, "runs"), "a one-ulp difference between two runs was not caught"
+
+
+def test_a_reintroduced_bug_is_caught(monkeypatch):
+    """A load that kept the gradients accumulated before it (the bug the state registry fixed): the draw that loads a
+    live engine mid-accumulation fails, and its twin without the load shows where."""
+    draw = Draw(world=1, stage=2, accumulation=2, steps=4, save_at=1, load_into="live").checked()
+    assert verify_draw(draw).ok
+    monkeypatch.setattr(zkern.engine.state, "kinds_a_load_resets", lambda **flags: ())
+    monkeypatch.setattr("zkern.checkpoint.load.kinds_a_load_resets", lambda **flags: ())
+    outcome = verify_draw(draw)
+    assert not outcome.ok and any("with vs without the save and load" in f for f in outcome.failures), outcome
+
+
+def test_python_m_zkern_verify_runs_and_says_pass():
+    run = subprocess.run([sys.executable, "-m", "zkern.verify", "--only", "stage 1 fp32", "--world", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "PASS  stage 1 fp32" in run.stdout and "1 of 1 passed" in run.stdout

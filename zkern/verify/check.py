@@ -1,0 +1,142 @@
+"""What a draw's engine run must match: the single-process reference (single.py) within bounds derived from the
+arithmetic, and, where a draw saves and loads within one layout, the same draw without the save and load bit for bit.
+
+    python -m pytest tests/test_verify.py -q
+
+Bounds. Exact draws (fp32, no quantized collective) hold zkern's equivalence bar (zkern.testing.compare_params:
+float32 rounding, or 1e-3 lr per step where Adam's division amplifies it), losses and gradient norms to 1e-4
+relative. 16-bit and quantized draws compute other numbers, so their weights are held to what Adam can move in the
+applied steps: each step moves an element by at most lr * sqrt(t) at step t (|m_hat| <= sqrt(t * v_hat) by
+Cauchy-Schwarz over the t gradients), twice that between two runs, plus one rounding of the weight; losses to 5%
+(bf16/fp16) or 25% (int4 gradients) and gradient norms likewise. Frozen parameters and buffers match to the working
+dtype's rounding whatever the draw: nothing may train them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zkern.testing.compare import compare_params
+from zkern.verify.draws import Draw
+from zkern.verify.runner import FROZEN
+
+ROUNDING = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}  # unit roundoff of normal numbers
+SUBNORMAL = {"fp32": 2.0 ** -150, "bf16": 2.0 ** -134, "fp16": 2.0 ** -25}  # half the smallest subnormal step
+
+
+def _relative_tolerance(draw: Draw) -> float:
+    if draw.exact:
+        return 1e-4
+    if draw.qgz:
+        return 0.25
+    return 0.05
+
+
+def adam_reach(draw: Draw, applied: int) -> float:
+    """How far two Adam runs of `applied` steps at this draw's learning rate can drift apart per element."""
+    return 2 * draw.lr * sum(math.sqrt(t) for t in range(1, applied + 1))
+
+
+def _frozen_names(draw: Draw, state: dict) -> list[str]:
+    if draw.frozen != "start":
+        return []
+    return [k for k in state if any(f".{name}." in k for name in FROZEN)]
+
+
+def mean_by_step(per_rank: list[dict], key: str) -> dict[int, float]:
+    steps = sorted(per_rank[0][key])
+    values = {}
+    for s in steps:
+        seen = [r[key][s] for r in per_rank]
+        values[s] = None if any(v is None or not math.isfinite(v) for v in seen) else sum(seen) / len(seen)
+    return values
+
+
+def compare(draw: Draw, phases: list[list[dict]], ref: dict) -> list[str]:
+    """Failures of the engine's run (phases: per phase, per rank, runner.run_phases' results) against the reference."""
+    failures = []
+    last = phases[-1]
+    if last[0]["skipped"] != ref["skipped"]:
+        failures.append(f"skipped steps: engine {last[0]['skipped']}, reference {ref['skipped']}")
+    if last[0]["global_steps"] != draw.steps:
+        failures.append(f"global_steps {last[0]['global_steps']} after {draw.steps} steps")
+    rtol = _relative_tolerance(draw)
+    for key in ("losses", "grad_norms"):
+        got = {}
+        for phase in phases:
+            got.update(mean_by_step(phase, key))
+        for step, expected in ref[key].items():
+            value = got.get(step)
+            if expected is None or value is None:
+                if key == "grad_norms" and (expected is None) != (value is None):
+                    failures.append(f"step {step}: gradient norm {value} where the reference has {expected}")
+                continue
+            if abs(value - expected) > rtol * abs(expected) + 1e-12:
+                failures.append(f"step {step}: {key[:-1]} {value:.6g} vs reference {expected:.6g} (rtol {rtol:g})")
+    state = last[0]["state"]
+    expected = ref["state"]
+    if set(state) != set(expected):
+        return failures + [f"state names differ: {sorted(set(state) ^ set(expected))[:8]}"]
+    applied = draw.steps - ref["skipped"]
+    frozen = set(_frozen_names(draw, expected))
+    exact_names = frozen | {k for k in expected if not k.endswith(("weight", "bias")) and k != "pos"}
+    for name in sorted(exact_names):  # untrained: only the working dtype's rounding may separate them
+        a, e = state[name].double(), expected[name].double()
+        if e.is_floating_point():
+            tol = ROUNDING[draw.precision] * e.abs() + SUBNORMAL[draw.precision]
+            if not torch.all((a - e).abs() <= tol):
+                failures.append(f"{name} (never trained): differs by {float((a - e).abs().max()):.3e}")
+        elif not torch.equal(a, e):
+            failures.append(f"{name}: differs")
+    trained = {k: v for k, v in state.items() if k not in exact_names}
+    reference_trained = {k: v for k, v in expected.items() if k not in exact_names}
+    if draw.exact:
+        failures += compare_params(trained, reference_trained, lr=draw.lr, steps=max(applied, 1))
+    else:
+        reach = adam_reach(draw, applied)
+        for name, e in reference_trained.items():
+            a = trained[name].double()
+            e = e.double()
+            bound = reach + (ROUNDING[draw.precision] * e.abs() + SUBNORMAL[draw.precision]) * 2
+            if not torch.all(torch.isfinite(a)) or not torch.all((a - e).abs() <= bound):
+                failures.append(f"{name}: differs by {float((a - e).abs().max()):.3e}, beyond what {applied} Adam "
+                                f"steps of lr {draw.lr:g} can explain ({reach:.3e})")
+    return failures
+
+
+def compare_runs(a: list[list[dict]], b: list[list[dict]], what: str) -> list[str]:
+    """Two engine runs that must agree bit for bit (a draw with its save and load, and without them)."""
+    failures = []
+    ra, rb = a[-1][0], b[-1][0]
+    for key in ("skipped", "global_steps", "loss_scale"):
+        if ra[key] != rb[key]:
+            failures.append(f"{what}: {key} {ra[key]} vs {rb[key]}")
+    for key in ("losses", "grad_norms"):
+        got_a, got_b = {}, {}
+        for phase in a:
+            for r, res in enumerate(phase):
+                got_a.update({(r, s): v for s, v in res[key].items()})
+        for phase in b:
+            for r, res in enumerate(phase):
+                got_b.update({(r, s): v for s, v in res[key].items()})
+        for k, v in got_b.items():
+            if k in got_a and got_a[k] != v and not (v != v and got_a[k] != got_a[k]):
+                failures.append(f"{what}: rank {k[0]} step {k[1]} {key[:-1]} {got_a[k]!r} vs {v!r}")
+    for name, value in rb["state"].items():
+        other = ra["state"][name]
+        if not (other.dtype == value.dtype and torch.equal(other, value)):
+            failures.append(f"{what}: {name} differs by {float((other.double() - value.double()).abs().max()):.3e}")
+    return failures
+
+
+def weight_distance(draw: Draw, phases: list[list[dict]], ref: dict) -> tuple[float, str]:
+    """The largest element difference between the engine's weights and the reference's, and what it is held to
+    (exact draws: float32 rounding, 1e-5 relative per tensor; the others: how far Adam can move them)."""
+    state, expected = phases[-1][0]["state"], ref["state"]
+    diff = max((float((state[k].double() - v.double()).abs().max()) for k, v in expected.items()
+                if v.is_floating_point() and v.numel()), default=0.0)
+    if draw.exact:
+        return diff, "fp32 rounding"
+    return diff, f"{adam_reach(draw, draw.steps - ref['skipped']):.1e}"

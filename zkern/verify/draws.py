@@ -1,0 +1,157 @@
+"""One draw of the differential fuzzer: a combination of what users combine, as plain data (JSON both ways, so a
+failing draw prints as a command that repeats it).
+
+    python -c "import random; from zkern.verify.draws import random_draw; print(random_draw(random.Random(1)))"
+
+A draw trains a small GPT (or its routed-experts twin) for `steps` steps on a fixed global batch of GLOBAL
+sequences per step, split over `world` ranks and `accumulation` micro-steps. Events at chosen steps: a
+GatheredParameters write from rank 0, a save (sync or async) followed by a load (into the same live engine after a
+stray micro-step, or into a fresh engine, possibly of another world size and stage, and possibly with layers frozen
+from then on), an fp16 overflow (the loss times inf). Everything a draw holds is chosen so that the run is defined
+on any CPU: world 1, 2 or 4 over gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from dataclasses import dataclass
+
+GLOBAL = 4  # sequences per optimizer step, whatever the world size and accumulation
+WORLDS = (1, 2, 4)
+CHECKPOINT_FLAVOURS = ("", "non_reentrant", "zkern")
+
+
+@dataclass(frozen=True)
+class Draw:
+    seed: int = 0
+    steps: int = 4
+    world: int = 2
+    stage: int = 0
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    accumulation: int = 1
+    clip: float = 0.0
+    lr: float = 1e-2
+    groups: bool = False  # decay / no-decay parameter groups (model_parameters)
+    arch: str = "tiny"  # tiny | moe (routed experts: each rank's data picks its experts)
+    frozen: str = "none"  # none | start (qkv and fc frozen from the start) | load (frozen from the load on)
+    checkpoint: str = ""  # activation checkpointing of each block: "" | non_reentrant | zkern
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"  # none | cpu | nvme (stage 3, with offload_optimizer)
+    qwz: bool = False
+    hpz: bool = False
+    qgz: bool = False
+    loco: bool = False
+    write_at: int = -1  # GatheredParameters(modifier_rank=0) write before this step's forward; -1: none
+    overflow_at: int = -1  # this step's loss times inf on one rank (every rank skips the step); -1: none
+    save_at: int = -1  # save after this step (1 .. steps - 1), then load; -1: none
+    async_save: bool = False
+    load_into: str = "fresh"  # live (the same engine, after one stray micro-step) | fresh (a new engine)
+    world_after: int = 0  # fresh loads: the world size after the load (0: the same)
+    stage_after: int = -1  # fresh loads: the stage after the load (-1: the same)
+
+    # -- derived ----------------------------------------------------------------------------------------------
+    @property
+    def exact(self) -> bool:
+        """Comparable with the fp32 reference to float32 rounding (no 16-bit math, no quantized collective)."""
+        return self.precision == "fp32" and not (self.qwz or self.qgz)
+
+    @property
+    def phases(self) -> list[tuple[int, int, int, int]]:
+        """(world, stage, first step, last step + 1) of each engine lifetime."""
+        if self.save_at < 0 or self.load_into == "live":
+            return [(self.world, self.stage, 0, self.steps)]
+        world = self.world_after or self.world
+        stage = self.stage_after if self.stage_after >= 0 else self.stage
+        return [(self.world, self.stage, 0, self.save_at + 1), (world, stage, self.save_at + 1, self.steps)]
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if v != getattr(Draw, k)},
+                          sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> Draw:
+        values = json.loads(text)
+        unknown = set(values) - {f.name for f in dataclasses.fields(Draw)}
+        if unknown:
+            raise ValueError(f"draw fields {sorted(unknown)} are not Draw's")
+        return Draw(**values).checked()
+
+    def repro(self) -> str:
+        return f"python -m zkern.verify.fuzz --draw '{self.to_json()}'"
+
+    # -- what may be combined -----------------------------------------------------------------------------------
+    def checked(self) -> Draw:
+        """The draw if it is a valid combination, else ValueError naming the clash."""
+        problems = []
+        for world in {w for w, _, _, _ in self.phases}:
+            if world not in WORLDS or GLOBAL % (world * self.accumulation):
+                problems.append(f"world {world} x accumulation {self.accumulation} must divide {GLOBAL}")
+        stages = {s for _, s, _, _ in self.phases}
+        if self.offload_optimizer != "none" and 0 in stages:
+            problems.append("offload_optimizer needs stage 1-3")
+        if self.offload_param != "none" and (stages != {3} or self.offload_optimizer == "none"):
+            problems.append("offload_param needs stage 3 throughout and offload_optimizer")
+        if (self.qwz or self.hpz) and stages != {3}:
+            problems.append("qwZ/hpZ need stage 3 throughout")
+        if self.qgz and not stages <= {2, 3}:
+            problems.append("qgZ needs stage 2 or 3 throughout")
+        if self.loco and not self.qgz:
+            problems.append("LoCo needs qgZ")
+        if self.hpz and any(w % 2 or w < 2 for w, _, _, _ in self.phases):
+            problems.append("hpZ (groups of 2) needs an even world of 2 or more")
+        if self.frozen == "load" and (self.save_at < 0 or self.load_into == "live"):
+            problems.append("frozen at load needs a load into a fresh engine")
+        if (self.world_after or self.stage_after >= 0) and (self.save_at < 0 or self.load_into == "live"):
+            problems.append("another world or stage after the load needs a load into a fresh engine")
+        if self.save_at >= 0 and not 0 <= self.save_at < self.steps - 1:
+            problems.append("save_at must leave at least one step after it")
+        for name in ("write_at", "overflow_at"):
+            if getattr(self, name) >= self.steps:
+                problems.append(f"{name} beyond the last step")
+        if self.checkpoint not in CHECKPOINT_FLAVOURS or self.arch not in ("tiny", "moe"):
+            problems.append("unknown checkpoint flavour or arch")
+        if problems:
+            raise ValueError(f"invalid draw {self.to_json()}: " + "; ".join(problems))
+        return self
+
+
+def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool = True) -> Draw:
+    """A random valid combination (worlds: the world sizes allowed; nvme: whether NVMe offload may be drawn)."""
+    while True:
+        world = rng.choice(worlds)
+        stage = rng.choice((0, 1, 2, 3))
+        precision = rng.choice(("fp32", "fp32", "bf16", "fp16"))
+        steps = rng.choice((3, 4, 5))
+        values = dict(seed=rng.randrange(1 << 20), steps=steps, world=world, stage=stage, precision=precision,
+                      accumulation=rng.choice((1, 1, 2)), clip=rng.choice((0.0, 0.0, 0.05)),
+                      groups=rng.random() < 0.4, arch=rng.choice(("tiny", "tiny", "moe")),
+                      frozen=rng.choice(("none", "none", "start", "load")),
+                      checkpoint=rng.choice(CHECKPOINT_FLAVOURS))
+        offloads = ("none", "none", "cpu") + (("nvme",) if nvme else ())
+        if stage > 0:
+            values["offload_optimizer"] = rng.choice(offloads)
+        if stage == 3 and values["offload_optimizer"] != "none" and rng.random() < 0.5:
+            values["offload_param"] = rng.choice(offloads[2:])
+        if stage == 3:
+            values["qwz"] = rng.random() < 0.2
+            values["hpz"] = world >= 2 and world % 2 == 0 and rng.random() < 0.2
+        if stage >= 2 and world >= 2:
+            values["qgz"] = rng.random() < 0.2
+            values["loco"] = values["qgz"] and rng.random() < 0.5
+        if rng.random() < 0.3:
+            values["write_at"] = rng.randrange(steps)
+        if rng.random() < (0.5 if precision == "fp16" else 0.15):
+            values["overflow_at"] = rng.randrange(steps)
+        if rng.random() < 0.6:
+            values["save_at"] = rng.randrange(steps - 1)
+            values["async_save"] = rng.random() < 0.4
+            values["load_into"] = rng.choice(("live", "fresh", "fresh"))
+            if values["load_into"] == "fresh" and rng.random() < 0.4:
+                values["world_after"] = rng.choice([w for w in worlds if w != world] or [world])
+                values["stage_after"] = rng.choice((0, 1, 2, 3))
+        try:
+            return Draw(**values).checked()
+        except ValueError:
+            continue  # a clash (e.g. offload with a stage-0 phase after the load): draw again

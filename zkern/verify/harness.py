@@ -1,0 +1,75 @@
+"""Run one draw end to end: its engine phases on their ranks (zkern.testing.spawn: gloo on 127.0.0.1), the
+single-process reference, the comparisons; and, for a draw that saves and loads within one layout, the same draw
+without the save and load, which must agree bit for bit.
+
+    python -m zkern.verify.fuzz --draws 20
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from zkern.testing.ranks import spawn
+from zkern.verify.check import compare, compare_runs
+from zkern.verify.draws import Draw
+from zkern.verify.runner import run_phases
+from zkern.verify.single import reference
+
+
+@dataclass
+class Outcome:
+    draw: Draw
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def _engine_runs(draw: Draw, root: str, timeout: float) -> list[list[dict]]:
+    """Per phase, per rank: the runner's results. Phases at one world size share one set of ranks."""
+    phases = draw.phases
+    worlds = [w for w, _, _, _ in phases]
+    if len(set(worlds)) == 1:
+        per_rank = spawn(run_phases, worlds[0], draw, root, list(range(len(phases))), timeout=timeout)
+        return [per_rank]
+    return [spawn(run_phases, w, draw, root, [i], timeout=timeout) for i, w in enumerate(worlds)]
+
+
+def twin_without_checkpoint(draw: Draw) -> Draw | None:
+    """The same draw without its save and load, when the load keeps the layout (so the two runs must be equal bit for
+    bit); None otherwise."""
+    if draw.save_at < 0 or draw.frozen == "load":
+        return None
+    if draw.load_into == "fresh" and len({(w, s) for w, s, _, _ in draw.phases}) > 1:
+        return None
+    return dataclasses.replace(draw, save_at=-1, async_save=False, load_into="fresh", world_after=0, stage_after=-1)
+
+
+def verify_draw(draw: Draw, root: str | None = None, timeout: float = 300.0) -> Outcome:
+    """The draw's failures (empty when it passes); an exception inside a run is a failure with its traceback."""
+    start = time.perf_counter()
+    outcome = Outcome(draw)
+    scratch = root or tempfile.mkdtemp(prefix="zkern-verify-")
+    try:
+        ref = reference(draw)
+        runs = _engine_runs(draw, os.path.join(scratch, "run"), timeout)
+        outcome.failures += compare(draw, runs, ref)
+        twin = twin_without_checkpoint(draw)
+        if twin is not None:
+            twin_runs = _engine_runs(twin, os.path.join(scratch, "twin"), timeout)
+            outcome.failures += compare_runs(runs, twin_runs, "with vs without the save and load")
+    except Exception as e:  # a crash, a hang past the timeout, an error a rank raised: all are findings
+        outcome.failures.append(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
+    finally:
+        if root is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    outcome.seconds = time.perf_counter() - start
+    return outcome

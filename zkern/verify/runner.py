@@ -1,0 +1,178 @@
+"""A draw on zkern's engine, on every rank: build, train, write, overflow, save, load, as the draw says; what it
+returns is what check.py compares with the single-process reference (single.py).
+
+    python -m pytest tests/test_verify.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zkern.testing.models import TinyGPT, TinyMoE, make_batches
+from zkern.verify.draws import GLOBAL, Draw
+
+VOCAB, SEQ, DIM = 67, 16, 32
+FROZEN = ("qkv", "proj")  # the layers a draw freezes (at the start, or from the load on)
+WARMUP = 3  # WarmupLR's steps: lr goes from lr / 4 to lr over the first applied steps
+# Adam's eps in draws. Adam's step lr * g / (|g| + eps) turns a rounding difference dg of a gradient element into
+# up to lr * dg / eps: with torch's 1e-8, an element whose gradient is about 1e-9 (a routed expert's, in the step it
+# first gets one) moved 1.3% of a step apart between two exact implementations (summation order alone). At 1e-6 that
+# amplification stays below float32 rounding's share of the bar, and a wrong update (of order lr) still shows.
+ADAM_EPS = 1e-6
+
+
+def make_model(draw: Draw, checkpoint: str = "") -> torch.nn.Module:
+    """The draw's model, initialised from its seed (the same on every rank and in the reference)."""
+    torch.manual_seed(draw.seed)
+    if draw.arch == "moe":
+        return TinyMoE(vocab=VOCAB, dim=DIM, n_layer=2, n_head=2, seq=SEQ, n_experts=4, checkpoint=checkpoint)
+    return TinyGPT(vocab=VOCAB, dim=DIM, n_layer=2, n_head=2, seq=SEQ, checkpoint=checkpoint)
+
+
+def freeze(model: torch.nn.Module) -> None:
+    for block in model.blocks:
+        for name in FROZEN:
+            getattr(block, name).requires_grad_(False)
+
+
+def written_name(draw: Draw) -> str:
+    """The parameter the GatheredParameters write sets (never a frozen one)."""
+    return "blocks.1.ln2.weight"
+
+
+def written_value(shape: torch.Size) -> torch.Tensor:
+    """Values exact in fp32, bf16 and fp16 (k / 64 for small k), so every precision writes the same numbers."""
+    n = int(torch.Size(shape).numel())
+    return ((torch.arange(n) % 7 - 3).float() / 64 + 1.0).view(shape)
+
+
+def global_batches(draw: Draw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[step] -> (idx, tgt) of the GLOBAL sequences of that step."""
+    batches = make_batches(draw.seed + 1, draw.steps, 1, 1, GLOBAL, SEQ, VOCAB)
+    return [b[0][0] for b in batches]
+
+
+def groups(model: torch.nn.Module) -> list[dict]:
+    """HF Trainer's groups: weight decay on matrices and embeddings, none on biases and norms."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def config(draw: Draw, world: int, stage: int, root: str, device: str) -> dict:
+    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 100, "reduce_bucket_size": 3000,
+                  "stage3_prefetch_bucket_size": 3000}
+    nvme = os.path.join(root, "nvme")
+    if draw.offload_optimizer != "none" and stage > 0:
+        zero["offload_optimizer"] = {"device": draw.offload_optimizer, "nvme_path": nvme, "buffer_count": 3}
+    if draw.offload_param != "none" and stage == 3:
+        zero["offload_param"] = {"device": draw.offload_param, "nvme_path": nvme, "max_in_cpu": 1000}
+    if stage == 3:
+        zero.update(zero_quantized_weights=draw.qwz, zero_hpz_partition_size=2 if draw.hpz else 1,
+                    zeropp_weight_group_size=64)
+    if stage >= 2 and draw.qgz:
+        zero["zero_quantized_gradients"] = True
+        if draw.loco:
+            zero["zeropp_loco_param"] = {"err_beta": 0.8, "reset_T": 1024}
+    cfg = {"train_micro_batch_size_per_gpu": GLOBAL // (world * draw.accumulation),
+           "gradient_accumulation_steps": draw.accumulation, "gradient_clipping": draw.clip,
+           "optimizer": {"type": "AdamW", "params": {"lr": draw.lr, "weight_decay": 0.01, "eps": ADAM_EPS}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": draw.lr / 4, "warmup_max_lr": draw.lr,
+                                                         "warmup_num_steps": WARMUP, "warmup_type": "linear"}},
+           "zero_optimization": zero, "steps_per_print": 0, "comm_timeout_s": 120, "device": device,
+           "ranks_per_node": 2 if world >= 2 and world % 2 == 0 else world}
+    if draw.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif draw.precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "hysteresis": 1, "loss_scale_window": 3}
+    return cfg
+
+
+def build(draw: Draw, world: int, stage: int, root: str, frozen: bool, device: str = "cpu"):
+    import zkern
+
+    model = make_model(draw, draw.checkpoint)
+    if frozen:
+        freeze(model)
+    return zkern.Engine(model, config(draw, world, stage, root, device),
+                        model_parameters=groups(model) if draw.groups else None)
+
+
+def micro_batches(batch, world: int, rank: int, accumulation: int):
+    idx, tgt = batch
+    per = GLOBAL // (world * accumulation)
+    for micro in range(accumulation):
+        lo = (micro * world + rank) * per
+        yield idx[lo:lo + per], tgt[lo:lo + per]
+
+
+def train_step(engine, draw: Draw, step: int, batch, world: int, rank: int, out: dict) -> None:
+    total = 0.0
+    for micro, (idx, tgt) in enumerate(micro_batches(batch, world, rank, draw.accumulation)):
+        loss = engine(idx.to(engine.device), tgt.to(engine.device))
+        total += loss.item()
+        if step == draw.overflow_at and micro == 0 and rank == 0:
+            loss = loss * float("inf")  # a spike on one rank: every rank must skip the step
+        engine.backward(loss)
+        engine.step()
+    out["losses"][step] = total / draw.accumulation
+    out["grad_norms"][step] = engine.last_grad_norm
+
+
+def write(engine, draw: Draw, rank: int) -> None:
+    import zkern
+
+    param = dict(engine.module.named_parameters())[written_name(draw)]
+    with zkern.GatheredParameters(param, modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                param.copy_(written_value(param.shape).to(param.dtype))
+
+
+def stray_micro_step(engine, draw: Draw, batch, world: int, rank: int) -> None:
+    """A micro-step whose gradients a load must discard (a live engine loaded mid-accumulation)."""
+    idx, tgt = next(micro_batches(batch, world, rank, draw.accumulation))
+    engine.backward(engine(idx.to(engine.device), tgt.to(engine.device)) * 3.0)
+    if draw.accumulation > 1:
+        engine.step()  # micro-step 1 of the accumulation: no update yet
+
+
+def run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int], device: str = "cpu") -> dict:
+    """Run the draw's phases listed (indices into draw.phases) on this rank; returns losses and gradient norms per
+    step, counters, and (rank 0) the final fp32 weights."""
+    out = {"losses": {}, "grad_norms": {}}
+    batches = global_batches(draw)
+    ckpt = os.path.join(root, "ckpt")
+    engine = None
+    for index in phases:
+        phase_world, stage, first, last = draw.phases[index]
+        if phase_world != world:
+            raise ValueError(f"phase {index} runs at world {phase_world}, not {world}")
+        frozen = draw.frozen == "start" or (draw.frozen == "load" and index == 1)
+        if engine is not None:
+            engine.destroy()
+        engine = build(draw, world, stage, root, frozen, device)
+        if index == 1:
+            engine.load_checkpoint(ckpt)
+        for step in range(first, last):
+            if step == draw.write_at:
+                write(engine, draw, rank)
+            train_step(engine, draw, step, batches[step], world, rank, out)
+            if step == draw.save_at:
+                engine.save_checkpoint(ckpt, async_save=draw.async_save)
+                if draw.load_into == "live":
+                    stray_micro_step(engine, draw, batches[step], world, rank)
+                    engine.wait_checkpoint()
+                    engine.load_checkpoint(ckpt)
+                else:
+                    if draw.async_save:  # training goes on while the writer writes; the fresh engine resumes at the
+                        scratch = {"losses": {}, "grad_norms": {}}  # save, so this step is thrown away
+                        train_step(engine, draw, step + 1, batches[step + 1], world, rank, scratch)
+                    engine.wait_checkpoint()
+    out.update(skipped=engine.skipped_steps, global_steps=engine.global_steps, loss_scale=engine.loss_scale)
+    state = engine.full_state_dict(rank0_only=True)
+    out["state"] = None if state is None else {k: v.detach().cpu() for k, v in state.items()}
+    engine.destroy()
+    return out

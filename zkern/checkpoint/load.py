@@ -166,9 +166,14 @@ def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) 
         if list(shape) != list(full):
             raise CheckpointError(f"{where}: {found!r} has shape {shape}, the model's {name!r} has {list(full)}")
         for start, live in resting.get(id(t), [(0, t.detach().reshape(-1))]):
-            staged = torch.empty(live.numel(), dtype=live.dtype)
+            master = smap.resting_masters.get((id(t), start))
+            # the master's copy (stage 3 keeps frozen pieces in it too) takes the fp32 values, the working view their
+            # rounding, as a step writes them
+            staged = torch.empty(live.numel(), dtype=torch.float32 if master is not None else live.dtype)
             reader.request(kind, found, start, staged)
             plan.copies.append((live, staged))
+            if master is not None:
+                plan.copies.append((master, staged))
     rank_name = f"rank{engine.rank}"
     for e in manifest["tensors"]:
         if e["name"] == rank_name and e["kind"] in ("rng.cpu", "rng.cuda"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +30,9 @@ class ShardMap:
     # wholly in other ranks' chunks); elsewhere frozen ones are whole
     commit: Callable[[], None] | None = None  # to call once a load has written into the resting views: views that
     # are staged copies (zero_quantized_nontrainable_weights' int8 shards) are stored then
+    resting_masters: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)  # stage 3:
+    # (id(parameter), first element) -> the fp32 master's slice of that frozen shard piece, where the runtime keeps
+    # one (a load writes both; full_state_dict reads the master)
 
 
 class Runtime(Protocol):

@@ -323,7 +323,7 @@ class Stage3Runtime:
     def shard_map(self) -> ShardMap:
         pieces = [[(i, s, True) for i, s in zip(idx, starts)]
                   for idx, starts in zip(self._pieces_param, self._pieces_start)]
-        resting = []
+        resting, masters = [], {}
         staged: dict[int, torch.Tensor] = {}  # int8-resting units: their chunk dequantized, to save or load into
         for piece in self.layout.pieces(self.comm.rank):
             p = self.all_params[piece.param]
@@ -339,6 +339,8 @@ class Stage3Runtime:
                 view = staged[u.index][lo:lo + piece.numel]
             else:
                 view = self.param_shard[piece.shard_start:piece.shard_start + piece.numel]
+                if self.master is not None:
+                    masters[(id(p), piece.param_start)] = self.master[piece.shard_start:piece.shard_start + piece.numel]
             resting.append((p, self._full_shape[id(p)], piece.param_start, view))
         listed = {id(p) for p, _, _, _ in resting}
         for p in self.all_params:  # a frozen parameter wholly in other ranks' chunks is at rest here too
@@ -352,7 +354,7 @@ class Stage3Runtime:
                     self.secondary.forget(ui)
 
         return ShardMap(pieces=pieces, shapes=[self._full_shape[id(p)] for p in self.params], resting=resting,
-                        commit=commit if staged else None)
+                        commit=commit if staged else None, resting_masters=masters)
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()

@@ -88,8 +88,13 @@ def _pack(codes: torch.Tensor, scales: torch.Tensor, parts: int) -> torch.Tensor
 
 
 def _split(msg: torch.Tensor, code_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) views of messages (..., code_bytes + 4 * groups)."""
-    return msg[..., :code_bytes], msg[..., code_bytes:].contiguous().view(torch.float32)
+    """(codes, scales) of messages (..., code_bytes + 4 * groups). The scales' bytes start at code_bytes, which need
+    not be a multiple of 4 (an odd chunk: world 1, or an odd unit), so they are copied before being read as fp32 (a
+    slice of a single message counts as contiguous and contiguous() would not copy it); 4 bytes per group."""
+    scales = msg[..., code_bytes:]
+    fresh = torch.empty(scales.shape, dtype=torch.uint8, device=scales.device)  # row-major, offset 0
+    fresh.copy_(scales)
+    return msg[..., :code_bytes], fresh.view(torch.float32)
 
 
 def weight_message(own: torch.Tensor, group: int = WEIGHT_GROUP) -> torch.Tensor:

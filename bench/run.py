@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                       precision=args.precision, peak_tflops=args.peak_tflops,
                                       zeropp=args.zeropp.split(",") if args.zeropp else None)
         elif suite == "adam":
-            record = adam_suite.run(args.adam_numel)
+            record = adam_suite.run(args.adam_numel, deepspeed=wanted is None or "deepspeed" in wanted)
         elif suite == "checkpoint":
             record = checkpoint_suite.run(args.model or "25m", args.world or 2)
         elif suite == "hf":

@@ -149,7 +149,7 @@ def test_adam_suite_ratios_pair_the_candidates_within_each_round(monkeypatch):
         return {name: rounds[name] for name in candidates}
 
     monkeypatch.setattr(adam_suite, "_time_round_robin", fake_rounds)
-    rec = adam_suite.run(numel=1_000, reps=3, progress=lambda line: None)
+    rec = adam_suite.run(numel=1_000, reps=3, progress=lambda line: None, deepspeed=False)
     r = rec["ratios"]
     assert r["offload_of_roofline"] == pytest.approx(1.0)  # pairs 0.5, 2, 1
     assert r["offload_over_stock"] == pytest.approx(3.0)  # pairs 3, 3, 1.5

@@ -27,7 +27,7 @@ def test_the_section_parses_with_deepspeed_meanings_and_bad_keys_are_named():
     assert zkern.Config.load({"train_batch_size": 1}).activation_checkpointing is None
     with pytest.raises(ConfigError, match="'activation_checkpointing.cpu_checkpoint'.*cpu_checkpointing"):
         zkern.Config.load({"train_batch_size": 1, "activation_checkpointing": {"cpu_checkpoint": True}})
-    with pytest.raises(ConfigError, match="number_checkpoints' must be a whole number"):
+    with pytest.raises(ConfigError, match="number_checkpoints' must be a number"):
         zkern.Config.load({"train_batch_size": 1, "activation_checkpointing": {"number_checkpoints": "4"}})
     with pytest.raises(ConfigError, match="number_checkpoints' must be >= 1"):
         zkern.Config.load({"train_batch_size": 1, "activation_checkpointing": {"number_checkpoints": 0}})

@@ -112,7 +112,7 @@ def test_bf16_gradients_reduced_and_accumulated_in_fp32_equal_the_fp32_arithmeti
 
 
 def test_the_options_are_checked():
-    with pytest.raises(ConfigError, match="'gradient_predivide_factor' must be > 0"):
+    with pytest.raises(ConfigError, match="'gradient_predivide_factor' must be >= 1e-30"):
         zkern.Config.load({"train_batch_size": 1, "gradient_predivide_factor": 0})
     with pytest.raises(ConfigError, match="'communication_data_type' must be \"fp32\", \"fp16\" or \"bf16\""):
         zkern.Config.load({"train_batch_size": 1, "communication_data_type": "int8"})

@@ -289,7 +289,7 @@ def test_nvme_config_needs_zkerns_adam_and_a_path_and_reads_the_aio_section():
         zkern.Config.load({"aio": {"block_size": 1000}})  # failed with EINVAL inside a step before
     with pytest.raises(zkern.ConfigError, match="same setting under DeepSpeed's old and new names"):
         zkern.Config.load({"aio": {"thread_count": 2, "intra_op_parallelism": 4}})
-    with pytest.raises(zkern.ConfigError, match="'aio.use_gds' is a DeepSpeed key that zkern does not implement"):
+    with pytest.raises(zkern.ConfigError, match="'aio.use_gds' = true asks for GPUDirect Storage"):
         zkern.Config.load({"aio": {"use_gds": True}})
     model = _model()
     cfg = _config("/tmp")

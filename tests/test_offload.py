@@ -82,15 +82,34 @@ def test_offload_in_bf16_matches_bf16_without_it():
 @pytest.mark.parametrize("zero, match", [
     ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}},
      "offload_param.nvme_path' is required"),
-    ({"stage": 2, "offload_param": {"device": "cpu"}}, "needs ZeRO stage 3"),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs ZeRO stage 1, 2 or 3"),
     ({"stage": 3, "offload_optimizer": {"device": "gpu"}}, "must be \"none\", \"cpu\" or \"nvme\""),
-    ({"stage": 3, "offload_param": {"device": "cpu"}}, "needs 'zero_optimization.offload_optimizer'"),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, "needs 'offload_optimizer'"),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "ratio"),
 ])
 def test_offload_config_errors_say_what_to_do(zero, match):
     with pytest.raises(zkern.ConfigError, match=match):
         zkern.Config.load({"zero_optimization": zero})
+
+
+def test_offload_param_at_stage_2_is_ignored_with_a_warning_as_deepspeed_ignores_it():
+    cfg = zkern.Config.load({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    assert cfg.zero_optimization.offload_param_device == "none"
+    assert any("offload_param.device" in path and "ignored" in msg for path, msg in cfg.notes.warned)
+
+
+@pytest.mark.dist
+def test_offload_param_alone_trains_as_without_it():
+    """Stage 3's parameters at rest on the host while the optimizer stays on the device (DeepSpeed allows
+    offload_param without offload_optimizer): each step writes the updated chunks to the host shard."""
+    specs = [TrainSpec(stage=3, precision=p, zero={"offload_param": {"device": "cpu"}}, reduce_bucket_size=5000,
+                       steps=5) for p in ("fp32", "bf16")]
+    per_rank = spawn(engine_runs, 2, [*specs, *(without_offload(s) for s in specs)])
+    for off, plain in zip(per_rank[0][:2], per_rank[0][2:]):
+        assert off["losses"] == plain["losses"]
+        assert all(torch.equal(off["state"][k], v) for k, v in plain["state"].items())
+        shard = off["memory"]["host"]["params"]  # the resting working shard, reported on the host
+        assert shard > 0 and off["memory"]["cpu"]["params"] < plain["memory"]["cpu"]["params"]
 
 
 def test_offload_sections_parse_with_deepspeed_defaults():

@@ -23,15 +23,17 @@ def node_size(cfg: Config, world: int) -> int:
 
 
 def _hidden_size(model: Any, key: str) -> int:
-    """The model's hidden size, where HF integrations read it: model.config.hidden_size (or hidden_sizes)."""
+    """The model's hidden size, where HF integrations read it: model.config.hidden_size (or hidden_sizes, the largest),
+    else its text_config's (a multimodal model)."""
     config = getattr(model, "config", None)
-    for attr in ("hidden_size", "d_model", "n_embd"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int):
-            return value
-    sizes = getattr(config, "hidden_sizes", None)
-    if sizes:
-        return max(sizes)
+    for where in (config, getattr(config, "text_config", None)):
+        for attr in ("hidden_size", "d_model", "n_embd"):
+            value = getattr(where, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        sizes = getattr(where, "hidden_sizes", None)
+        if sizes:
+            return max(sizes)
     raise ConfigError(f"'{key}' is \"auto\" but the model has no config.hidden_size to derive it from "
                       f"(DeepSpeed's HF integration uses hidden_size**2); set a number")
 
@@ -47,17 +49,17 @@ def _resolve_batch(cfg: Config, world: int) -> tuple[int, int, int]:
     train, micro, gas = (None if v == AUTO else v for v in (train, micro, gas))
     if train is not None and micro is not None and gas is not None:
         if train != micro * gas * world:
-            raise ConfigError(f"train_batch_size ({train}) != train_micro_batch_size_per_gpu ({micro}) x "
-                              f"gradient_accumulation_steps ({gas}) x world size ({world}) = {micro * gas * world}")
+            raise ConfigError(f"'train_batch_size' ({train}) != 'train_micro_batch_size_per_gpu' ({micro}) x "
+                              f"'gradient_accumulation_steps' ({gas}) x world size ({world}) = {micro * gas * world}")
     elif train is not None and micro is not None:
         if train % (micro * world):
-            raise ConfigError(f"train_batch_size ({train}) is not divisible by train_micro_batch_size_per_gpu "
+            raise ConfigError(f"'train_batch_size' ({train}) is not divisible by 'train_micro_batch_size_per_gpu' "
                               f"({micro}) x world size ({world}) = {micro * world}; gradient_accumulation_steps "
                               f"would not be a whole number")
         gas = train // (micro * world)
     elif train is not None and gas is not None:
         if train % (gas * world):
-            raise ConfigError(f"train_batch_size ({train}) is not divisible by gradient_accumulation_steps ({gas}) "
+            raise ConfigError(f"'train_batch_size' ({train}) is not divisible by 'gradient_accumulation_steps' ({gas}) "
                               f"x world size ({world}) = {gas * world}; train_micro_batch_size_per_gpu would not be "
                               f"a whole number")
         micro = train // (gas * world)
@@ -66,13 +68,13 @@ def _resolve_batch(cfg: Config, world: int) -> tuple[int, int, int]:
     elif train is not None:
         gas = 1
         if train % world:
-            raise ConfigError(f"train_batch_size ({train}) is not divisible by the world size ({world})")
+            raise ConfigError(f"'train_batch_size' ({train}) is not divisible by the world size ({world})")
         micro = train // world
     elif micro is not None:
         gas = 1
         train = micro * world
     else:
-        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (DeepSpeed needs one of them)")
+        raise ConfigError("set 'train_batch_size' or 'train_micro_batch_size_per_gpu' (DeepSpeed needs one of them)")
     return train, micro, gas
 
 
@@ -85,9 +87,16 @@ def resolve(cfg: Config, world: int, model: Any) -> Config:
     # stage3_param_persistence_threshold = 10 hidden.
     autos = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
              "stage3_param_persistence_threshold": lambda h: 10 * h}
+    filled = [*cfg.notes.filled]
     for key, rule in autos.items():
         if getattr(zero, key) == AUTO:
-            zero = dataclasses.replace(zero, **{key: rule(_hidden_size(model, f"zero_optimization.{key}"))})
+            value = rule(_hidden_size(model, f"zero_optimization.{key}"))
+            zero = dataclasses.replace(zero, **{key: value})
+            filled.append((f"zero_optimization.{key}", f"{value} (from the model's hidden size)"))
+    for key, value in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
+                       ("gradient_accumulation_steps", gas)):
+        if getattr(cfg, key) == AUTO:
+            filled.append((key, f"{value} (from the other two and the world size {world})"))
     if zero.overlap_comm is None:
         zero = dataclasses.replace(zero, overlap_comm=zero.stage == 3)
     k = zero.zero_hpz_partition_size
@@ -100,6 +109,7 @@ def resolve(cfg: Config, world: int, model: Any) -> Config:
         raise ConfigError(f"ranks per node ({per_node}, from 'ranks_per_node' or LOCAL_WORLD_SIZE) must divide the "
                           f"world size ({world})")
     predivide = float(world) if cfg.gradient_predivide_factor is None else cfg.gradient_predivide_factor
+    notes = dataclasses.replace(cfg.notes, filled=tuple(filled))
     return dataclasses.replace(cfg, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
                                gradient_accumulation_steps=gas, zero_optimization=zero, world_size=world,
-                               gradient_predivide_factor=predivide)
+                               gradient_predivide_factor=predivide, notes=notes)

@@ -76,9 +76,14 @@ def _whole_tensors(manifest: dict) -> list[tuple[str, str, str, list[int], str]]
 
 
 def _ranges(manifest: dict, kind: str, name: str, numel: int, where: str) -> list[dict]:
-    """The entries of (kind, name), which must tile [0, numel) exactly."""
+    """The entries of (kind, name), which must tile [0, numel) exactly (a range stored twice, as node-local storage
+    does, is read once)."""
     entries = sorted((e for e in manifest["tensors"] if e["kind"] == kind and e["name"] == name),
                      key=lambda e: e["start"])
+    unique: dict[tuple[int, int], dict] = {}
+    for e in entries:
+        unique.setdefault((e["start"], e["numel"]), e)
+    entries = list(unique.values())
     at = 0
     for e in entries:
         if e["start"] != at:

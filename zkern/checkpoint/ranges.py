@@ -51,8 +51,12 @@ class RangeReader:
         self.entries: dict[tuple[str, str], list[dict]] = defaultdict(list)
         for e in manifest["tensors"]:
             self.entries[(e["kind"], e["name"])].append(e)
+        present: dict[str, bool] = {}  # a range stored twice (node-local storage) is read from the file here
         for lst in self.entries.values():
-            lst.sort(key=lambda e: e["start"])
+            for e in lst:
+                if e["file"] not in present:
+                    present[e["file"]] = os.path.isfile(os.path.join(tag_dir, e["file"]))
+            lst.sort(key=lambda e: (e["start"], not present[e["file"]]))
         self.kinds_of: dict[str, set[str]] = defaultdict(set)  # tensor name -> the kinds stored for it
         for kind, name in self.entries:
             self.kinds_of[name].add(kind)
@@ -68,7 +72,7 @@ class RangeReader:
         covered = start
         for e in self.entries.get((kind, name), ()):
             lo, hi = max(start, e["start"]), min(end, e["start"] + e["numel"])
-            if lo >= hi:
+            if lo >= hi or hi <= covered:  # outside the request, or a second copy of what is covered
                 continue
             if lo > covered:
                 break

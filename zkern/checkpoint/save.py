@@ -100,13 +100,16 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
     rt, opt = engine.runtime, engine.optimizer
     smap = rt.shard_map()
     snap = Snapshot(entries=[])
+    # checkpoint.use_node_local_storage: each node's disk must hold what its ranks read back at the same layout, so
+    # every rank writes what it holds whole (buffers, stage 0's pieces), not only the rank that writes it otherwise
+    node_local = engine.config.checkpoint.use_node_local_storage
     # ZeRO-Infinity: master, moments or working shard on disk; each range is read as it is written
     snap.materialize = lambda kind, t: engine._stand_in_read(t, kind[len("optim."):] if kind.startswith("optim.")
                                                             else "master")
     for gi, group in enumerate(rt.shard_groups):
         for i, piece in enumerate(group.pieces):
             index, start, mine = smap.pieces[gi][i]
-            if not mine:
+            if not mine and not node_local:  # node-local: every rank keeps what it holds (its node may be alone)
                 continue
             name = rt.names[index]
             snap.entries.append(("master", name, start, piece.reshape(-1)))
@@ -151,7 +154,7 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
             snap.entries.extend(("module", name, start, view) for start, view in ranges)
         else:
             module[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "frozen": frozen}
-            if engine.rank == 0:
+            if engine.rank == 0 or node_local:
                 snap.entries.append(("module", name, 0, t.detach().reshape(-1)))
     quantizer = loco_reducer(engine)
     if quantizer is not None:  # per rank, hop and bucket: they carry over to this layout only (load._stage_loco)
@@ -246,25 +249,40 @@ def _write_rank_file(directory: str, rank: int, snap: Snapshot) -> dict:
     return {"file": name, "bytes": writer.nbytes, "sha256": sha, "tensors": tensors}
 
 
-def write(ctrl, snap: Snapshot, save_dir: str, tag: str, save_latest: bool) -> str:
-    """Steps 1-4 of the protocol; returns the tag's directory. Raises CheckpointError on every rank if any failed."""
+def write(ctrl, snap: Snapshot, save_dir: str, tag: str, save_latest: bool, tag_validation: str = "FAIL",
+          node_local: bool = False) -> str:
+    """Steps 1-4 of the protocol; returns the tag's directory. Raises CheckpointError on every rank if any failed.
+    tag_validation (the config's checkpoint.tag_validation): when ranks passed different tags, FAIL raises, WARN
+    warns and saves under rank 0's tag, IGNORE saves under rank 0's tag and says so at INFO. node_local
+    (checkpoint.use_node_local_storage): save_dir is each node's own disk; every node's first rank checks its own
+    ranks' files and publishes the tag there with the whole manifest (a load then finds, on each node, the files
+    its ranks read at the same layout; another node count needs the files gathered onto one file system)."""
     save_dir = os.fspath(save_dir)
     rank = ctrl.rank
+    leader = rank == 0 or (node_local and rank % ctrl.node_size == 0)
     plan: dict = {"tag": tag}
-    if rank == 0:
+    if leader:
         try:
             os.makedirs(save_dir, exist_ok=True)
             _sweep(save_dir)
             plan["tmp"] = f"{TMP_PREFIX}{tag}-{secrets.token_hex(4)}"
         except OSError as e:
-            plan["error"] = f"rank 0 cannot prepare {save_dir!r}: {e}"
+            plan["error"] = f"rank {rank} cannot prepare {save_dir!r}: {e}"
     plans = all_gather_json(ctrl, plan, "checkpoint: the tag and the temporary directory")
     tags = [p["tag"] for p in plans]
     if len(set(tags)) > 1:
-        raise CheckpointError(f"save_checkpoint: the ranks passed different tags {tags}: every rank must save the "
-                              f"same tag (pass tag=None for global_step<N>)")
-    if "error" in plans[0]:
-        raise CheckpointError(f"save_checkpoint: {plans[0]['error']}")
+        message = (f"save_checkpoint: the ranks passed different tags {tags}: every rank must save the same tag "
+                   f"(pass tag=None for global_step<N>)")
+        if tag_validation == "FAIL":
+            raise CheckpointError(f"{message}; checkpoint.tag_validation is \"Fail\"")
+        if rank == 0:
+            log.log(logging.WARNING if tag_validation == "WARN" else logging.INFO,
+                    "zkern: %s; saving under rank 0's tag %r (checkpoint.tag_validation is %r)", message, tags[0],
+                    tag_validation)
+        tag = tags[0]
+    errors = [p["error"] for p in plans if "error" in p]
+    if errors:
+        raise CheckpointError(f"save_checkpoint: {'; '.join(errors)}")
     tmp = os.path.join(save_dir, plans[0]["tmp"])
     try:
         os.makedirs(tmp, exist_ok=True)
@@ -273,21 +291,34 @@ def write(ctrl, snap: Snapshot, save_dir: str, tag: str, save_latest: bool) -> s
     except (OSError, CheckpointError, ValueError) as e:
         status = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     statuses = all_gather_json(ctrl, status, "checkpoint: every rank's file index")
-    outcome: dict = {}
+    body: dict = {}
     if rank == 0:
         failed = [f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if not s["ok"]]
         try:
             if failed:
                 raise CheckpointError("; ".join(failed))
-            outcome["path"] = _commit(save_dir, tmp, tag, snap.body, statuses, save_latest)
+            body = {"manifest": _manifest(tag, snap.body, statuses)}
+        except CheckpointError as e:
+            body = {"error": f"{e}"}
+    if node_local:  # every node's first rank publishes the same manifest on its own disk
+        body = broadcast_json(ctrl, body, "checkpoint: the manifest")
+    outcome: dict = {}
+    if leader and "error" not in body:
+        mine = [r for r in range(ctrl.world) if not node_local or r // ctrl.node_size == rank // ctrl.node_size]
+        try:
+            outcome["path"] = _publish(save_dir, tmp, tag, body["manifest"], statuses, mine, save_latest)
         except (OSError, CheckpointError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             outcome["error"] = f"{e}"
-    outcome = broadcast_json(ctrl, outcome, "checkpoint: the outcome")
-    if "error" in outcome:
+    elif leader:
+        shutil.rmtree(tmp, ignore_errors=True)
+        outcome["error"] = body["error"]
+    outcomes = all_gather_json(ctrl, outcome, "checkpoint: the outcome")
+    failures = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if "error" in o]
+    if failures:
         raise CheckpointError(f"save_checkpoint({save_dir!r}, tag={tag!r}) failed, nothing was committed and "
-                              f"'latest' is unchanged: {outcome['error']}")
-    return outcome["path"]
+                              f"'latest' is unchanged: {'; '.join(failures)}")
+    return outcomes[0]["path"] if not node_local else os.path.join(save_dir, tag)
 
 
 def _sweep(save_dir: str) -> None:
@@ -302,16 +333,11 @@ def _sweep(save_dir: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _commit(save_dir: str, tmp: str, tag: str, body: dict, statuses: list[dict], save_latest: bool) -> str:
+def _manifest(tag: str, body: dict, statuses: list[dict]) -> dict:
+    """The manifest: rank 0's body with every rank's files, entries and optimizer scalars."""
     files, tensors, scalars, scalar_types = {}, [], {}, {}
     for r, s in enumerate(statuses):
         index = s["index"]
-        path = os.path.join(tmp, index["file"])
-        size = os.path.getsize(path) if os.path.exists(path) else None
-        if size != index["bytes"]:
-            raise CheckpointError(f"rank {r}'s file {path} is {'not visible' if size is None else f'{size} bytes'} "
-                                  f"from rank 0 (rank {r} wrote {index['bytes']} bytes): save_dir must be one file "
-                                  f"system every rank sees (a shared mount)")
         files[index["file"]] = {"bytes": index["bytes"], "sha256": index["sha256"], "rank": r}
         tensors.extend(index["tensors"])
         for name, values in s["scalars"].items():
@@ -321,6 +347,22 @@ def _commit(save_dir: str, tmp: str, tag: str, body: dict, statuses: list[dict],
         scalar_types.update(s["scalar_types"])
     body = {**body, "tag": tag, "files": files, "tensors": tensors}
     body["optimizer"] = {**body["optimizer"], "scalars": scalars, "scalar_types": scalar_types}
+    return body
+
+
+def _publish(save_dir: str, tmp: str, tag: str, body: dict, statuses: list[dict], ranks: list[int],
+             save_latest: bool) -> str:
+    """Check the files of `ranks` are whole here, write the manifest, rename the tag into place, point `latest`."""
+    me = ranks[0]
+    for r in ranks:
+        index = statuses[r]["index"]
+        path = os.path.join(tmp, index["file"])
+        size = os.path.getsize(path) if os.path.exists(path) else None
+        if size != index["bytes"]:
+            raise CheckpointError(f"rank {r}'s file {path} is {'not visible' if size is None else f'{size} bytes'} "
+                                  f"from rank {me} (rank {r} wrote {index['bytes']} bytes): save_dir must be one file "
+                                  f"system every rank sees (a shared mount), or set checkpoint.use_node_local_storage "
+                                  f"where each node has its own")
     write_file_durably(os.path.join(tmp, MANIFEST), manifest_bytes(body))
     fsync_dir(tmp)
     final = os.path.join(save_dir, tag)

@@ -18,6 +18,7 @@ from zkern.engine.comm import Comm
 from zkern.engine.lr_schedules import build_scheduler
 from zkern.engine.nvme import NvmeAdam
 from zkern.engine.optimizer import ShardAdam, ShardGroup
+from zkern.engine.optimizers import Lamb, Lion
 
 
 def pick_device(model: torch.nn.Module, want: str) -> torch.device:
@@ -173,6 +174,27 @@ def group_options(cfg: Config) -> dict:
     return {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay, "adamw": o.adamw}
 
 
+# The config's other optimizers: the torch (or zkern) class and the section params it takes.
+_OTHERS = {"sgd": (torch.optim.SGD, ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")),
+           "adagrad": (torch.optim.Adagrad, ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value")),
+           "lion": (Lion, ("lr", "betas", "weight_decay")),
+           "lamb": (Lamb, ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff"))}
+
+
+def _other_optimizer(cfg: Config, shard_groups: list[ShardGroup], requested: list[dict] | None):
+    """SGD, Adagrad, Lion or Lamb over the shard pieces, one param group per requested group (its lr, weight_decay,
+    betas and eps over the section's)."""
+    o = cfg.optimizer
+    cls, names = _OTHERS[o.type]
+    base = {k: o.params[k] for k in names if k in o.params}
+    if "betas" in base:
+        base["betas"] = tuple(base["betas"])
+    overrides = [{k: g[k] for k in GROUP_KEYS if k in g and k in names} for g in requested or [{}] * len(shard_groups)]
+    if o.type == "sgd" and base.get("nesterov") and (base.get("momentum", 0) <= 0 or base.get("dampening", 0) != 0):
+        raise ConfigError("'optimizer.params.nesterov' needs momentum > 0 and dampening 0 (torch's SGD rule)")
+    return cls([{"params": g.pieces, **base, **ov} for g, ov in zip(shard_groups, overrides)], **base)
+
+
 def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_groups: list[ShardGroup],
                     requested: list[dict] | None = None, nvme=None) -> torch.optim.Optimizer:
     """zkern's fused ShardAdam from the config (one group per requested group, its options over the config's), or
@@ -188,6 +210,11 @@ def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_gro
     if client is None and cfg.optimizer is None:
         raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. {\"type\": \"AdamW\", "
                           "\"params\": {\"lr\": 1e-4}}) or pass Engine(model, cfg, optimizer=torch_optimizer)")
+    if client is None and cfg.optimizer.type in _OTHERS:
+        if nvme is not None:
+            raise ConfigError(f"zero_optimization.offload_optimizer.device \"nvme\" streams Adam's states from disk; "
+                              f"{cfg.optimizer.type} keeps its states in memory: use device \"cpu\"")
+        return _other_optimizer(cfg, shard_groups, requested)
     if client is None:
         overrides = [{k: g[k] for k in GROUP_KEYS if k in g} for g in requested or [{}] * len(shard_groups)]
         options = [{**group_options(cfg), **o} for o in overrides]
@@ -207,6 +234,19 @@ def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_gro
     for group, shard in zip(client.param_groups, shard_groups):
         group["params"] = shard.pieces
     return client
+
+
+def attach_layout(optimizer: torch.optim.Optimizer, runtime, comm: Comm, stage: int) -> None:
+    """Lamb's norms are per parameter: tell it which parameter each shard piece belongs to, and how to sum the norms
+    over the ranks that hold the other pieces (none at stage 0: every rank holds every piece)."""
+    if not isinstance(optimizer, Lamb):
+        return
+    owner = [[index for index, _, _ in group] for group in runtime.shard_map().pieces]
+
+    def reduce(sums: torch.Tensor) -> None:  # a host tensor: zkern's groups take those over gloo on a GPU too
+        comm.all_reduce(sums, "Lamb's per-parameter squared norms", kind="control")
+
+    optimizer.set_layout(owner, len(runtime.params), reduce if stage > 0 and comm.world > 1 else None)
 
 
 def build_scheduler_for(cfg: Config, client_scheduler, optimizer: torch.optim.Optimizer):

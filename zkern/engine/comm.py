@@ -22,6 +22,7 @@ import atexit
 import datetime
 import logging
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -94,6 +95,27 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
 
 
+class CommTimes:
+    """Per collective kind: calls, bytes and seconds from issue to completion as this rank saw them (host clock; a
+    GPU collective's time includes the queue before it). Shared by a Comm and its siblings; off unless `on`."""
+
+    def __init__(self):
+        self.on = False
+        self.totals: dict[str, list] = defaultdict(lambda: [0, 0, 0.0])
+
+    def record(self, kind: str, nbytes: int, start: float) -> None:
+        entry = self.totals[kind]
+        entry[0] += 1
+        entry[1] += nbytes
+        entry[2] += time.perf_counter() - start
+
+    def take(self) -> dict[str, tuple[int, int, float]]:
+        """The totals since the last take, and start afresh."""
+        out = {k: tuple(v) for k, v in self.totals.items()}
+        self.totals.clear()
+        return out
+
+
 @dataclass
 class Work:
     """An in-flight collective; wait() re-raises any failure as a CommError."""
@@ -101,6 +123,8 @@ class Work:
     comm: Comm
     handle: object | None
     what: str
+
+    timing: tuple | None = None  # (kind, bytes, start) while timed (the comms logger, wall_clock_breakdown)
 
     def done(self) -> bool:
         """Has it completed (without waiting)?"""
@@ -115,6 +139,9 @@ class Work:
             raise self.comm.error(self.what, e) from e
         finally:
             self.handle = None
+            if self.timing is not None:
+                self.comm.times.record(*self.timing)
+                self.timing = None
 
 
 class Comm:
@@ -133,6 +160,8 @@ class Comm:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.split: dict[str, dict[str, int]] = {"intra": defaultdict(int), "inter": defaultdict(int)}
+        self.times = CommTimes()  # off until the engine turns it on (comms_logger, wall_clock_breakdown)
+        self._counted: tuple[str, int] | None = None
 
     def sibling(self, *, backend: str | None = None, share_counters: bool = True) -> Comm:
         """A Comm over a new process group of the same ranks (a collective: every rank calls it), by default with
@@ -146,7 +175,7 @@ class Comm:
             group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s), backend=backend)
         twin = Comm(group, self.rank, self.world, self.timeout_s, backend, node_size=self.node_size, inter=self.inter)
         if share_counters:
-            twin.bytes, twin.calls, twin.split = self.bytes, self.calls, self.split
+            twin.bytes, twin.calls, twin.split, twin.times = self.bytes, self.calls, self.split, self.times
         return twin
 
     def _subgroup(self, members: list[list[int]]) -> Comm:
@@ -164,7 +193,7 @@ class Comm:
         if len(mine) == 1:
             group = None
         sub = Comm(group, mine.index(self.rank), len(mine), self.timeout_s, self.backend, inter=inter)
-        sub.bytes, sub.calls, sub.split = self.bytes, self.calls, self.split
+        sub.bytes, sub.calls, sub.split, sub.times = self.bytes, self.calls, self.split, self.times
         return sub
 
     def node_group(self, size: int) -> Comm:
@@ -191,15 +220,23 @@ class Comm:
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
         self.split["inter" if self.inter else "intra"][kind] += nbytes
+        self._counted = (kind, nbytes)
 
     def _run(self, fn, what: str, async_op: bool, *args, **kwargs) -> Work:
+        counted, self._counted = self._counted, None
+        start = time.perf_counter() if self.times.on and counted is not None else None
         try:
             handle = fn(*args, group=self.group, async_op=async_op, **kwargs)
         except Exception as e:
             raise self.error(what, e) from e
         work = Work(self, handle, what)
+        if start is not None:  # from issue to completion as this rank sees it (a wait, or the call itself)
+            work.timing = (*counted, start)
         if not async_op:
             work.handle = None
+            if start is not None:
+                self.times.record(*counted, start)
+                work.timing = None
         return work
 
     def _local(self, out: torch.Tensor, inp: torch.Tensor) -> Work:

@@ -16,9 +16,11 @@ import math
 import os
 
 import torch
+from torch.utils._pytree import tree_map
 
 from zkern import checkpointing, ops
 from zkern.config import Config
+from zkern.config_report import startup_block
 from zkern.config_resolve import node_size
 from zkern.engine import build, nvme
 from zkern.engine.comm import Comm, backend_for, init_distributed
@@ -27,6 +29,7 @@ from zkern.engine.engine_state import build_registry
 from zkern.engine.offload import HostStep
 from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
 from zkern.engine.precision import LossScaler, gradient_dtypes, working_dtype
+from zkern.engine.reporting import Reporter
 from zkern.engine.runtime import Runtime
 from zkern.engine.sharded_init import is_sharded, release_freed_memory
 from zkern.engine.stage3 import Stage3Runtime
@@ -131,6 +134,7 @@ class Engine(torch.nn.Module):
                                       write=self._stand_in_write)
             shard_groups = self.host_step.host_groups
         self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups, requested, nvme=self.nvme)
+        build.attach_layout(self.optimizer, self.runtime, self.comm, zero.stage)
         self._log_offload()
         self.lr_scheduler = build.build_scheduler_for(cfg, lr_scheduler, self.optimizer)
         self.scaler = LossScaler.from_config(cfg)
@@ -143,13 +147,17 @@ class Engine(torch.nn.Module):
         self.last_grad_norm: float | None = None
         self._checkpoint_comm = None  # the checkpoint's own process group, made by the first save or load
         self._pending_save = None  # an asynchronous save in flight
+        # What the config asks to report beside training (timers, monitors, profiler, comms logger): no cost when off.
+        self.reporter = Reporter(self)
         # Every stateful piece, with how it resets: loads, zero_grad and the tests walk this (engine/state.py).
         self.state = build_registry(self)
 
     def _log_layout(self) -> None:
-        """Say once how the parameters were laid out (padding included) and warn about costly layouts."""
+        """Say once what zkern made of the config (a warning when a key was not DeepSpeed's), how the parameters were
+        laid out (padding included), and warn about costly layouts."""
         if self.rank != 0:
             return
+        log.log(logging.WARNING if self.config.notes.warned else logging.INFO, "%s", startup_block(self.config))
         for line in self.runtime.describe():
             log.info("zkern: %s", line)
         for line in self.runtime.warnings(self.config.zero_optimization.reduce_bucket_size):
@@ -204,8 +212,11 @@ class Engine(torch.nn.Module):
 
     # -- the training loop ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:  # DeepSpeed's fp16.auto_cast: the inputs too
+            args, kwargs = tree_map(_to_half, (args, kwargs))
         try:
-            return self.module(*args, **kwargs)
+            with self.reporter.phase("forward"):
+                return self.reporter.forward(self.module, args, kwargs)
         except BaseException as e:
             self.runtime.abort_pass(e)  # stage 3: release what the failed pass gathered
             raise
@@ -292,17 +303,19 @@ class Engine(torch.nn.Module):
         if not loss.requires_grad:
             raise ValueError("engine.backward: the loss does not require grad (computed under torch.no_grad(), or "
                              "no trainable parameter took part in it)")
+        self.reporter.loss(loss)
         self.runtime.begin_backward(self.is_gradient_accumulation_boundary())
         # The loss scale, the mean over micro-steps and the division before the sum over ranks, in one factor
         # (gradient_predivide_factor, by default the world size: no sum of ranks' 16-bit gradients grows past the
         # largest of them).
         factor = self.scaler.scale / (self.gradient_accumulation_steps * self.config.gradient_predivide_factor)
-        try:
-            (loss * factor).backward()
-        except BaseException:
-            self.runtime.abort_backward()  # stage 3: release what the failed pass held; nothing is reduced
-            raise
-        self.runtime.end_backward()
+        with self.reporter.phase("backward"):
+            try:
+                (loss * factor).backward()
+            except BaseException:
+                self.runtime.abort_backward()  # stage 3: release what the failed pass held; nothing is reduced
+                raise
+            self.runtime.end_backward()
 
     def step(self) -> None:
         """At the accumulation boundary: overflow check, clipping, optimizer, loss-scale and LR update.
@@ -313,8 +326,10 @@ class Engine(torch.nn.Module):
         if not boundary:
             return
         self.pending_micro_steps = 0
-        self._optimizer_step()
+        with self.reporter.phase("step"):
+            self._optimizer_step()
         self.global_steps += 1
+        self.reporter.stepped()
         if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0 and self.rank == 0:
             lrs = [g["lr"] for g in self.optimizer.param_groups]
             log.info("zkern: step=%d skipped=%d lr=%s grad_norm=%s loss_scale=%g", self.global_steps,
@@ -432,8 +447,8 @@ class Engine(torch.nn.Module):
         if on_nvme is not None:
             on_nvme["total"] = sum(on_nvme.values())
         device["total"], host["total"] = sum(device.values()), sum(host.values())
-        # offload_param needs offload_optimizer, so only an offloaded run has anything on the host
-        report = {self.device.type: device, "host": host} if self.offload else {self.device.type: device}
+        # the host holds something with offload_optimizer, or with stage 3's parameters resting there (offload_param)
+        report = {self.device.type: device, "host": host} if self.offload or on_host else {self.device.type: device}
         if on_nvme is not None:
             report["nvme"] = on_nvme
         return report
@@ -448,7 +463,7 @@ class Engine(torch.nn.Module):
         collective; rank 0 writes). Stage 3 gathers them only when the config allows it."""
         zero = self.config.zero_optimization
         if zero.stage == 3:
-            if not (zero.stage3_gather_16bit_weights_on_model_save or zero.stage3_gather_fp16_weights_on_model_save):
+            if not zero.stage3_gather_16bit_weights_on_model_save:
                 raise RuntimeError("save_16bit_model at stage 3 gathers the whole model onto rank 0; set "
                                    "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to allow it")
         values = self.runtime.full_working()
@@ -487,11 +502,12 @@ class Engine(torch.nn.Module):
         ctrl = self._checkpoint_group()
         snap = snapshot(self, client_state=client_state, exclude_frozen=exclude_frozen_parameters, copy=async_save)
         save_dir = os.fspath(save_dir)
+        mode, local = self.config.checkpoint.tag_validation, self.config.checkpoint.use_node_local_storage
         if async_save:
-            self._pending_save = AsyncSave(lambda: write(ctrl, snap, save_dir, tag, save_latest),
+            self._pending_save = AsyncSave(lambda: write(ctrl, snap, save_dir, tag, save_latest, mode, local),
                                            f"save_checkpoint of tag {tag!r} to {save_dir!r}")
             return None
-        return write(ctrl, snap, save_dir, tag, save_latest)
+        return write(ctrl, snap, save_dir, tag, save_latest, mode, local)
 
     def wait_checkpoint(self) -> str | None:
         """Wait for the asynchronous save in flight, if any; returns its directory, or raises its error."""
@@ -505,6 +521,7 @@ class Engine(torch.nn.Module):
         try:
             self.wait_checkpoint()
         finally:
+            self.reporter.close()
             for files in (self.nvme, getattr(self.runtime, "param_store", None)):
                 if files is not None:
                     files.close()
@@ -576,3 +593,7 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
     return total
+
+
+def _to_half(x):
+    return x.half() if isinstance(x, torch.Tensor) and x.is_floating_point() else x

@@ -30,6 +30,8 @@ def build_registry(engine) -> StateRegistry:
                            snapshot=lambda: {"pending_micro_steps": engine.pending_micro_steps,
                                              "boundary": engine._boundary}))
     registry.add(_generators(engine))
+    registry.add(Component("reporter.losses", "transient", reset=lambda: engine.reporter.losses.clear(),
+                           tensors=lambda: list(engine.reporter.losses)))
     if engine.host_step is not None:
         registry.add(Component("offload.staging", "derived", tensors=engine.host_step.staging_tensors))
     if engine.nvme is not None:

@@ -60,4 +60,5 @@ def training_dataloader(dataset, engine: Engine, collate_fn=None) -> torch.utils
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=engine.world_size,
                                                               rank=engine.rank, shuffle=True)
     return torch.utils.data.DataLoader(dataset, batch_size=engine.config.train_micro_batch_size_per_gpu,
-                                       sampler=sampler, collate_fn=collate_fn)
+                                       sampler=sampler, collate_fn=collate_fn,
+                                       drop_last=engine.config.dataloader_drop_last)

@@ -157,9 +157,15 @@ class ShardAdam(torch.optim.Optimizer):
                     before_chunk(gi, ci)
                 for lo, hi, step in _runs(chunk, on, steps):
                     s = self._start[gi][ci]
+                    out = None if chunk.out is None else chunk.out[lo:hi]
+                    # the working copy may rest elsewhere (stage 3's offload_param without offload_optimizer: on the
+                    # host): written on the master's device, then copied over
+                    away = out is not None and out.device != chunk.param.device
                     ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], self.exp_avg[gi][s + lo:s + hi],
                                    self.exp_avg_sq[gi][s + lo:s + hi], step=step + 1,
-                                   param_out=None if chunk.out is None else chunk.out[lo:hi], **hyper)
+                                   param_out=None if away else out, **hyper)
+                    if away:
+                        out.copy_(chunk.param[lo:hi])  # the same rounding the fused copy-out does
                 if after_chunk is not None:
                     after_chunk(gi, ci)
             for i, is_on in enumerate(on):

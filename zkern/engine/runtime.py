@@ -7,8 +7,8 @@ the engine calls these and reaches into neither runtime's fields.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 

@@ -86,6 +86,7 @@ class Stage3Runtime:
         self.params = [p for p in self.all_params if p.requires_grad]
         self.names = [n for p, n in zip(self.all_params, self.all_names) if p.requires_grad]
         self._trainable_index = {id(p): i for i, p in enumerate(self.params)}
+        self._frozen_ids = {id(p) for p in self.all_params if not p.requires_grad}
         self._unit_of = {id(p): u for u in self.units for p in u.plan.params}
         # Shapes and in-unit offsets, recorded while parameters are still whole (at rest .data is empty; a model
         # built under init_sharded arrives with its parameters already at rest).
@@ -120,7 +121,9 @@ class Stage3Runtime:
             self.master = nvme.add_region(shard)
         elif zero.offload_optimizer_device == "cpu":
             self.master = host_tensor(shard, torch.float32, pin=zero.offload_optimizer_pin_memory and cuda)
-        elif mixed:
+        elif mixed or self.params_on_host:
+            # offload_param without offload_optimizer keeps the optimizer on the device: an fp32 master there (in fp32
+            # runs too), whose step writes each updated chunk to the host shard
             self.master = torch.zeros(shard, dtype=torch.float32, device=device)
         self.grad_shard = torch.zeros(shard, dtype=accum_dtype or dtype, device=device)  # data_types.grad_accum_dtype
         self._empty = torch.empty(0, dtype=dtype, device=device)
@@ -499,10 +502,18 @@ class Stage3Runtime:
 
     # -- whole weights ----------------------------------------------------------------------------------------
     def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
-        """id(parameter) -> fp32 value (collective; None off rank 0 with rank0_only)."""
+        """id(parameter) -> fp32 value (collective; None off rank 0 with rank0_only). Trained parameters come from the
+        fp32 master; frozen ones from the working shard they live in (the master's copy of them is never stepped, and
+        a checkpoint keeps them in the working dtype: reading the master would give a value that differs with where
+        the run was loaded from)."""
         source = self.master if self.master is not None else self.param_shard
         keep = not rank0_only or self.comm.rank == 0
         values = self._whole(source, torch.float32, "fp32 weights for full_state_dict", keep)
+        if self.master is not None and any(not p.requires_grad for p in self.all_params):
+            frozen = self._whole(self.param_shard, torch.float32, "frozen weights for full_state_dict", keep,
+                                 frozen_only=True)
+            if keep:
+                values.update({k: v for k, v in frozen.items() if k in self._frozen_ids})
         return values if keep else None
 
     def full_working(self) -> dict[int, torch.Tensor]:
@@ -515,10 +526,11 @@ class Stage3Runtime:
         return {k: v for k, v in grads.items() if k in {id(p) for p in self.params}}
 
     def _whole(self, source: torch.Tensor, dtype: torch.dtype, purpose: str, keep: bool,
-               trainable_only: bool = False) -> dict:
+               trainable_only: bool = False, frozen_only: bool = False) -> dict:
         """Every unit whole from `source` shards (int8-resting units from their codes), one unit at a time
-        (offloaded sources are copied up)."""
-        units = [u for u in self.units if u.trainable or not trainable_only]
+        (offloaded sources are copied up); only units with trainable (or frozen) parameters where asked."""
+        units = [u for u in self.units if (u.trainable or not trainable_only)
+                 and (not frozen_only or u.trainable < len(u.plan.params))]
         buckets = [WholeBucket(u.bucket.chunk, tuple((id(p), self._offset[id(p)], self._full_shape[id(p)])
                                                      for p in u.plan.params)) for u in units]
 

@@ -102,15 +102,21 @@ def fill_auto(config: dict, args: Any, world_size: int, num_training_steps: int)
     f.match("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
     f.match("scheduler.params.warmup_min_lr", 0, "(warmup from 0)", fill_missing=False)
     f.match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
-    f.fill("scheduler.params.warmup_num_steps", args.get_warmup_steps(num_training_steps))
-    if isinstance(cfg.get("scheduler"), dict) and cfg["scheduler"].get("type") == "WarmupDecayLR":
+    # DeepSpeed 0.19.6 refuses warmup_num_steps <= 0 (transformers keeps the filled value positive the same way)
+    f.fill("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)))
+    kind = cfg["scheduler"].get("type") if isinstance(cfg.get("scheduler"), dict) else None
+    if kind in ("WarmupDecayLR", "WarmupCosineLR"):
         f.fill("scheduler.params.total_num_steps", num_training_steps)
-    # Precision: the section follows the Trainer's flags; an absent section is created only when a flag is on.
+    if getattr(args, "save_on_each_node", False):  # as transformers does: each node's disk holds its own ranks'
+        cfg.setdefault("checkpoint", {})["use_node_local_storage"] = True
+    # Precision: the section follows the Trainer's flags; an absent section is created only when a flag is on. The
+    # legacy "bfloat16" section is filled where it is (a "bf16" beside it would be two sections for one setting).
     for kind in ("fp16", "bf16"):
         want = bool(getattr(args, kind) or getattr(args, f"{kind}_full_eval", False))
-        if kind not in cfg and want:
-            cfg[kind] = {"enabled": True}
-        f.match(f"{kind}.enabled", want, f"{kind} (or {kind}_full_eval)")
+        section = "bfloat16" if kind == "bf16" and "bfloat16" in cfg and "bf16" not in cfg else kind
+        if section not in cfg and want:
+            cfg[section] = {"enabled": True}
+        f.match(f"{section}.enabled", want, f"{kind} (or {kind}_full_eval)")
     if f.mismatches:
         raise ConfigError("the zkern config contradicts the TrainingArguments:\n  - " + "\n  - ".join(f.mismatches)
                           + "\nset these config values to \"auto\" (or leave them out) so the Trainer fills them, or "

@@ -1,0 +1,117 @@
+"""The config's other optimizers over a rank's shard pieces: Lion (element-wise) and Lamb (per-parameter trust ratio,
+its norms summed over every rank's pieces of the parameter), with DeepSpeed's formulas; SGD and Adagrad are torch's
+own classes on the pieces (element-wise, so exact).
+
+    python -m pytest tests/test_optimizers.py -q
+
+They are torch optimizers whose params are the shard pieces (engine/optimizer.step_torch_optimizer gives each active
+piece its fp32 gradient), so LR schedulers, checkpoints and the registry see the usual param_groups and state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023), as DeepSpeed's: w <- w (1 - lr wd) - lr sign(b1 m + (1 - b1) g);
+    m <- b2 m + (1 - b2) g."""
+
+    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("zkern's Lion takes no closure")
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                m = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(torch.sign(m * b1 + p.grad * (1 - b1)), alpha=-group["lr"])
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+        return None
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB as DeepSpeed's FusedLamb computes it, per parameter: m, v Adam's moments; u = m / (sqrt(v) + eps) + wd w;
+    coeff = ||w|| / ||u|| clipped to [min_coeff, max_coeff] (1 where either norm is 0); w <- w - step_size coeff u,
+    step_size = lr sqrt(1 - b2^t) / (1 - b1^t) with bias correction. The norms are the whole parameter's: a rank holds
+    pieces of it (owner[group][piece] names the parameter), so the squared sums are added over every rank's pieces by
+    `reduce` (an all-reduce of one vector per step; None where a rank holds every piece whole)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, bias_correction: bool = True, max_coeff: float = 10.0,
+                 min_coeff: float = 0.01):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                                  "bias_correction": bias_correction, "max_coeff": max_coeff, "min_coeff": min_coeff})
+        self.owner: list[list[int]] = []
+        self.count = 0
+        for g in self.param_groups:  # by default each piece is a whole parameter of its own
+            self.owner.append(list(range(self.count, self.count + len(g["params"]))))
+            self.count += len(g["params"])
+        self.reduce: Callable[[torch.Tensor], None] | None = None
+        self.lamb_coeffs: list[float] = []
+
+    def set_layout(self, owner: list[list[int]], count: int, reduce: Callable[[torch.Tensor], None] | None) -> None:
+        """owner[group][piece]: the parameter (an index below count, the same on every rank) the piece belongs to;
+        reduce: sums a float64 vector over the ranks in place."""
+        self.owner, self.count, self.reduce = owner, count, reduce
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("zkern's Lamb takes no closure")
+        count = self.count
+        sums = torch.zeros(2 * count, dtype=torch.float64)  # ||w||^2 then ||u||^2 per parameter
+        updates = []
+        for group, owners in zip(self.param_groups, self.owner):
+            b1, b2 = group["betas"]
+            for p, owner in zip(group["params"], owners):
+                if p.grad is None:
+                    updates.append(None)
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
+                sums[owner] += float(p.double().pow(2).sum())
+                sums[count + owner] += float(u.double().pow(2).sum())
+                updates.append(u)
+        if self.reduce is not None:
+            self.reduce(sums)
+        del self.lamb_coeffs[:]
+        k = 0
+        for group, owners in zip(self.param_groups, self.owner):
+            b1, b2 = group["betas"]
+            for p, owner in zip(group["params"], owners):
+                u = updates[k]
+                k += 1
+                if u is None:
+                    continue
+                t = int(self.state[p]["step"])
+                step_size = group["lr"]
+                if group["bias_correction"]:
+                    step_size = group["lr"] * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+                w_norm, u_norm = math.sqrt(sums[owner]), math.sqrt(sums[count + owner])
+                coeff = 1.0
+                if w_norm != 0 and u_norm != 0:
+                    coeff = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
+                self.lamb_coeffs.append(coeff)
+                p.add_(u, alpha=-step_size * coeff)
+        return None

@@ -44,3 +44,28 @@ def test_hf_trainer_py_under_torchrun_learns_and_saves_a_model_transformers_load
     assert len(losses) == 2 and losses[0] == losses[1] and losses[0] < math.log(64) / 2, done.stdout
     model = GPT2LMHeadModel.from_pretrained(tmp_path / "out" / "final")
     assert model.config.n_layer == 2
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_accelerate_clm_py_under_accelerate_launch_with_a_deepspeed_config(tmp_path):
+    """The real launcher with an accelerate config of distributed_type DEEPSPEED, as a user's own: two processes on
+    this machine (no GPU: zkern's Accelerator trains across CPU processes, as DeepSpeed's CPU accelerator does)."""
+    from transformers import GPT2LMHeadModel
+
+    port = __import__("zkern.testing.ranks", fromlist=["free_port"]).free_port()
+    accel = tmp_path / "accel.yaml"
+    accel.write_text("compute_environment: LOCAL_MACHINE\n"
+                     "distributed_type: DEEPSPEED\n"
+                     "deepspeed_config:\n"
+                     f"  deepspeed_config_file: {os.path.join(ROOT, 'examples', 'ds_config_zero3_auto.json')}\n"
+                     "  zero3_init_flag: true\n"
+                     "num_processes: 2\nnum_machines: 1\nmachine_rank: 0\n")  # precision: the JSON's
+    done = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel), "--main_process_port",
+                str(port), os.path.join(ROOT, "examples", "accelerate_clm.py"), "--output_dir", str(tmp_path / "out"),
+                "--num_train_epochs", "2"], str(tmp_path))
+    assert "zkern:" not in done.stderr, done.stderr
+    perplexities = [float(x) for x in re.findall(r"perplexity ([0-9.]+)", done.stdout)]
+    assert len(perplexities) == 2 and perplexities[1] < perplexities[0] < 67, done.stdout  # 67: a uniform guess
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "out" / "final")
+    assert model.config.n_layer == 2

@@ -137,3 +137,25 @@ def test_pickled_shape_mismatched_or_unknown_inputs_are_refused(tmp_path):
     with pytest.raises(TypeError, match="not_a_key"):
         zkern.hf.from_pretrained(GPT2LMHeadModel, other, stage3(1), not_a_key=3)
     assert os.path.isfile(other / "model.safetensors")
+
+
+def test_an_auto_class_or_a_class_name_and_the_config_keyword_of_the_design(tmp_path):
+    """DESIGN's spelling, from_pretrained(cls_or_name, path, config=...): AutoModelForCausalLM resolves to the
+    checkpoint's own class; the weights are those transformers loads."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    import zkern
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=67, n_positions=16, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    want = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    for cls in (AutoModelForCausalLM, "AutoModelForCausalLM", "GPT2LMHeadModel"):
+        model = zkern.hf.from_pretrained(cls, tmp_path, config=stage3(1))
+        assert type(model) is GPT2LMHeadModel
+        got = zkern.Engine(model, stage3(1)).full_state_dict()
+        for name, value in got.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
+    with pytest.raises(TypeError, match="'gpt2' is not a transformers model class name"):
+        zkern.hf.from_pretrained("gpt2", tmp_path, stage3(1))
+    with pytest.raises(TypeError, match="the same argument"):
+        zkern.hf.from_pretrained(GPT2LMHeadModel, tmp_path, stage3(1), config=stage3(1))

@@ -466,13 +466,32 @@ class Engine(torch.nn.Module):
             if not zero.stage3_gather_16bit_weights_on_model_save:
                 raise RuntimeError("save_16bit_model at stage 3 gathers the whole model onto rank 0; set "
                                    "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to allow it")
-        values = self.runtime.full_working()
+        state = self.full_working_state_dict(rank0_only=True)
         path = os.path.join(os.fspath(save_dir), save_filename)
         if self.rank == 0:
-            state = {name: values.get(id(t), t).detach().clone().cpu() for name, t in self._module_state().items()}
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, path)
         return path
+
+    def full_working_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The weights in the training dtype (bf16/fp16 when mixed precision, else fp32) with model.state_dict()'s
+        names, on the host: what DeepSpeed's 16-bit consolidation gives (a collective: call it on every rank). With
+        rank0_only, other ranks return None and, at stage 3, hold one unit at a time. Tensors one parameter shares
+        under two names (tied embeddings) stay one tensor."""
+        if self.config.zero_optimization.stage == 3:
+            values = self.runtime.full_working(rank0_only)
+        else:
+            values = self.runtime.full_working()  # whole on every rank already: a read, not a gather
+            values = None if rank0_only and self.rank != 0 else values
+        if values is None:
+            return None
+        copies: dict[int, torch.Tensor] = {}
+        out = {}
+        for name, t in self._module_state().items():
+            if id(t) not in copies:
+                copies[id(t)] = values.get(id(t), t).detach().to("cpu", copy=True)
+            out[name] = copies[id(t)]
+        return out
 
     # -- checkpoints (zkern/checkpoint/) ----------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
@@ -484,15 +503,22 @@ class Engine(torch.nn.Module):
         state to host buffers and write in a background thread (returns None; wait_checkpoint() gives the path,
         the next save or load waits for it, and its error surfaces there). Returns the tag's directory."""
         from zkern.checkpoint.errors import CheckpointError
-        from zkern.checkpoint.manifest import check_plain
-        from zkern.checkpoint.save import AsyncSave, checked_tag, snapshot, write
 
-        self.wait_checkpoint()
         if self.pending_micro_steps:
             raise CheckpointError(
                 f"save_checkpoint at micro-step {self.pending_micro_steps} of an "
                 f"accumulation of {self.gradient_accumulation_steps}: the gradients accumulated since the last "
                 f"optimizer step are not part of a checkpoint; save after the engine.step() that ends an accumulation")
+        return self._write_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
+
+    def _write_checkpoint(self, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool,
+                          async_save: bool = False) -> str | None:
+        """save_checkpoint without its refusal mid-accumulation: zkern.hf.Accelerator saves there as DeepSpeed does
+        (the pending gradients are not saved; it warns)."""
+        from zkern.checkpoint.manifest import check_plain
+        from zkern.checkpoint.save import AsyncSave, checked_tag, snapshot, write
+
+        self.wait_checkpoint()
         tag = checked_tag(tag, self.global_steps)
         client_state = {} if client_state is None else client_state
         check_plain(client_state, "client_state")

@@ -516,9 +516,12 @@ class Stage3Runtime:
                 values.update({k: v for k, v in frozen.items() if k in self._frozen_ids})
         return values if keep else None
 
-    def full_working(self) -> dict[int, torch.Tensor]:
-        """id(parameter) -> value in the working dtype (collective), for saving 16-bit weights."""
-        return self._whole(self.param_shard, self.dtype, "16-bit weights for save_16bit_model", True)
+    def full_working(self, rank0_only: bool = False) -> dict[int, torch.Tensor] | None:
+        """id(parameter) -> value in the working dtype (collective; None off rank 0 with rank0_only, which then
+        holds one unit at a time), for saving 16-bit weights."""
+        keep = not rank0_only or self.comm.rank == 0
+        values = self._whole(self.param_shard, self.dtype, "weights in the working dtype", keep)
+        return values if keep else None
 
     def full_grads(self) -> dict[int, torch.Tensor]:
         """id(trainable parameter) -> the reduced gradient as the optimizer reads it (see Stage12Runtime)."""

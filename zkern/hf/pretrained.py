@@ -79,22 +79,28 @@ def _read_into(dest: torch.Tensor, path: str, info: TensorInfo, first: int, hand
         dest.copy_(target.view(dest.shape))
 
 
-def from_pretrained(model_class, path: str | os.PathLike, zkern_config, **kwargs):
-    """model_class (a transformers PreTrainedModel class) from the local directory path, partitioned for ZeRO stage
-    3 as zkern_config (dict, JSON path or zkern.Config) says, each rank reading only its shards (a collective).
-    kwargs: config attributes to override (as transformers' from_pretrained takes them)."""
+def from_pretrained(model_class, path: str | os.PathLike, zkern_config=None, *, config=None, **kwargs):
+    """model_class (a transformers PreTrainedModel class, an Auto class such as AutoModelForCausalLM, or either's
+    name) from the local directory path, partitioned for ZeRO stage 3 as zkern_config (dict, JSON path or
+    zkern.Config; `config=` is the same argument) says, each rank reading only its shards (a collective).
+    zkern_config None: the config of this process's zkern.hf.Accelerator (stage 3 with zero3_init_flag on).
+    kwargs: model config attributes to override (as transformers' from_pretrained takes them)."""
     from transformers.initialization import no_init_weights
 
+    if config is not None and zkern_config is not None:
+        raise TypeError("zkern.hf.from_pretrained: zkern_config and config are the same argument; pass one")
+    zkern_config = config if zkern_config is None else zkern_config
     path = os.fspath(path)
-    cfg = Config.load(zkern_config)
+    model_class = _concrete_class(model_class, path)
+    cfg = Config.load(zkern_config if zkern_config is not None else _accelerator_config())
     files = checkpoint_files(path)
-    config, unused = model_class.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+    model_config, unused = model_class.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
     if unused:
         raise TypeError(f"zkern.hf.from_pretrained: {sorted(unused)} are not attributes of "
                         f"{model_class.config_class.__name__}; it takes config overrides only (the engine sets the "
                         f"device and dtype from the zkern config)")
     with init_sharded(cfg, broadcast=False), no_init_weights():
-        model = model_class(config)
+        model = model_class(model_config)
     model.tie_weights()  # as transformers' from_pretrained does after building (lm_head shares the embedding)
     headers: dict[str, dict[str, TensorInfo]] = {}
     handles: dict = {}
@@ -167,3 +173,43 @@ def _init_missing(model, missing: list[str], rank: int) -> None:
                     model._init_weights(module)
                     for name, values in loaded.items():
                         getattr(module, name).copy_(values)
+
+
+def _concrete_class(cls_or_name, path: str):
+    """The PreTrainedModel class to build: the class given, the transformers class of that name, or for an Auto
+    class the one its mapping names for the checkpoint's config.json."""
+    import transformers
+
+    cls = cls_or_name
+    if isinstance(cls, str):
+        cls = getattr(transformers, cls_or_name, None)
+        if not isinstance(cls, type):
+            raise TypeError(f"zkern.hf.from_pretrained: {cls_or_name!r} is not a transformers model class name (e.g. "
+                            f"'GPT2LMHeadModel' or 'AutoModelForCausalLM'); the checkpoint's directory is the second "
+                            f"argument")
+    mapping = getattr(cls, "_model_mapping", None)
+    if mapping is None:
+        return cls
+    model_config = transformers.AutoConfig.from_pretrained(path)
+    if type(model_config) not in mapping:
+        raise ValueError(f"zkern.hf.from_pretrained: {cls.__name__} has no model for {type(model_config).__name__} "
+                         f"(the config.json in {path}); name the model class instead")
+    return mapping[type(model_config)]
+
+
+def _accelerator_config() -> dict:
+    """The config of the zkern.hf.Accelerator this process created, when it asks for sharded construction."""
+    from accelerate.state import AcceleratorState
+
+    from zkern.hf.accelerate_glue import ZkernPlugin
+    from zkern.hf.accelerator import sharded_config
+
+    plugin = AcceleratorState._shared_state.get("deepspeed_plugins")
+    if not isinstance(plugin, ZkernPlugin):
+        raise TypeError("zkern.hf.from_pretrained needs zkern_config= (a stage-3 config), or a zkern.hf.Accelerator "
+                        "created first whose config it then uses")
+    if not (plugin.zero3_init_flag and plugin.hf_ds_config.is_zero3()):
+        raise ValueError("zkern.hf.from_pretrained partitions for ZeRO stage 3; this process's zkern.hf.Accelerator "
+                         f"has stage {plugin.zero_stage} with zero3_init_flag {plugin.zero3_init_flag}: load with "
+                         "transformers' from_pretrained instead, or pass zkern_config=")
+    return sharded_config(plugin)

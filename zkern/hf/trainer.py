@@ -22,17 +22,15 @@ optimizer step and the scheduler, as DeepSpeed's engine does under HF:
 
 from __future__ import annotations
 
-import base64
 import os
-import random
 
-import numpy as np
 import torch
 import transformers
 
 from zkern.config import ConfigError
 from zkern.engine.engine import Engine
 from zkern.hf.auto import fill_auto, read_config
+from zkern.hf.rng import rng_state, set_rng_state
 
 # The Trainer methods zkern.hf.Trainer overrides; transformers 5.23-5.x has them all.
 _HOOKS = ("_build_accelerator_args", "create_optimizer", "create_scheduler", "_wrap_model", "_clip_grad_norm",
@@ -170,7 +168,7 @@ class Trainer(transformers.Trainer):
         from zkern.checkpoint.control import all_gather_json
 
         # Every rank's generators (HF keeps one file per rank); the checkpoint's client state is written by rank 0.
-        states = all_gather_json(self.engine._checkpoint_group(), _rng_state(), "the ranks' random generator states")
+        states = all_gather_json(self.engine._checkpoint_group(), rng_state(), "the ranks' random generator states")
         self.engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG, save_latest=False,
                                     client_state={"hf_rng": states})
 
@@ -206,7 +204,7 @@ class Trainer(transformers.Trainer):
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """HF restores the RNG after skipping the batches already trained (the skip may draw from it)."""
         if checkpoint is not None and self._resumed_rng is not None:
-            _set_rng_state(self._resumed_rng)
+            set_rng_state(self._resumed_rng)
 
 
 def _check_world(args) -> None:
@@ -277,33 +275,3 @@ class _SchedulerStandIn:
     def load_state_dict(self, state: dict) -> None:
         if state != self.state_dict():
             raise ValueError("zkern.hf.Trainer's scheduler state loads from zkern checkpoints")
-
-
-# -- RNG states as JSON (what HF's Trainer pickles per rank) ---------------------------------------------------------
-def _bytes(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
-
-
-def _tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
-
-
-def _rng_state() -> dict:
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(internal), gauss],
-             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-             "cpu": _bytes(torch.get_rng_state())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = _bytes(torch.cuda.get_rng_state())
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_tensor(state["cpu"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(_tensor(state["cuda"]))

@@ -41,9 +41,12 @@ bench: setup
 	$(PY) bench/run.py --stage 3 $(BENCH_ARGS)
 
 # CI's quick regression gate: ratios measured in one run, checked against bench/gates.toml (about a minute). The
-# stock peers only: DeepSpeed (installed for the tests) is measured by `make bench` and by hand.
+# stock peers only: DeepSpeed (installed for the tests) is measured by `make bench` and by hand. Then the GPU half
+# without a GPU: every Triton kernel compiled for sm_80/sm_90 at the launchers' specialisations, no spill, 128-bit
+# access on aligned launches (bench/gpu_static_suite.py, about a minute).
 gate: setup
 	$(PY) bench/run.py --suite all --stage 0,1,2,3 --model small --steps 8 --gate bench/gates.toml --peers zero1,fsdp2
+	$(PY) bench/run.py --suite gpu-static
 
 # The differential fuzzer (zkern/verify/): FUZZ_DRAWS random crossings of features on 1, 2 and 4 CPU ranks, each against
 # a single-process torch reference; a failing draw prints as the command that repeats it. CI runs a fixed sample.

@@ -11,12 +11,15 @@
     python bench/run.py --stage 3 --world 4 --zeropp qwz,hpz,qgz   # each alone
     python bench/run.py --suite scale --plot scale.png   # a model: stage 3 vs ZeRO++ from 8 to 1024 GPUs
     python bench/run.py --suite nvme                 # the disk (zkern's reader vs dd), the NVMe Adam step at 50M
+    python bench/run.py --suite gpu-static           # every Triton kernel compiled for sm_80/sm_90 and checked
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
 kernels (zkern's Triton kernels vs stock PyTorch and the copy bandwidth; CUDA only, or --interpret to check
 the harness under TRITON_INTERPRET=1). --suite all runs the kernels suite only where a GPU is present. With
-several suites, --json writes {"suites": [...]}.
+several suites, --json writes {"suites": [...]}. gpu-static (bench/gpu_static_suite.py) needs no GPU: the
+kernels at the specialisations the launchers produce, compiled ahead of time, checked for spills and 128-bit
+access; it exits non-zero on a failure.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from bench import (  # noqa: E402
     checkpoint_suite,
     engine_suite,
     gates,
+    gpu_static_suite,
     hf_suite,
     kernels_suite,
     nvme_suite,
@@ -43,9 +47,9 @@ from bench import (  # noqa: E402
 )
 
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
-          "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite}
+          "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite, "gpu-static": gpu_static_suite}
 # --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name
-MEASURED = [name for name in SUITES if name not in ("scale", "nvme")]
+MEASURED = [name for name in SUITES if name not in ("scale", "nvme", "gpu-static")]
 
 
 def _stages(text: str) -> list[int]:
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             record = checkpoint_suite.run(args.model or "25m", args.world or 2)
         elif suite == "hf":
             record = hf_suite.run(args.model or "25m")
+        elif suite == "gpu-static":
+            record = gpu_static_suite.run()
         elif suite == "nvme":
             record = nvme_suite.run(args.adam_numel, directory=args.nvme_path)
         elif suite == "scale":
@@ -154,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.error("--plot draws the engine or the scale suite; run one of them")
         print(f"wrote {args.plot}")
+    static_failures = [line for r in records if r["suite"] == "gpu-static" for line in r["failures"]]
+    if static_failures:
+        print(f"gpu-static: {len(static_failures)} check(s) failed (listed above)")
+        return 1
     if args.gate:
         failures = [line for r in records for line in gates.check(r, committed)]
         unchecked = sorted({g.suite for g in committed} - {r["suite"] for r in records})

@@ -263,3 +263,40 @@ def test_zeropp_rows_need_two_nodes_of_ranks():
         engine_suite.zeropp_config("hpz", 2)
     with pytest.raises(SystemExit, match="unknown variant"):
         engine_suite.zeropp_config("qwx", 4)
+
+
+# The compile half runs in a process without TRITON_INTERPRET (this one has it: the kernels here are interpreted).
+_STATIC_CHECK = """
+import json, sys
+sys.path.insert(0, {root!r})
+from bench import gpu_static_suite as s
+adam = {{"module": "zkern.triton.adam", "kernel": "_adam_kernel", "constexprs": {{"BLOCK_SIZE": 2048, "ADAMW": True,
+        "OUT_CODE": 2, "HAS_OUT": True}}, "signature": {{"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": "*fp32",
+        "v_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32", "grad_scale": "fp32", "lr_decay": "fp32", "l2": "fp32",
+        "beta2": "fp32", "one_minus_beta1": "fp32", "one_minus_beta2": "fp32", "neg_step_size": "fp32",
+        "inv_bc2_sqrt": "fp32", "eps": "fp32"}}}}
+aligned = {{**adam, "aligned_args": ["p_ptr", "g_ptr", "m_ptr", "v_ptr", "out_ptr", "n"], "unaligned_args": []}}
+ragged = {{**adam, "aligned_args": ["p_ptr", "g_ptr", "m_ptr", "v_ptr", "out_ptr"], "unaligned_args": ["n"]}}
+print(json.dumps({{"aligned": s._compile(aligned, 90), "ragged": s._compile(ragged, 80),
+                  "flags": [s._is_aligned(aligned), s._is_aligned(ragged)]}}))
+"""
+
+
+def test_gpu_static_reads_registers_spills_and_access_width_from_the_machine_code():
+    """The checks of --suite gpu-static can fail: Adam compiled for an aligned launch moves its data with 128-bit
+    accesses only; for a ragged length (no divisibility by 16) the same kernel falls back to narrow ones."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _STATIC_CHECK.format(root=str(GATES.parents[1]))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["flags"] == [True, False]
+    aligned, ragged = got["aligned"], got["ragged"]
+    # 128-bit loads of p, g, m, v and stores of p, m, v, out
+    assert aligned["narrow"] == 0 and aligned["ld128"] >= 4 and aligned["st128"] >= 4, aligned
+    assert ragged["narrow"] > 0, ragged
+    for record in (aligned, ragged):
+        assert record["spill_bytes"] == 0 and 0 < record["registers"] <= 255, record

@@ -20,11 +20,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def check_tensor(op: str, name: str, t: torch.Tensor, dtypes=tuple(CODE)) -> None:
-    """The launcher's contract: a supported dtype, contiguous memory, a device the kernels run on."""
+def check_tensor(op: str, name: str, t: torch.Tensor, dtypes=tuple(CODE), *, row_stride: bool = False) -> None:
+    """The launcher's contract: a supported dtype, contiguous memory, a device the kernels run on. row_stride: a
+    kernel that takes t.stride(0) needs only each row of a 2-D t contiguous (one rank's slice of a message)."""
     if t.dtype not in dtypes:
         raise TypeError(f"zkern.triton.{op}: {name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if not t.is_contiguous():
+    rows_ok = row_stride and t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
+    if not (t.is_contiguous() or rows_ok):
         raise ValueError(f"zkern.triton.{op}: {name} is not contiguous; the kernels read flat memory (pass "
                          f"{name}.contiguous())")
     if t.device.type != "cuda" and not (interpreting() and t.device.type == "cpu"):
@@ -51,3 +53,21 @@ def cast_from_fp32(x, OUT_CODE: tl.constexpr):
         return x.to(tl.float16)
     else:
         return x
+
+
+EDGE_BLOCK = 128  # elements per program of a head or tail launch (few elements: small tiles keep registers low)
+
+
+def aligned_segments(n: int, tensors: list[torch.Tensor]) -> list[tuple[int, int, bool]]:
+    """[(start, stop, body)] covering range(n) for an element-wise kernel over tensors of n elements each: a head
+    of fewer than 16 elements until every tensor's address is 16-byte aligned, a body whose length is a multiple
+    of 16 elements (so Triton specialises it aligned and moves it with 128-bit loads and stores, unmasked within
+    a vector), and a tail of fewer than 16. Where no head aligns every tensor (two tensors out of phase), the
+    whole range is one unaligned launch. Empty segments are left out."""
+    head = next((h for h in range(16) if h <= n and all((t.data_ptr() + h * t.element_size()) % 16 == 0
+                                                        for t in tensors)), None)
+    if head is None:
+        return [(0, n, False)]
+    body = (n - head) // 16 * 16
+    segments = [(0, head, False), (head, head + body, True), (head + body, n, False)]
+    return [s for s in segments if s[1] > s[0]]

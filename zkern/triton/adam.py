@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zkern.triton._common import CODE, cast_from_fp32, check_tensor
+from zkern.triton._common import CODE, EDGE_BLOCK, aligned_segments, cast_from_fp32, check_tensor
 
 BLOCK_SIZE = 2048
 
@@ -62,11 +62,15 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     if n == 0:
         return
     beta1, beta2 = betas
+    out = param if param_out is None else param_out
     # Scalars as torch computes them: in double, rounded once to fp32 at the launch.
     decoupled = adamw or weight_decay == 0.0
-    _adam_kernel[(triton.cdiv(n, BLOCK_SIZE),)](
-        param, grad, exp_avg, exp_avg_sq, param if param_out is None else param_out, n, float(grad_scale),
-        1.0 - lr * weight_decay if adamw else 1.0, 0.0 if decoupled else weight_decay, beta2, 1.0 - beta1,
-        1.0 - beta2, -lr / (1.0 - beta1**step), 1.0 / (1.0 - beta2**step) ** 0.5, eps,
-        BLOCK_SIZE=BLOCK_SIZE, ADAMW=decoupled, OUT_CODE=CODE[param_out.dtype] if param_out is not None else 0,
-        HAS_OUT=param_out is not None)
+    scalars = (float(grad_scale), 1.0 - lr * weight_decay if adamw else 1.0, 0.0 if decoupled else weight_decay,
+               beta2, 1.0 - beta1, 1.0 - beta2, -lr / (1.0 - beta1**step), 1.0 / (1.0 - beta2**step) ** 0.5, eps)
+    flags = dict(ADAMW=decoupled, OUT_CODE=CODE[param_out.dtype] if param_out is not None else 0,
+                 HAS_OUT=param_out is not None)
+    tensors = tuple(t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq, out))
+    for lo, hi, body in aligned_segments(n, list(tensors)):
+        block = BLOCK_SIZE if body else EDGE_BLOCK
+        _adam_kernel[(triton.cdiv(hi - lo, block),)](*(t[lo:hi] for t in tensors), hi - lo, *scalars,
+                                                      BLOCK_SIZE=block, **flags)

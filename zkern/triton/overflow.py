@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zkern.triton._common import CODE, cast_from_fp32, check_tensor
+from zkern.triton._common import CODE, EDGE_BLOCK, aligned_segments, cast_from_fp32, check_tensor
 
 BLOCK_SIZE = 4096
 
@@ -40,9 +40,16 @@ def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch
     if n == 0:
         zero = torch.zeros((), dtype=torch.float32, device=flat_grad.device)
         return zero, zero.clone()
-    blocks = triton.cdiv(n, BLOCK_SIZE)
+    flat = flat_grad.view(-1)
+    segments = [(lo, hi, BLOCK_SIZE if body else EDGE_BLOCK) for lo, hi, body in aligned_segments(n, [flat])]
+    blocks = sum(triton.cdiv(hi - lo, block) for lo, hi, block in segments)
     bad = torch.empty(blocks, dtype=torch.int32, device=flat_grad.device)
     sq = torch.empty(blocks, dtype=torch.float32, device=flat_grad.device)
-    _unscale_and_check_kernel[(blocks,)](flat_grad, n, float(inv_scale), bad, sq, BLOCK_SIZE=BLOCK_SIZE,
-                                         UNSCALE=inv_scale != 1.0, CODE=CODE[flat_grad.dtype])
+    first = 0
+    for lo, hi, block in segments:  # each launch writes its programs' partials into its own slice
+        count = triton.cdiv(hi - lo, block)
+        _unscale_and_check_kernel[(count,)](flat[lo:hi], hi - lo, float(inv_scale), bad[first:first + count],
+                                            sq[first:first + count], BLOCK_SIZE=block, UNSCALE=inv_scale != 1.0,
+                                            CODE=CODE[flat_grad.dtype])
+        first += count
     return bad.max().float(), sq.sum()

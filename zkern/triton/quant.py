@@ -131,8 +131,8 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     return q, scales
 
 
-def _check_codes(op: str, q: torch.Tensor, bits: int) -> None:
-    check_tensor(op, "q", q, (torch.int8,) if bits == 8 else (torch.uint8,))
+def _check_codes(op: str, q: torch.Tensor, bits: int, *, row_stride: bool = False) -> None:
+    check_tensor(op, "q", q, (torch.int8,) if bits == 8 else (torch.uint8,), row_stride=row_stride)
 
 
 def _out(op: str, out: torch.Tensor | None, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -166,8 +166,9 @@ def dequant_sum(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: in
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """zkern.reference.dequant_sum in one pass: fp32 sum over ranks of q (world, codes), scales (world, groups)."""
     _check_quant(bits, group_size)
-    _check_codes("dequant_sum", q, bits)
-    check_tensor("dequant_sum", "scales", scales, (torch.float32,))
+    # Rows may be strided: qgZ's codes are each rank's leading bytes of one received message buffer.
+    _check_codes("dequant_sum", q, bits, row_stride=True)
+    check_tensor("dequant_sum", "scales", scales, (torch.float32,), row_stride=True)
     if q.dim() != 2 or scales.dim() != 2 or q.shape[0] != scales.shape[0] or q.shape[0] < 1:
         raise ValueError(f"dequant_sum takes q (world, codes) and scales (world, groups), got {tuple(q.shape)} and "
                          f"{tuple(scales.shape)}")

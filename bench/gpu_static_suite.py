@@ -1,0 +1,268 @@
+"""--suite gpu-static: zkern's Triton kernels compiled for sm_80 and sm_90 on a machine without a GPU, and checked.
+
+    python bench/run.py --suite gpu-static --json bench/results/gpu-static.json
+
+1. Record: the real launchers (zkern/triton/*.py) run on CPU tensors under TRITON_INTERPRET=1, in a subprocess, on
+   the calls the engine makes (a world-1 engine at stages 1-3 in fp16 and bf16 with every op forced onto Triton)
+   and on the sizes and offsets it can produce (ragged lengths, sub-ranges that start off a 16-byte boundary).
+   Each launch is kept as Triton's JIT would specialise it: argument dtypes, constexprs, and which pointers are
+   16-byte aligned and which integers are multiples of 16.
+2. Compile each specialisation ahead of time for sm_80 and sm_90 (Triton ships ptxas, cuobjdump, nvdisasm) and
+   read registers, shared memory and spills (ptxas -v) and the width of every global load and store (the SASS).
+3. Check: no compile error, no spill; a launch whose pointers are all aligned and whose lengths are multiples of 16
+   ("aligned") moves its data with 128-bit loads and stores only, apart from the per-program scalars each kernel
+   declares below (table entries, a block's partial sum). Known failures are listed in KNOWN_NARROW with the
+   reason; the gate fails on any other narrow access, so a regression shows, and the list shrinks as they are fixed.
+
+Not measured here yet: bytes moved per element (sector counting under the interpreter).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ARCHS = (80, 90)
+# Narrow (non-128-bit) global accesses a kernel makes by design, per program, whatever the data's alignment.
+SCALAR_ACCESSES = {
+    "_unscale_and_check_kernel": 2,  # the block's overflow flag and sum of squares
+    "_flatten_kernel": 6,  # its table entry: tensor index, start, numel, address, dtype code, flat offset
+    "_unflatten_kernel": 6,
+    # int8 (de)quantization: a program's two group scales (GROUPS = 4096 // 2048)
+    "_quantize_kernel": 2, "_dequantize_kernel": 2, "_dequant_sum_kernel": 2,
+}
+# Aligned launches that are not yet fully 128-bit, and why (issue 27's findings; each entry is a defect to fix).
+KNOWN_NARROW = {
+    "_flatten_kernel": "each tensor's address comes from a table, so the compiler cannot prove 16-byte alignment",
+    "_unflatten_kernel": "each tensor's address comes from a table, so the compiler cannot prove 16-byte alignment",
+    "_quantize_kernel/BITS=4": "int4 reads even and odd elements apart (stride-2 loads) and stores bytes",
+    "_dequantize_kernel/BITS=4": "int4 writes even and odd elements apart (stride-2 stores)",
+    "_dequant_sum_kernel/BITS=4": "int4 writes even and odd elements apart (stride-2 stores)",
+}
+
+
+# -- 1. recording (runs in a subprocess under TRITON_INTERPRET=1) ---------------------------------------------------
+def _arg_type(value) -> tuple[str, bool | None]:
+    """(Triton signature type, 16-aligned/divisible) of one launch argument, as Triton's JIT specialises it."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        kind = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
+                torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}[value.dtype]
+        return "*" + kind, value.data_ptr() % 16 == 0
+    if isinstance(value, bool):
+        return "i1", None
+    if isinstance(value, int):
+        return ("i32" if -2**31 <= value < 2**31 else "i64"), value % 16 == 0
+    if isinstance(value, float):
+        return "fp32", None
+    raise TypeError(f"gpu-static: a launch argument of type {type(value).__name__}")
+
+
+def _record_launches(out_path: str) -> None:
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: dict[str, dict] = {}
+    original = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        params = inspect.signature(self.fn).parameters
+        bound = inspect.signature(self.fn).bind(*args, **kwargs).arguments
+        spec = {"module": self.fn.__module__, "kernel": self.fn.__name__, "signature": {}, "constexprs": {},
+                "aligned_args": [], "unaligned_args": []}
+        for name, value in bound.items():
+            if "constexpr" in str(params[name].annotation):
+                spec["constexprs"][name] = value
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+                spec["constexprs"][name] = 1  # Triton specialises an integer 1 to a constant
+                continue
+            kind, aligned = _arg_type(value)
+            spec["signature"][name] = kind
+            if aligned is not None:
+                spec["aligned_args" if aligned else "unaligned_args"].append(name)
+        key = json.dumps(spec, sort_keys=True)
+        seen.setdefault(key, {**spec, "launches": 0})["launches"] += 1
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording
+    try:
+        _drive_launchers(torch)
+        _drive_engine(torch)
+    finally:
+        InterpretedFunction.run = original
+    with open(out_path, "w") as f:
+        json.dump(sorted(seen.values(), key=lambda s: (s["kernel"], json.dumps(s, sort_keys=True))), f)
+
+
+def _drive_launchers(torch) -> None:
+    """The launchers on the lengths and offsets the engine can hand them: whole buffers (aligned), ragged lengths,
+    and sub-ranges of a shard that start off a 16-byte boundary (an optimizer piece param[lo:hi])."""
+    from zkern import ops
+    from zkern.engine import zeropp
+
+    g = torch.Generator().manual_seed(0)
+    for n, start in ((4096, 0), (4099, 0), (4096, 3)):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            x = torch.randn(start + n, generator=g).to(dtype)[start:]
+            ops.unscale_and_check_(x.clone() if start == 0 else x, 0.5)
+            ops.unscale_and_check_(x, 1.0)
+            p = torch.randn(start + n, generator=g)[start:]
+            m, v = torch.zeros_like(p), torch.zeros_like(p)
+            out = torch.empty(start + n, dtype=torch.bfloat16 if dtype == torch.float32 else dtype)[start:]
+            ops.adam_step_(p, x, m, v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, adamw=True,
+                           param_out=out)
+            ops.adam_step_(p, x, m, v, step=2, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                           adamw=False)
+        for bits, group in ((8, zeropp.WEIGHT_GROUP), (4, zeropp.GRAD_GROUP)):
+            x = torch.randn(n, generator=g)
+            q, s = ops.quantize(x, bits, group)
+            ops.dequantize(q, s, bits, group, n, torch.bfloat16)
+            ops.dequant_sum(torch.stack([q, q]), torch.stack([s, s]), bits, group, n)
+    tensors = [torch.randn(k, generator=g) for k in (4096, 67, 1024)]
+    for dtype in (torch.float32, torch.bfloat16):
+        flat = ops.flatten(tensors, dtype, align=16)
+        ops.unflatten_into_(flat, [t.clone() for t in tensors], align=16)
+
+
+def _drive_engine(torch) -> None:
+    """A world-1 engine with every op on Triton: the views it really passes."""
+    import zkern
+    from zkern.testing.models import TinyGPT
+
+    for stage, precision in ((1, "fp16"), (2, "bf16"), (3, "bf16")):
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=67, dim=32, n_layer=2, n_head=2, seq=16)
+        config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  precision: {"enabled": True}, "zero_optimization": {"stage": stage,
+                                                                       "stage3_param_persistence_threshold": 0}}
+        engine = zkern.Engine(model, config)
+        tokens = torch.randint(0, 67, (2, 17))
+        for _ in range(2):
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+        engine.destroy()
+
+
+# -- 2. compiling and reading the machine code ---------------------------------------------------------------------
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _compile(spec: dict, arch: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+    signature = {**spec["signature"], **{k: "constexpr" for k in spec["constexprs"]}}
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec["aligned_args"]}
+    source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(k),): v
+                                                     for k, v in spec["constexprs"].items()}, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        # Triton 3.9's PTX is newer than its plain ptxas reads; its Blackwell-era ptxas assembles every target.
+        ptxas = _tool("ptxas-blackwell") if os.path.exists(_tool("ptxas-blackwell")) else _tool("ptxas")
+        name = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"  # Triton targets sm_90a on Hopper
+        verbose = subprocess.run([ptxas, "-v", f"--gpu-name={name}", ptx, "-o", os.path.join(tmp, "v.cubin")],
+                                 capture_output=True, text=True)
+        if verbose.returncode:
+            raise RuntimeError(f"ptxas -v failed: {verbose.stderr.strip()[:300]}")
+        sass = subprocess.run([_tool("nvdisasm"), cubin], capture_output=True, text=True, check=True).stdout
+    info = verbose.stdout + verbose.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info)]
+    widths = {"ld128": len(re.findall(r"\bLDG\.E\.128\b", sass)), "st128": len(re.findall(r"\bSTG\.E\.128\b", sass)),
+              "ld": len(re.findall(r"\bLDG\b", sass)), "st": len(re.findall(r"\bSTG\b", sass))}
+    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": sum(spills),
+            "shared_bytes": compiled.metadata.shared, **widths,
+            "narrow": widths["ld"] + widths["st"] - widths["ld128"] - widths["st128"]}
+
+
+def _known(spec: dict) -> str | None:
+    name = spec["kernel"]
+    bits = spec["constexprs"].get("BITS")
+    return KNOWN_NARROW.get(f"{name}/BITS={bits}") if bits is not None else KNOWN_NARROW.get(name)
+
+
+def _is_aligned(spec: dict) -> bool:
+    """Every pointer 16-byte aligned, and the length and row strides multiples of 16 elements (counts of groups
+    and ranks say nothing about addresses)."""
+    return not [a for a in spec["unaligned_args"]
+                if spec["signature"][a].startswith("*") or a == "n" or a.endswith("_stride")]
+
+
+# -- the suite -----------------------------------------------------------------------------------------------------
+def run() -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.json")
+        env = {**os.environ, "TRITON_INTERPRET": "1", "ZKERN_BACKEND": "triton"}
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        subprocess.run([sys.executable, "-c", f"import bench.gpu_static_suite as s; s._record_launches({path!r})"],
+                       env=env, cwd=root, check=True)
+        with open(path) as f:
+            specs = json.load(f)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("--suite gpu-static compiles the kernels for NVIDIA targets: run it without "
+                           "TRITON_INTERPRET=1 (it interprets the launchers in a subprocess of its own)")
+    kernels, failures = [], []
+    for spec in specs:
+        label = f"{spec['kernel']}({', '.join(f'{k}={v}' for k, v in spec['signature'].items() if '*' in v)}; " \
+                f"{', '.join(f'{k}={v}' for k, v in spec['constexprs'].items())})" \
+                f"{'' if _is_aligned(spec) else ' unaligned'}"
+        entry = {"kernel": spec["kernel"], "label": label, "launches": spec["launches"], "aligned": _is_aligned(spec),
+                 "unaligned_args": spec["unaligned_args"],
+                 "spec_id": hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12], "archs": {}}
+        for arch in ARCHS:
+            try:
+                got = _compile(spec, arch)
+            except Exception as e:  # noqa: BLE001 - a compile error is a finding, with its message
+                entry["archs"][f"sm_{arch}"] = {"error": str(e).splitlines()[0][:300]}
+                failures.append(f"{label} sm_{arch}: compile error: {e}")
+                continue
+            entry["archs"][f"sm_{arch}"] = got
+            if got["spill_bytes"]:
+                failures.append(f"{label} sm_{arch}: spills {got['spill_bytes']} bytes")
+            allowed = SCALAR_ACCESSES.get(spec["kernel"], 0)
+            if entry["aligned"] and got["narrow"] > allowed:
+                reason = _known(spec)
+                if reason is None:
+                    failures.append(f"{label} sm_{arch}: an aligned launch makes {got['narrow']} narrow global "
+                                    f"accesses (allowed {allowed}): not 128-bit")
+                else:
+                    entry["known_narrow"] = reason
+        kernels.append(entry)
+    return {"suite": "gpu-static", "archs": [f"sm_{a}" for a in ARCHS], "kernels": kernels, "failures": failures,
+            "known_narrow": KNOWN_NARROW}
+
+
+def table(record: dict) -> str:
+    out = [f"{'kernel (pointer dtypes; constexprs)':<96} {'arch':>6} {'regs':>5} {'spill':>6} {'128b':>5} "
+           f"{'narrow':>6}"]
+    for k in record["kernels"]:
+        for arch, got in k["archs"].items():
+            if "error" in got:
+                out.append(f"{k['label'][:96]:<96} {arch:>6} ERROR {got['error'][:60]}")
+                continue
+            flag = "" if not k["aligned"] else (" known" if "known_narrow" in k and got["narrow"] else "")
+            out.append(f"{k['label'][:96]:<96} {arch:>6} {got['registers']!s:>5} {got['spill_bytes']:>6} "
+                       f"{got['ld128'] + got['st128']:>5} {got['narrow']:>6}{flag}")
+    out += [f"FAIL: {line}" for line in record["failures"]] or ["gpu-static: every check holds"]
+    return "\n".join(out)

@@ -1,8 +1,9 @@
 """Test-wide settings. Where no GPU is present, TRITON_INTERPRET=1 is set before anything imports triton, so
 zkern's Triton kernels run on the CPU under the interpreter (on a GPU machine they run compiled).
 
-ZKERN_TEST_BACKEND=triton forces one backend for every op in the whole run (spawned ranks inherit it): CI runs the
-engine's tests once so, so that every view the engine hands a kernel meets the real launcher's checks."""
+ZKERN_TEST_BACKEND=triton forces one backend for every op in the whole run (spawned ranks inherit it), so that every
+view the engine hands a kernel meets the real launcher's checks (slow under the interpreter: a manual run; CI trains
+the engine on the Triton path in tests/test_triton.py)."""
 
 import os
 

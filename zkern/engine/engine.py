@@ -594,8 +594,8 @@ class Engine(torch.nn.Module):
             return self.module.state_dict(keep_vars=True)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
-        """fp32 weights with model.state_dict()'s names (a collective: call it on every rank).
-        With rank0_only, other ranks return None and hold at most one bucket at a time."""
+        """fp32 weights with model.state_dict()'s names, on the host (a collective: call it on every rank). The
+        device holds one bucket at a time; with rank0_only, other ranks return None."""
         values = self.runtime.full_fp32(rank0_only)
         if values is None:
             return None
@@ -605,7 +605,7 @@ class Engine(torch.nn.Module):
                 out[name] = values[id(t)]
             else:
                 t = t.detach()
-                out[name] = t.float().clone() if t.is_floating_point() else t.clone()
+                out[name] = t.to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
         return out
 
 

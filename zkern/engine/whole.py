@@ -5,7 +5,8 @@ weights (save_16bit_model) and the reduced gradients, for stages 0-2 (flat bucke
 
 A bucket (a stage 0-2 flat bucket, or a stage 3 unit) is padded to a multiple of the world size, rank r holding
 chunk r; gathering the chunks gives the bucket whole, and each tensor in it is a slice at a known offset. One
-bucket is whole at a time, so gathering a model never needs more than the largest bucket beside what is kept.
+bucket is whole at a time on the device, and what is kept is copied to host memory bucket by bucket, so gathering a
+model never holds more than the largest bucket on a GPU (rank 0 never builds the whole model there).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ class WholeBucket:
 def gather_whole(comm: Comm, world: int, buckets: list[WholeBucket], chunk_of: Callable[[int], torch.Tensor],
                  dtype: torch.dtype, device: torch.device, purpose: str, keep: bool = True) -> dict[int, torch.Tensor]:
     """key -> the whole tensor in `dtype` (a collective over `world` ranks; world 1 copies). chunk_of(i) is this
-    rank's chunk of bucket i, wherever it lives (a host shard is copied up first). keep=False gathers (every rank
-    must take part) and keeps nothing."""
+    rank's chunk of bucket i, wherever it lives (a host shard is copied up first); what is kept is on the host.
+    keep=False gathers (every rank must take part) and keeps nothing."""
     values: dict[int, torch.Tensor] = {}
     for i, bucket in enumerate(buckets):
         mine = chunk_of(i).to(device, dtype)
@@ -39,5 +40,5 @@ def gather_whole(comm: Comm, world: int, buckets: list[WholeBucket], chunk_of: C
             comm.all_gather(data, mine, f"{purpose}, bucket {i}")
         if keep:
             for key, offset, shape in bucket.entries:
-                values[key] = data[offset:offset + shape.numel()].clone().view(shape)
+                values[key] = data[offset:offset + shape.numel()].to("cpu", copy=True).view(shape)
     return values

@@ -172,7 +172,7 @@ def _does_not_fit(stage: int, numel: int, world: int, precision: str, device_byt
 
 
 def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peers: list[str] | None,
-              progress, hw: dict, zeropp: list[str] | None = None) -> dict:
+              progress, hw: dict, zeropp: list[str] | None = None, offload: bool = False) -> dict:
     spec = make_spec(stage, model, steps, hw["precision"], hw["device"])
     if zeropp:  # two "nodes" of world / 2 ranks: comm_stats splits bytes at that boundary
         if stage != 3 or world < 2 or world % 2:
@@ -208,11 +208,13 @@ def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peer
     runners[f"zkern stage {stage}"] = engine_run
     variants = {f"zkern stage 3 + {v}": dataclasses.replace(spec, zero={**spec.zero, **zeropp_config(v, world)})
                 for v in zeropp or ()}
+    offloaded = {f"zkern stage {stage} + {name}": dataclasses.replace(spec, zero={**spec.zero, **keys})
+                 for name, keys in (offload_configs(stage) if offload else {}).items()}
     runs = {}
-    for name, fn in [*runners.items(), *((v, engine_run) for v in variants)]:
+    for name, fn in [*runners.items(), *((v, engine_run) for v in [*variants, *offloaded])]:
         start = time.monotonic()
         progress(f"stage {stage}: {name} ({spec.steps} steps, world {world})")
-        runs[name] = spawn(fn, world, variants.get(name, spec), timeout=3600, subprocess=True)
+        runs[name] = spawn(fn, world, {**variants, **offloaded}.get(name, spec), timeout=3600, subprocess=True)
         progress(f"stage {stage}: {name} done in {time.monotonic() - start:.1f}s")
     ddp_losses = mean_losses(runs["ddp"]) if "ddp" in runs else None
     flops_per_token = flops.train_flops_per_token(preset["model"])
@@ -247,7 +249,26 @@ def run_stage(stage: int, world: int, model: str, steps: int | None, wanted_peer
         "formula_model_state_bytes": formula,
         "required_comm_bytes_per_step": required,
         "zeropp": [_zeropp_ratios(name, by_name[name], zk) for name in variants],
+        # ZeRO-Offload rows against the same stage on the device: step time and the device's model states
+        "offload": [{"variant": name.removeprefix(f"zkern stage {stage} + "),
+                     "step_time_over_on_device": by_name[name]["median_s"] / zk["median_s"],
+                     "model_state_over_on_device": (by_name[name]["model_state_bytes_per_rank"]
+                                                    / zk["model_state_bytes_per_rank"]
+                                                    if zk["model_state_bytes_per_rank"] else None)}
+                    for name in offloaded],
     }
+
+
+def offload_configs(stage: int) -> dict[str, dict]:
+    """--offload: the ZeRO-Offload rows of a stage (none at stage 0): the optimizer on the host (the CPU Adam), and at
+    stage 3 the parameters too."""
+    if stage == 0:
+        return {}
+    host = {"device": "cpu", "pin_memory": True}
+    out = {"offload_optimizer": {"offload_optimizer": host}}
+    if stage == 3:
+        out["offload_optimizer+offload_param"] = {"offload_optimizer": host, "offload_param": host}
+    return out
 
 
 def _zeropp_ratios(name: str, row: dict, plain: dict) -> dict:
@@ -312,7 +333,8 @@ def _gpu_facts(rank: int, world: int) -> dict:
 
 def run(stages: list[int], world: int | None, model: str, steps: int | None = None,
         wanted_peers: list[str] | None = None, progress=None, device: str | None = None,
-        precision: str | None = None, peak_tflops: float | None = None, zeropp: list[str] | None = None) -> dict:
+        precision: str | None = None, peak_tflops: float | None = None, zeropp: list[str] | None = None,
+        offload: bool = False) -> dict:
     world, hw = hardware(device, world, model, precision, peak_tflops)
     progress = progress or (lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
     spec = make_spec(stages[0], model, steps, hw["precision"], hw["device"])
@@ -330,8 +352,8 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
                         if peers.installed("deepspeed") else {})},
         "git_sha": _git_sha(),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "stages": [run_stage(s, world, model, steps, wanted_peers, progress, hw, zeropp if s == 3 else None)
-                   for s in stages],
+        "stages": [run_stage(s, world, model, steps, wanted_peers, progress, hw, zeropp if s == 3 else None,
+                             offload=offload) for s in stages],
     }
 
 

@@ -12,6 +12,7 @@
     python bench/run.py --suite scale --plot scale.png   # a model: stage 3 vs ZeRO++ from 8 to 1024 GPUs
     python bench/run.py --suite nvme                 # the disk (zkern's reader vs dd), the NVMe Adam step at 50M
     python bench/run.py --suite gpu-static           # every Triton kernel compiled for sm_80/sm_90 and checked
+    python bench/run.py --suite gpu                  # on a GPU machine: the whole first-run record (bench/gpu_suite.py)
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
@@ -39,6 +40,7 @@ from bench import (  # noqa: E402
     engine_suite,
     gates,
     gpu_static_suite,
+    gpu_suite,
     hf_suite,
     kernels_suite,
     nvme_suite,
@@ -47,9 +49,10 @@ from bench import (  # noqa: E402
 )
 
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
-          "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite, "gpu-static": gpu_static_suite}
+          "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite, "gpu-static": gpu_static_suite,
+          "gpu": gpu_suite}
 # --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name
-MEASURED = [name for name in SUITES if name not in ("scale", "nvme", "gpu-static")]
+MEASURED = [name for name in SUITES if name not in ("scale", "nvme", "gpu-static", "gpu")]
 
 
 def _stages(text: str) -> list[int]:
@@ -63,6 +66,12 @@ def _stages(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return _run(parser, args)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="zkern against stock PyTorch on the same model and data")
     parser.add_argument("--stage", type=_stages, default=[3], help="ZeRO stage(s): 0-3 or a list (default 3)")
     parser.add_argument("--suite", default="engine", choices=[*SUITES, "all"])
@@ -87,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zeropp", nargs="?", const="qwz+hpz+qgz", default=None,
                         help="stage 3: add ZeRO++ rows (alone: all three together; or a comma list of qwz, hpz, qgz "
                              "and combinations joined by +)")
+    parser.add_argument("--offload", action="store_true",
+                        help="engine suite: add ZeRO-Offload rows (optimizer on the host; at stage 3 parameters too)")
+    parser.add_argument("--dry-run", action="store_true", help="gpu suite: print and record the plan, run nothing")
     parser.add_argument("--intra-gbs", type=float, default=376.0, help="scale suite: GB/s per GPU inside a node")
     parser.add_argument("--inter-gbs", type=float, default=50.0, help="scale suite: GB/s per node across nodes")
     parser.add_argument("--intra-latency-us", type=float, default=3.0, help="scale suite: latency per hop inside")
@@ -98,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="parameters the adam and nvme suites step (default 50M)")
     parser.add_argument("--nvme-path", default=None,
                         help="nvme suite: the directory (on the disk to measure) for its files; default: temp dir")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     suites = list(MEASURED) if args.suite == "all" else [args.suite]
     if args.suite == "all" and not torch.cuda.is_available():
         suites.remove("kernels")
@@ -118,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         if suite == "engine":
             record = engine_suite.run(args.stage, args.world, model, args.steps, wanted, device=args.device,
                                       precision=args.precision, peak_tflops=args.peak_tflops,
-                                      zeropp=args.zeropp.split(",") if args.zeropp else None)
+                                      zeropp=args.zeropp.split(",") if args.zeropp else None,
+                                      offload=args.offload)
         elif suite == "adam":
             record = adam_suite.run(args.adam_numel, deepspeed=wanted is None or "deepspeed" in wanted)
         elif suite == "checkpoint":
@@ -127,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             record = hf_suite.run(args.model or "25m")
         elif suite == "gpu-static":
             record = gpu_static_suite.run()
+        elif suite == "gpu":
+            record = gpu_suite.run(dry_run=args.dry_run)
         elif suite == "nvme":
             record = nvme_suite.run(args.adam_numel, directory=args.nvme_path)
         elif suite == "scale":
@@ -160,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.error("--plot draws the engine or the scale suite; run one of them")
         print(f"wrote {args.plot}")
-    static_failures = [line for r in records if r["suite"] == "gpu-static" for line in r["failures"]]
-    if static_failures:
-        print(f"gpu-static: {len(static_failures)} check(s) failed (listed above)")
+    step_failures = [line for r in records if r["suite"] in ("gpu-static", "gpu") for line in r["failures"]]
+    if step_failures:
+        print(f"bench: {len(step_failures)} check(s) or step(s) failed (listed above)")
         return 1
     if args.gate:
         failures = [line for r in records for line in gates.check(r, committed)]

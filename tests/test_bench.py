@@ -300,3 +300,53 @@ def test_gpu_static_reads_registers_spills_and_access_width_from_the_machine_cod
     assert ragged["narrow"] > 0, ragged
     for record in (aligned, ragged):
         assert record["spill_bytes"] == 0 and 0 < record["registers"] <= 255, record
+
+
+def test_engine_suite_offload_rows_train_beside_the_same_stage_on_the_device():
+    """--offload: the optimizer on the host (and at stage 3 the parameters too), each a row beside the plain stage,
+    with its step time and device model states against it; its losses follow DDP's as the plain stage's do."""
+    rec = engine_suite.run([3], None, "tiny", steps=3, wanted_peers=[], device="cpu", offload=True,
+                           progress=lambda line: None)
+    st = rec["stages"][0]
+    names = [s["system"] for s in st["systems"]]
+    assert names == ["ddp", "zkern stage 3", "zkern stage 3 + offload_optimizer",
+                     "zkern stage 3 + offload_optimizer+offload_param"], names
+    assert [o["variant"] for o in st["offload"]] == ["offload_optimizer", "offload_optimizer+offload_param"]
+    for o in st["offload"]:
+        assert o["step_time_over_on_device"] > 0
+    for s in st["systems"]:  # fp32: the host Adam rounds apart from torch's in the last bits only
+        assert s["max_loss_gap_vs_ddp"] is None or s["max_loss_gap_vs_ddp"] < 1e-4, s
+    assert engine_suite.offload_configs(0) == {} and list(engine_suite.offload_configs(2)) == ["offload_optimizer"]
+
+
+def test_gpu_suite_plans_the_first_gpu_run_and_refuses_a_machine_without_one(tmp_path, capsys):
+    """--suite gpu: six steps, each a command this checkout accepts, each writing under bench/results/ with the
+    GPU's short name; without a GPU only the plan (--dry-run) runs."""
+    import json
+
+    from bench import gpu_suite
+
+    assert gpu_suite.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_suite.gpu_slug("NVIDIA H200") == "h200" and gpu_suite.gpu_slug("NVIDIA A100-SXM4-40GB") == "a100"
+    assert gpu_suite.gpu_slug("Some Future Card 9") == "some-future-card-9"
+    steps = gpu_suite.plan("h100")
+    assert [s.name for s in steps] == ["env", "tests", "kernels", "engine", "offload", "verify"]
+    parser = run.build_parser()
+    for s in steps:
+        assert all(o.startswith(os.path.join("bench", "results", "h100-")) for o in s.outputs), s
+        if s.argv[1].endswith("run.py"):
+            parser.parse_args(s.argv[2:])  # a flag this run.py does not take would exit here
+        if s.name == "verify":
+            from zkern.verify.__main__ import build_parser as verify_parser
+
+            verify_parser().parse_args(s.argv[3:])
+    assert next(s for s in steps if s.name == "tests").env == {"TRITON_INTERPRET": None}  # kernels compiled for real
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no GPU here"):
+            run.main(["--suite", "gpu"])
+    out = tmp_path / "plan.json"
+    assert run.main(["--suite", "gpu", "--dry-run", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["suite"] == "gpu" and record["dry_run"] and record["failures"] == []
+    assert [s["name"] for s in record["steps"]] == [s.name for s in steps]
+    assert all(s["rc"] is None and s["written"] == [] for s in record["steps"])

@@ -126,7 +126,7 @@ def _run(name: str, draw: Draw, world: int, device: str, root: str, group) -> di
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m zkern.verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=None, help="ranks to spawn (default: GPUs, or 2 on a CPU)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda where available")
@@ -135,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="scratch directory for the checkpoint rows; on several nodes it "
                                                     "must be one file system every node sees (default: a temporary "
                                                     "directory, and several nodes skip those rows)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     under_launcher = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if under_launcher:

@@ -4,8 +4,9 @@
 
 The exact rules (scales, rounding, all-zero groups, NaN/inf groups, int4 packing) are zkern.reference's;
 these kernels reproduce its codes and scales bit for bit. Each program takes about TILE_ELEMENTS elements,
-whole groups, as a 2-D tile [groups, group_size] and reduces along the group for its absmax. int4 tiles load
-even and odd elements apart, so each byte's two codes come from one tile row.
+whole groups, as a 2-D tile [groups, group_size] and reduces along the group for its absmax. int4 tiles are read
+and written contiguously and split into (or joined from) their even and odd elements in registers, so each byte's
+two codes come from one tile row and every global access is a contiguous one.
 """
 
 from __future__ import annotations
@@ -54,55 +55,52 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, n_groups, GROUP: tl.constexpr, GROU
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
         scale, inv, bad = _scale(x, tl.zeros_like(x), QMAX)
         tl.store(q_ptr + offs, _codes(x, inv, bad, QMAX).to(tl.int8), mask=offs < n)
-    else:
-        even = rows[:, None] * GROUP + 2 * tl.arange(0, GROUP // 2)[None, :]
-        x_e = tl.load(x_ptr + even, mask=even < n, other=0.0).to(tl.float32)
-        x_o = tl.load(x_ptr + even + 1, mask=even + 1 < n, other=0.0).to(tl.float32)
+    else:  # one contiguous tile, split into its even and odd elements in registers: every access is contiguous
+        offs = rows[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        x_e, x_o = tl.split(tl.reshape(x, [GROUPS, GROUP // 2, 2]))
         scale, inv, bad = _scale(x_e, x_o, QMAX)
         lo = (_codes(x_e, inv, bad, QMAX) + 8.0).to(tl.uint8)
         hi = (_codes(x_o, inv, bad, QMAX) + 8.0).to(tl.uint8)
-        tl.store(q_ptr + even // 2, lo | (hi << 4), mask=even < n)
+        byte = rows[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+        tl.store(q_ptr + byte, lo | (hi << 4), mask=2 * byte < n)
     tl.store(s_ptr + rows, tl.where(bad, float("nan"), scale), mask=rows < n_groups)
 
 
 @triton.jit
 def _dequant_tile(q_ptr, s_ptr, rows, n, n_groups, GROUP: tl.constexpr, BITS: tl.constexpr):
-    """(offsets, values) of a tile: int8 -> one [rows, GROUP] tile; int4 -> even then odd halves stacked."""
+    """(offsets, values) of a [rows, GROUP] tile; int4 bytes are read contiguously and their two codes interleaved
+    back into element order in registers."""
     scale = tl.load(s_ptr + rows, mask=rows < n_groups, other=0.0)
+    offs = rows[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     if BITS == 8:
-        offs = rows[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         codes = tl.load(q_ptr + offs, mask=offs < n, other=0).to(tl.float32)
-        return offs, codes * scale[:, None], offs, codes * 0.0
+        return offs, codes * scale[:, None]
     else:
-        even = rows[:, None] * GROUP + 2 * tl.arange(0, GROUP // 2)[None, :]
-        packed = tl.load(q_ptr + even // 2, mask=even < n, other=0x88).to(tl.int32)
-        lo = ((packed & 0xF) - 8).to(tl.float32)
-        hi = ((packed >> 4) - 8).to(tl.float32)
-        return even, lo * scale[:, None], even + 1, hi * scale[:, None]
+        byte = rows[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+        packed = tl.load(q_ptr + byte, mask=2 * byte < n, other=0x88).to(tl.int32)
+        lo = ((packed & 0xF) - 8).to(tl.float32) * scale[:, None]
+        hi = ((packed >> 4) - 8).to(tl.float32) * scale[:, None]
+        return offs, tl.reshape(tl.join(lo, hi), [rows.shape[0], GROUP])
 
 
 @triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, n_groups, GROUP: tl.constexpr, GROUPS: tl.constexpr,
                        BITS: tl.constexpr, OUT_CODE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    offs_a, a, offs_b, b = _dequant_tile(q_ptr, s_ptr, rows, n, n_groups, GROUP, BITS)
-    tl.store(out_ptr + offs_a, cast_from_fp32(a, OUT_CODE), mask=offs_a < n)
-    if BITS == 4:
-        tl.store(out_ptr + offs_b, cast_from_fp32(b, OUT_CODE), mask=offs_b < n)
+    offs, values = _dequant_tile(q_ptr, s_ptr, rows, n, n_groups, GROUP, BITS)
+    tl.store(out_ptr + offs, cast_from_fp32(values, OUT_CODE), mask=offs < n)
 
 
 @triton.jit
 def _dequant_sum_kernel(q_ptr, s_ptr, out_ptr, world, q_stride, s_stride, n, n_groups, GROUP: tl.constexpr,
                         GROUPS: tl.constexpr, BITS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    offs_a, acc_a, offs_b, acc_b = _dequant_tile(q_ptr, s_ptr, rows, n, n_groups, GROUP, BITS)
+    offs, acc = _dequant_tile(q_ptr, s_ptr, rows, n, n_groups, GROUP, BITS)
     for r in range(1, world):  # ranks in order, as the reference sums them
-        _, a, _, b = _dequant_tile(q_ptr + r * q_stride, s_ptr + r * s_stride, rows, n, n_groups, GROUP, BITS)
-        acc_a += a
-        acc_b += b
-    tl.store(out_ptr + offs_a, acc_a, mask=offs_a < n)
-    if BITS == 4:
-        tl.store(out_ptr + offs_b, acc_b, mask=offs_b < n)
+        _, values = _dequant_tile(q_ptr + r * q_stride, s_ptr + r * s_stride, rows, n, n_groups, GROUP, BITS)
+        acc += values
+    tl.store(out_ptr + offs, acc, mask=offs < n)
 
 
 def _groups_per_program(group_size: int) -> int:

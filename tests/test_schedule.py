@@ -41,6 +41,18 @@ def test_flush_launches_the_rest_in_order_and_the_first_pass_fixes_the_plan():
         schedule([1, 1, 1], [0, 0, 2])
 
 
+def test_deferred_buckets_wait_for_the_flush_and_the_others_do_not_wait_for_them():
+    """Stage 3's reduce groups of divergent units (routed experts) launch only at the end of backward."""
+    s = schedule([1, 1, 1], [2, 1, 0])
+    s.begin(frozenset({1}))
+    assert s.add(1) == []  # complete, and deferred
+    assert s.add(2) == [2] and not s.launched(1)
+    assert s.add(0) == [0]  # the plan goes on past the deferred bucket
+    assert s.flush() == [1] and s.launched(1)
+    s.begin(frozenset({1}))
+    assert s.add(2) == [2] and s.flush() == [1, 0]  # plan order; 0 reduces what it has
+
+
 # -- the recorded sequences ---------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def recording(calls: list):

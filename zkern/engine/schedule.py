@@ -29,10 +29,13 @@ class ReduceSchedule:
         self.observed = False  # the plan is rank 0's observed order
         self.begin()
 
-    def begin(self) -> None:
+    def begin(self, deferred: frozenset[int] = frozenset()) -> None:
+        """A new pass. deferred: buckets that launch only at flush() (the same set on every rank), the others keep
+        their place in the plan without waiting for them."""
         self._done = [0] * len(self.sizes)
         self._launched = [False] * len(self.sizes)
         self._next = 0  # position in the plan of the next bucket to launch
+        self._deferred = deferred
         self._completed: list[int] = []  # order of completion in this pass (the first pass is observed)
 
     def add(self, bucket: int, count: int = 1) -> list[int]:
@@ -50,17 +53,21 @@ class ReduceSchedule:
 
     def _ready(self) -> list[int]:
         out = []
-        while self._next < len(self.plan) and self._done[self.plan[self._next]] == self.sizes[self.plan[self._next]]:
-            out.append(self.plan[self._next])
-            self._launched[out[-1]] = True
+        while self._next < len(self.plan):
+            b = self.plan[self._next]
+            if b not in self._deferred:
+                if self._done[b] < self.sizes[b]:
+                    break
+                out.append(b)
+                self._launched[b] = True
             self._next += 1
         return out
 
     def flush(self) -> list[int]:
         """Backward ended: every bucket not launched yet, in plan order (what it lacks reduces as zero)."""
-        out = self.plan[self._next:]
+        out = [b for b in self.plan if not self._launched[b]]
         for b in out:
-            if self._done[b] < self.sizes[b]:
+            if self._done[b] < self.sizes[b] and b not in self._completed:
                 self._completed.append(b)
             self._launched[b] = True
         self._next = len(self.plan)

@@ -14,7 +14,9 @@ part of the sum is zero), or at the end of backward (parameters without a gradie
 (schedule.ReduceSchedule, shared with stages 0-2: last group first, then rank 0's observed order), each once it
 and every group before it is complete: which rank completes what when may differ, the sequence of
 reduce-scatters never does. They run on a process group of their own (Comm.sibling), so their order never has to
-interleave with the gathers'.
+interleave with the gathers' for the pairing; for NCCL, whose collectives on one GPU must also interleave alike
+across communicators, a group holding a divergent unit (completed at different points on different ranks) waits
+for the end of backward, so the interleaving is the same on every rank too (tests/test_collective_order.py).
 """
 
 from __future__ import annotations
@@ -92,7 +94,12 @@ class GradReducer:
         skipped = [u for u in self.units if u.trainable and not (u.touched or u.persistent or u.pins)]
         partial = [(u, u.skipped_positions()) for u in self.units if u.optional]
         self._may_block = not any(u.divergent for u in self.units) and not skipped and not any(p for _, p in partial)
-        self.schedule.begin()
+        # A group holding a divergent unit (ranks run different modules of it: routed experts) completes at a point
+        # of backward that differs by rank: a rank that did not run the expert completes it now. Launched there, its
+        # reduce-scatter would interleave with the all-gathers at different points on different ranks, which NCCL
+        # (one stream of collectives per GPU) may deadlock on. Such groups launch at the end of backward, in plan
+        # order, at the same point on every rank (the divergent flags are agreed by every rank).
+        self.schedule.begin(frozenset(g.index for g in self.groups if any(u.divergent for u in g.units)))
         for u in self.units:
             u.open_grads()
         for u, positions in partial:  # the parameters of optional children that did not run: no gradient comes

@@ -51,7 +51,9 @@ def gpu_slug(device_name: str) -> str:
 
 
 def plan(slug: str, python: str = sys.executable) -> list[Step]:
-    out = lambda name: os.path.join(RESULTS, f"{slug}-{name}")  # noqa: E731
+    def out(name: str) -> str:
+        return os.path.join(RESULTS, f"{slug}-{name}")
+
     run_py = [python, os.path.join("bench", "run.py")]
     return [
         Step("env", [python, "-m", "zkern.env_report", "--json"], [out("env.json")], stdout_to=out("env.json")),

@@ -39,6 +39,7 @@ def gather_whole(comm: Comm, world: int, buckets: list[WholeBucket], chunk_of: C
             data = torch.empty(bucket.chunk * world, dtype=dtype, device=device)
             comm.all_gather(data, mine, f"{purpose}, bucket {i}")
         if keep:
+            host = data.cpu()  # one copy down per bucket (the same tensor where it is on the host already)
             for key, offset, shape in bucket.entries:
-                values[key] = data[offset:offset + shape.numel()].to("cpu", copy=True).view(shape)
+                values[key] = host[offset:offset + shape.numel()].clone().view(shape)
     return values

@@ -17,7 +17,6 @@ safetensors only: nothing in the directory can run code, where Accelerate would 
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
@@ -30,6 +29,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils.deepspeed import DeepSpeedSchedulerWrapper
 
 from zkern.checkpoint.errors import CheckpointError
+from zkern.checkpoint.tensorfile import file_sha256
 from zkern.hf.rng import rng_state, set_rng_state
 
 TAG = "pytorch_model"  # Accelerate's tag for the first model's DeepSpeed checkpoint
@@ -204,15 +204,7 @@ def _write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
     tmp = f"{path}.tmp-{os.getpid()}"
     save_file(tensors, tmp)
     os.replace(tmp, path)
-    return _sha256(path)
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(path)
 
 
 # -- load ---------------------------------------------------------------------------------------------------------
@@ -275,7 +267,7 @@ def _read_tensors(path: str, digest: str | None) -> dict[str, torch.Tensor]:
         return {}
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing; the checkpoint's Accelerate state refers to it")
-    if _sha256(path) != digest:
+    if file_sha256(path) != digest:
         raise CheckpointError(f"{path} does not match the digest the checkpoint recorded: it is damaged, or from "
                               f"another save to this directory")
     from safetensors.torch import load_file

@@ -109,7 +109,7 @@ def _drive_launchers(torch) -> None:
     """The launchers on the lengths and offsets the engine can hand them: whole buffers (aligned), ragged lengths,
     and sub-ranges of a shard that start off a 16-byte boundary (an optimizer piece param[lo:hi])."""
     from zkern import ops
-    from zkern.engine import zeropp
+    from zkern.comm import zeropp
 
     g = torch.Generator().manual_seed(0)
     for n, start in ((4096, 0), (4099, 0), (4096, 3)):

@@ -7,7 +7,7 @@
 1. Sequential bandwidth of the three state files' bytes (master, exp_avg, exp_avg_sq: 12 bytes per parameter),
    written then read with zkern's reader (O_DIRECT where the file system takes it, so the page cache does not
    stand in for the disk), and the same bytes with `dd oflag=direct` / `iflag=direct` (the stock reference).
-2. The NVMe Adam step (zkern/engine/nvme.py): every step reads and writes the 12 bytes per parameter, through
+2. The NVMe Adam step (zkern/offload/nvme.py): every step reads and writes the 12 bytes per parameter, through
    `buffer_count` tile buffers of `sub_group_size` elements. Its rate is the ideal time, reads at the measured
    read bandwidth plus writes at the measured write bandwidth, over the step time.
 3. The same step with the state in host memory (ShardAdam: the ZeRO-Offload step), timed alone: the compute.
@@ -34,9 +34,9 @@ import zkern
 from bench.engine_suite import _git_sha, _quantiles
 from zkern import ops
 from zkern.cpu import _ext
-from zkern.engine.nvme import NvmeAdam, NvmeShard
-from zkern.engine.optimizer import Chunk, ShardAdam, ShardGroup
 from zkern.env_report import cpu_model
+from zkern.offload.nvme import NvmeAdam, NvmeShard
+from zkern.optim.shard_adam import Chunk, ShardAdam, ShardGroup
 
 DEFAULT_NUMEL = 50_000_000
 STATE_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq

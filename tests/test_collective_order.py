@@ -11,7 +11,7 @@ model with small reduce groups and uneven units, and for routed experts whose ro
 import pytest
 import torch.distributed as dist
 
-from zkern.engine import comm as comm_module
+from zkern.comm import collectives as comm_module
 from zkern.testing import TrainSpec, engine_run, spawn
 
 

@@ -212,7 +212,7 @@ def test_zkerns_defaults_are_deepspeeds_key_by_key():
         DeepSpeedZeroOffloadParamConfig,
     )
 
-    from zkern import config_keys as keys
+    from zkern.config import keys
 
     models = {"zero_optimization": DeepSpeedZeroConfig, "fp16": DeepSpeedFP16Config, "bf16": DeepSpeedBF16Config,
               "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zkern
-from zkern.engine.sharded_init import release_freed_memory
+from zkern.stage3.sharded_init import release_freed_memory
 from zkern.testing import peak_rss_bytes, reset_peak_rss, spawn
 
 LAYERS, WIDTH = 16, 1024  # 16 x 4 MiB = 64 MiB of fp32 weights

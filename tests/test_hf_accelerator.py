@@ -236,8 +236,8 @@ def _sharded_worker(rank: int, world: int, folder: str) -> dict:
     from transformers import GPT2LMHeadModel, default_data_collator
 
     import zkern.hf
-    from zkern.engine.sharded_init import is_sharded
     from zkern.hf import Accelerator
+    from zkern.stage3.sharded_init import is_sharded
 
     fresh_accelerate()
     acc = Accelerator(zkern_config=config(3), gradient_accumulation_steps=1)
@@ -378,7 +378,7 @@ def test_save_state_round_trips_what_accelerate_saves_without_pickle(solo, tmp_p
 
 
 def test_a_damaged_or_foreign_accelerate_state_is_an_error(solo, tmp_path):
-    from zkern.checkpoint.errors import CheckpointError
+    from zkern.errors import CheckpointError
 
     acc, model, optimizer, loader, scheduler = prepared(stage_config(0))
     acc.register_for_checkpointing(Counter())

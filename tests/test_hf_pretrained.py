@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from zkern.checkpoint.errors import CheckpointError
+from zkern.errors import CheckpointError
 from zkern.testing.ranks import spawn
 
 VOCAB, DIM, LAYERS = 8192, 512, 8  # 29.5M parameters: 113 MiB of fp32, the embedding (16 MiB) the largest tensor

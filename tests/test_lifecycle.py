@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import zkern
-from zkern.engine.comm import Work
-from zkern.engine.lifecycle import DataState, GradState, InvariantError, Unit, pass_end_violations
-from zkern.engine.partition import plan_unit_layout
-from zkern.engine.units import UnitPlan
+from zkern.comm.collectives import Work
+from zkern.core.partition import plan_unit_layout
+from zkern.stage3.lifecycle import DataState, GradState, InvariantError, Unit, pass_end_violations
+from zkern.stage3.units import UnitPlan
 from zkern.testing import TrainSpec
 
 

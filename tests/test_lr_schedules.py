@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zkern
-from zkern.engine.lr_schedules import build_scheduler
+from zkern.optim.lr_schedules import build_scheduler
 
 
 def opt(groups: int = 1, cls=torch.optim.AdamW):

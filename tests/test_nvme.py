@@ -1,5 +1,5 @@
 """ZeRO-Infinity's NVMe path: the I/O pool and files (zkern/cpu/aio.py, csrc/aio.cpp) and the tile-pipelined Adam
-over files (zkern/engine/nvme.py), against zkern's resident ShardAdam, bit for bit."""
+over files (zkern/offload/nvme.py), against zkern's resident ShardAdam, bit for bit."""
 
 import os
 import subprocess
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from zkern import ops
-from zkern.engine.nvme import NvmeAdam, NvmeShard
-from zkern.engine.optimizer import Chunk, ShardAdam, ShardGroup
+from zkern.offload.nvme import NvmeAdam, NvmeShard
+from zkern.optim.shard_adam import Chunk, ShardAdam, ShardGroup
 
 pytestmark = pytest.mark.skipif(not ops.cpu_ext.available(), reason="needs the C++ extension (make setup)")
 

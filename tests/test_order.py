@@ -1,5 +1,5 @@
-from zkern.engine.order import OrderRecord
-from zkern.engine.units import plan_reduce_groups
+from zkern.stage3.order import OrderRecord
+from zkern.stage3.units import plan_reduce_groups
 
 
 def test_order_record_follows_then_stops_at_a_departure():

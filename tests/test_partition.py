@@ -1,7 +1,7 @@
 import pytest
 
 import zkern
-from zkern.engine.partition import padded_numel, plan_layout, shard_range
+from zkern.core.partition import padded_numel, plan_layout, shard_range
 
 
 def test_shard_range_and_padding():

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zkern.engine.comm import Comm
-from zkern.engine.schedule import ReduceSchedule
+from zkern.comm.collectives import Comm
+from zkern.comm.schedule import ReduceSchedule
 from zkern.testing import TrainSpec, assert_params_close, engine_run, reference_run, spawn
 
 
@@ -58,7 +58,7 @@ def test_deferred_buckets_wait_for_the_flush_and_the_others_do_not_wait_for_them
 def recording(calls: list):
     """Record every torch.distributed collective issued inside: (group, kind, numel, dtype), groups numbered by
     first use, which every rank shares."""
-    import zkern.engine.comm as comm
+    import zkern.comm.collectives as comm
 
     groups: dict[int, int] = {}
 

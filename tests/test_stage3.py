@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zkern
-from zkern.engine.lifecycle import DataState
+from zkern.stage3.lifecycle import DataState
 from zkern.testing import TinyGPT, TrainSpec, assert_params_close, engine_run, reference_run, spawn
 
 

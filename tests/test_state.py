@@ -1,4 +1,4 @@
-"""The engine's state registry (zkern/engine/state.py): every tensor the engine holds belongs to a registered
+"""The engine's state registry (zkern/core/state.py): every tensor the engine holds belongs to a registered
 component; every component survives save -> load into a fresh engine; a load into a live engine, at any moment and
 with any flags, leaves it exactly as a fresh engine loaded from the same checkpoint; reset returns every component
 to a fresh engine's value. World 2, over the features that add state: accumulation, a scheduler, fp16 overflows,
@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 from checkpoint_runs import SCHEDULER, build, global_batches, spec_for, train
 
-from zkern.engine.state import KINDS, differences, equal
+from zkern.core.state import KINDS, differences, equal
 from zkern.testing.ranks import spawn
 
 FP16 = {"initial_scale_power": 30, "hysteresis": 1, "loss_scale_window": 2}  # overflows in the first steps

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-import zkern.engine.state
+import zkern.core.state
 from zkern.verify import Draw, random_draw, verify_draw
 from zkern.verify.check import compare, compare_runs
 from zkern.verify.fuzz import fuzz
@@ -103,7 +103,7 @@ def test_a_reintroduced_bug_is_caught(monkeypatch):
     live engine mid-accumulation fails, and its twin without the load shows where."""
     draw = Draw(world=1, stage=2, accumulation=2, steps=4, save_at=1, load_into="live").checked()
     assert verify_draw(draw).ok
-    monkeypatch.setattr(zkern.engine.state, "kinds_a_load_resets", lambda **flags: ())
+    monkeypatch.setattr(zkern.core.state, "kinds_a_load_resets", lambda **flags: ())
     monkeypatch.setattr("zkern.checkpoint.load.kinds_a_load_resets", lambda **flags: ())
     outcome = verify_draw(draw)
     assert not outcome.ok and any("with vs without the save and load" in f for f in outcome.failures), outcome

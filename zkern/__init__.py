@@ -13,15 +13,15 @@ _EXPORTS = {
     "Engine": "zkern.engine.engine",
     "initialize": "zkern.engine.initialize",
     "Config": "zkern.config",
-    "ConfigError": "zkern.config",
-    "CommError": "zkern.engine.comm",
-    "InvariantError": "zkern.engine.lifecycle",
+    "ConfigError": "zkern.errors",
+    "CommError": "zkern.errors",
+    "InvariantError": "zkern.stage3.lifecycle",
     "LossScaleAtMinimum": "zkern.engine.precision",
-    "GatheredParameters": "zkern.engine.gathered",
-    "estimate_memory": "zkern.engine.partition",
-    "init_sharded": "zkern.engine.sharded_init",
-    "register_external_parameter": "zkern.engine.units",
-    "CheckpointError": "zkern.checkpoint.errors",
+    "GatheredParameters": "zkern.stage3.gathered",
+    "estimate_memory": "zkern.core.partition",
+    "init_sharded": "zkern.stage3.sharded_init",
+    "register_external_parameter": "zkern.stage3.units",
+    "CheckpointError": "zkern.errors",
 }
 _MODULES = {"checkpointing", "ops", "checkpoint", "hf"}
 

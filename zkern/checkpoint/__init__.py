@@ -8,7 +8,7 @@ manifest.py (layout, manifest, `latest`) and tensorfile.py (the safetensors form
 consolidating an fp32 checkpoint into fp32 files: the CLI's memory is a bounded buffer beside Python itself.
 """
 
-from zkern.checkpoint.errors import CheckpointError
+from zkern.errors import CheckpointError
 
 __all__ = ["CheckpointError", "load_fp32_state_dict", "load_optimizer_state_dict", "consolidate", "inspect"]
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from zkern.checkpoint.consolidate import consolidate, inspect
-from zkern.checkpoint.errors import CheckpointError
+from zkern.errors import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,9 +18,9 @@ import json
 import os
 import re
 
-from zkern.checkpoint.errors import CheckpointError
 from zkern.checkpoint.manifest import MANIFEST, check_sizes, entry_key, list_tags, read_latest, read_manifest, tag_dir
 from zkern.checkpoint.tensorfile import COPY_BLOCK, DTYPE_SIZES, StreamWriter, file_sha256, read_header
+from zkern.errors import CheckpointError
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 OUT_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}

@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from zkern.engine.comm import Comm
+from zkern.comm.collectives import Comm
 
 
 def control_comm(engine_comm: Comm) -> Comm:

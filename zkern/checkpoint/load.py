@@ -18,12 +18,12 @@ import os
 import torch
 
 from zkern.checkpoint.control import all_gather_json
-from zkern.checkpoint.errors import CheckpointError
 from zkern.checkpoint.manifest import check_sizes, read_latest, read_manifest, tag_dir
 from zkern.checkpoint.ranges import TORCH_DTYPES, RangeReader
 from zkern.checkpoint.save import loco_layout, loco_reducer
-from zkern.engine.optimizer import ShardAdam
-from zkern.engine.state import kinds_a_load_resets
+from zkern.core.state import kinds_a_load_resets
+from zkern.errors import CheckpointError
+from zkern.optim.shard_adam import ShardAdam
 
 log = logging.getLogger("zkern")
 

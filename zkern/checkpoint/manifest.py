@@ -22,9 +22,9 @@ import math
 import os
 import re
 
-from zkern.checkpoint.errors import CheckpointError
-from zkern.checkpoint.safe_io import parse_json, read_capped
 from zkern.checkpoint.tensorfile import DTYPE_SIZES
+from zkern.errors import CheckpointError
+from zkern.safe_io import parse_json, read_capped
 
 FORMAT = "zkern-checkpoint"
 VERSION = 1

@@ -13,9 +13,9 @@ from collections import defaultdict
 
 import torch
 
-from zkern.checkpoint.errors import CheckpointError
 from zkern.checkpoint.manifest import entry_key
 from zkern.checkpoint.tensorfile import TensorInfo, read_header
+from zkern.errors import CheckpointError
 
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

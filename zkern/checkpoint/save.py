@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 import torch
 
 from zkern.checkpoint.control import all_gather_json, broadcast_json
-from zkern.checkpoint.errors import CheckpointError
 from zkern.checkpoint.manifest import (
     FORMAT,
     MANIFEST,
@@ -51,7 +50,8 @@ from zkern.checkpoint.manifest import (
 )
 from zkern.checkpoint.ranges import byte_view, dtype_name
 from zkern.checkpoint.tensorfile import StreamWriter
-from zkern.engine.optimizer import ShardAdam
+from zkern.errors import CheckpointError
+from zkern.optim.shard_adam import ShardAdam
 
 log = logging.getLogger("zkern")
 

@@ -22,8 +22,8 @@ import stat
 import struct
 from dataclasses import dataclass
 
-from zkern.checkpoint.errors import CheckpointError
-from zkern.checkpoint.safe_io import parse_json
+from zkern.errors import CheckpointError
+from zkern.safe_io import parse_json
 
 # safetensors dtype name -> bytes per element
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

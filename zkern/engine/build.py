@@ -7,18 +7,17 @@ Each function does one step of zkern.Engine.__init__ and raises a clear error on
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 
 import torch
 
 from zkern import ops
+from zkern.comm.collectives import Comm, device_from_config
 from zkern.config import Config, ConfigError
-from zkern.engine.comm import Comm
-from zkern.engine.lr_schedules import build_scheduler
-from zkern.engine.nvme import NvmeAdam
-from zkern.engine.optimizer import ShardAdam, ShardGroup
-from zkern.engine.optimizers import Lamb, Lion
+from zkern.offload.nvme import NvmeAdam
+from zkern.optim.lamb_lion import Lamb, Lion
+from zkern.optim.lr_schedules import build_scheduler
+from zkern.optim.shard_adam import ShardAdam, ShardGroup
 
 
 def pick_device(model: torch.nn.Module, want: str) -> torch.device:
@@ -33,24 +32,6 @@ def pick_device(model: torch.nn.Module, want: str) -> torch.device:
     if current.type == "cuda" and want != "cpu":
         return current
     return device_from_config(want)
-
-
-def device_from_config(want: str) -> torch.device:
-    """Config key 'device' for a model still on the host (or not built yet, as under init_sharded): "cpu", or
-    cuda:LOCAL_RANK for "cuda", and for "auto" where CUDA is available."""
-    local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    match want:
-        case "cpu":
-            return torch.device("cpu")
-        case "cuda":
-            if not torch.cuda.is_available():
-                raise RuntimeError("config 'device' is \"cuda\" but torch sees no CUDA device; use \"cpu\" or "
-                                   "\"auto\"")
-            return local
-        case "auto":
-            return local if torch.cuda.is_available() else torch.device("cpu")
-        case other:
-            raise ValueError(f"device must be auto, cpu or cuda, got {other!r}")
 
 
 def broadcast_state(model: torch.nn.Module, comm: Comm, chunk_numel: int, params: bool = True) -> None:

@@ -19,23 +19,24 @@ import torch
 from torch.utils._pytree import tree_map
 
 from zkern import checkpointing, ops
+from zkern.comm.collectives import Comm, backend_for, init_distributed
+from zkern.comm.divergence import signatures_differ
+from zkern.comm.zeropp import QuantizedReduce
 from zkern.config import Config
-from zkern.config_report import startup_block
-from zkern.config_resolve import node_size
-from zkern.engine import build, nvme
-from zkern.engine.comm import Comm, backend_for, init_distributed
-from zkern.engine.divergence import signatures_differ
+from zkern.config.report import startup_block
+from zkern.config.resolve import node_size
+from zkern.core.runtime import Runtime
+from zkern.engine import build
 from zkern.engine.engine_state import build_registry
-from zkern.engine.offload import HostStep
-from zkern.engine.optimizer import ShardAdam, step_torch_optimizer
 from zkern.engine.precision import LossScaler, gradient_dtypes, working_dtype
 from zkern.engine.reporting import Reporter
-from zkern.engine.runtime import Runtime
-from zkern.engine.sharded_init import is_sharded, release_freed_memory
-from zkern.engine.stage3 import Stage3Runtime
-from zkern.engine.stage12 import Stage12Runtime
-from zkern.engine.units import declare_known_readers
-from zkern.engine.zeropp import QuantizedReduce
+from zkern.offload import nvme
+from zkern.offload.host import HostStep
+from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
+from zkern.stage3.runtime import Stage3Runtime
+from zkern.stage3.sharded_init import is_sharded, release_freed_memory
+from zkern.stage3.units import declare_known_readers
+from zkern.stage12.runtime import Stage12Runtime
 
 log = logging.getLogger("zkern")
 
@@ -262,7 +263,7 @@ class Engine(torch.nn.Module):
             with torch.no_grad():
                 yield self
             return
-        from zkern.engine.gathered import GatheredParameters
+        from zkern.stage3.gathered import GatheredParameters
 
         params, held, total = self.runtime.generation_params()
         if held < total and self.rank == 0:
@@ -502,7 +503,7 @@ class Engine(torch.nn.Module):
         load_checkpoint. The checkpoint loads at any world size, stage and offload setting. async_save: copy the
         state to host buffers and write in a background thread (returns None; wait_checkpoint() gives the path,
         the next save or load waits for it, and its error surfaces there). Returns the tag's directory."""
-        from zkern.checkpoint.errors import CheckpointError
+        from zkern.errors import CheckpointError
 
         if self.pending_micro_steps:
             raise CheckpointError(

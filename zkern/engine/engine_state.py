@@ -10,9 +10,9 @@ import copy
 
 import torch
 
-from zkern.engine.optimizer import ShardAdam
+from zkern.core.state import Component, StateRegistry, host_copy, hyper_parameters, restore_hyper_parameters
 from zkern.engine.precision import LossScaler
-from zkern.engine.state import Component, StateRegistry, host_copy, hyper_parameters, restore_hyper_parameters
+from zkern.optim.shard_adam import ShardAdam
 
 
 def build_registry(engine) -> StateRegistry:

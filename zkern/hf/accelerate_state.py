@@ -28,8 +28,8 @@ from accelerate.logging import get_logger
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils.deepspeed import DeepSpeedSchedulerWrapper
 
-from zkern.checkpoint.errors import CheckpointError
 from zkern.checkpoint.tensorfile import file_sha256
+from zkern.errors import CheckpointError
 from zkern.hf.rng import rng_state, set_rng_state
 
 TAG = "pytorch_model"  # Accelerate's tag for the first model's DeepSpeed checkpoint

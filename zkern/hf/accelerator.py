@@ -285,7 +285,7 @@ class Accelerator(accelerate.Accelerator):
         Accelerator's config): what Accelerate's zero3_init_flag does for DeepSpeed. A no-op unless the config is
         ZeRO stage 3 with zero3_init_flag on (its default at stage 3); the model is then given to prepare() as it
         is. For pretrained weights, zkern.hf.from_pretrained(cls, path) reads each rank's shards only."""
-        from zkern.engine.sharded_init import init_sharded
+        from zkern.stage3.sharded_init import init_sharded
 
         plugin = self.state.deepspeed_plugin
         if not (plugin.zero3_init_flag and plugin.hf_ds_config.is_zero3()):

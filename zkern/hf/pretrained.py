@@ -25,14 +25,14 @@ import os
 
 import torch
 
-from zkern.checkpoint.errors import CheckpointError
 from zkern.checkpoint.ranges import TORCH_DTYPES, byte_view
-from zkern.checkpoint.safe_io import confined, parse_json, read_capped
 from zkern.checkpoint.tensorfile import TensorInfo, read_header
 from zkern.config import Config
-from zkern.engine.gathered import GatheredParameters
-from zkern.engine.partition import shard_range
-from zkern.engine.sharded_init import full_shape, init_sharded, is_sharded, sharder_of
+from zkern.core.partition import shard_range
+from zkern.errors import CheckpointError
+from zkern.safe_io import confined, parse_json, read_capped
+from zkern.stage3.gathered import GatheredParameters
+from zkern.stage3.sharded_init import full_shape, init_sharded, is_sharded, sharder_of
 
 log = logging.getLogger("zkern")
 

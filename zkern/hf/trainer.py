@@ -118,7 +118,7 @@ class Trainer(transformers.Trainer):
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if self.engine is not None:
             return self.engine
-        from zkern.engine.sharded_init import is_sharded
+        from zkern.stage3.sharded_init import is_sharded
 
         if any(is_sharded(p) for p in self.model.parameters()):
             raise RuntimeError("this model was built sharded (zkern.hf.from_pretrained or zkern.init_sharded) and "

@@ -14,6 +14,7 @@ from zkern.testing.compare import (
     fp32_sum_rtol,
     same_bits_or_nan,
 )
+from zkern.testing.memory import peak_rss_bytes, reset_peak_rss
 from zkern.testing.models import (
     Block,
     Expert,
@@ -35,12 +36,10 @@ from zkern.testing.runs import (
     init_peer_group,
     mean_losses,
     model_state_bytes,
-    peak_rss_bytes,
     peaks,
     peer_autocast,
     rank_device,
     reference_run,
-    reset_peak_rss,
     reset_peaks,
     torch_training_loop,
 )

@@ -213,7 +213,7 @@ def gpt2_load_peak(path: str, zkern_config: dict | None = None):
     from transformers.models.gpt2 import modeling_gpt2  # noqa: F401
 
     import zkern.hf.pretrained
-    from zkern.testing.runs import peak_rss_bytes, reset_peak_rss
+    from zkern.testing.memory import peak_rss_bytes, reset_peak_rss
 
     transformers.utils.logging.set_verbosity_error()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.nn as nn
 
+from zkern.testing.memory import peak_rss_bytes, reset_peak_rss
 from zkern.testing.models import TinyGPT, TinyMoE, global_batch, hf_gpt2, make_batches
 
 
@@ -348,30 +349,6 @@ def model_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int
                *(t for st in state.values() for t in st.values() if torch.is_tensor(t) and t.numel() > 1)]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (VmHWM). Not getrusage's ru_maxrss: Linux carries that across
-    execve, so a freshly spawned rank starts with its parent's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def reset_peak_rss() -> None:
-    """Restart the peak-RSS count from the current resident size (Linux: /proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def reset_peaks(device: torch.device) -> None:

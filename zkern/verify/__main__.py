@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     under_launcher = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if under_launcher:
-        from zkern.engine.comm import init_distributed
+        from zkern.comm.collectives import init_distributed
 
         init_distributed(torch.device(device, int(os.environ.get("LOCAL_RANK", "0"))) if device == "cuda"
                          else torch.device("cpu"), 120.0)
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="zkern-verify-")
     if under_launcher and args.dir is None:  # rank 0's temporary directory, for the ranks of its node
         from zkern.checkpoint.control import broadcast_json, control_comm
-        from zkern.engine.comm import Comm, backend_for
+        from zkern.comm.collectives import Comm, backend_for
 
         comm = control_comm(Comm(group, torch.distributed.get_rank(), world, 120.0, backend_for(torch.device("cpu"))))
         root = broadcast_json(comm, root, "zkern.verify: the scratch directory")

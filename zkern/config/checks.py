@@ -1,0 +1,61 @@
+"""What one config key alone cannot say: combinations of keys, checked once a Config is built from them.
+
+    python -m pytest tests/test_config.py -q
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zkern.errors import ConfigError
+
+if TYPE_CHECKING:
+    from zkern.config.model import Config
+
+
+def check_combinations(cfg: Config) -> None:
+    """What one key alone cannot say: combinations."""
+    zero = cfg.zero_optimization
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"'device' must be \"auto\", \"cpu\" or \"cuda\", got {cfg.device!r}")
+    if zero.offload_optimizer_device != "none" and zero.stage == 0:
+        raise ConfigError("'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (each rank offloads "
+                          "its optimizer shard); set 'zero_optimization.stage'")
+    if zero.offload_param_device == "nvme" and zero.offload_optimizer_device == "none":
+        raise ConfigError("'zero_optimization.offload_param' device \"nvme\" needs 'offload_optimizer' with device "
+                          "\"cpu\" or \"nvme\" too: the optimizer writes the updated shards into the parameter file "
+                          "from the host")
+    _check_zeropp(cfg)
+
+
+def _check_zeropp(cfg: Config) -> None:
+    """ZeRO++'s keys against the stage and each other (the world is checked in resolve)."""
+    zero = cfg.zero_optimization
+    if zero.zero_quantized_weights and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.zero_quantized_weights' (qwZ) quantizes stage 3's parameter "
+                          f"all-gather; the config says stage {zero.stage}")
+    if zero.zero_quantized_nontrainable_weights and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.zero_quantized_nontrainable_weights' stores stage 3's frozen parameter "
+                          f"shards as int8; the config says stage {zero.stage} (frozen parameters are whole on every "
+                          f"rank below stage 3)")
+    if zero.zero_hpz_partition_size > 1 and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.zero_hpz_partition_size' (hpZ) keeps a secondary copy of stage 3's "
+                          f"partitioned parameters; the config says stage {zero.stage}")
+    if zero.zero_quantized_gradients and zero.stage not in (2, 3):
+        raise ConfigError(f"'zero_optimization.zero_quantized_gradients' (qgZ) replaces the gradient reduce-scatter "
+                          f"of stages 2 and 3; the config says stage {zero.stage}")
+    if zero.zero_quantized_gradients and not zero.reduce_scatter:
+        raise ConfigError("'zero_optimization.zero_quantized_gradients' replaces the reduce-scatter, and "
+                          "'reduce_scatter' is false; drop one of them")
+    if zero.loco_err_beta is not None:
+        if not zero.zero_quantized_gradients:
+            raise ConfigError("'zero_optimization.zeropp_loco_param' is error feedback for quantized gradients; set "
+                              "'zero_quantized_gradients': true or remove it")
+        if not zero.loco_err_beta < 1.0:
+            raise ConfigError(f"'zero_optimization.zeropp_loco_param.err_beta' must be in [0, 1), got "
+                              f"{zero.loco_err_beta}")
+    for key in ("zeropp_weight_group_size", "zeropp_grad_group_size"):
+        value = getattr(zero, key)
+        if value < 2 or value & (value - 1):
+            raise ConfigError(f"'zero_optimization.{key}' must be a power of two >= 2 (the kernels' tiles are), got "
+                              f"{value}")

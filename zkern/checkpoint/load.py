@@ -313,10 +313,7 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
                                             load_lr_scheduler_states=load_lr_scheduler_states))
     with torch.no_grad():
         for live, staged in plan.copies:
-            if live.is_meta:  # a master or a working shard on NVMe
-                engine._stand_in_write(live, staged)
-            else:
-                live.copy_(staged)
+            engine.store.write(live, staged)  # in memory, or in the file of a master or working shard on NVMe
         if plan.commit is not None:
             plan.commit()
         # The working-dtype copies follow the masters (as the optimizer's own step writes them).
@@ -324,11 +321,7 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
         for g in groups:
             for chunk in g.chunks:
                 if chunk.out is not None:
-                    master = engine._stand_in_read(chunk.param) if chunk.param.is_meta else chunk.param
-                    if chunk.out.is_meta:
-                        engine._stand_in_write(chunk.out, master)
-                    else:
-                        chunk.out.copy_(master)
+                    engine.store.write(chunk.out, engine.store.read(chunk.param))
         if load_optimizer_states and not load_module_only:
             for gi, k, piece, state in plan.optim:
                 _set_optimizer_state(opt, gi, k, piece, state)

@@ -27,8 +27,8 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,6 +53,9 @@ from zkern.checkpoint.tensorfile import StreamWriter
 from zkern.errors import CheckpointError
 from zkern.optim.shard_adam import ShardAdam
 
+if TYPE_CHECKING:
+    from zkern.offload.store import ShardStore
+
 log = logging.getLogger("zkern")
 
 
@@ -64,13 +67,16 @@ class Snapshot:
     scalars: dict[str, dict] = field(default_factory=dict)  # parameter name -> optimizer scalars (e.g. step)
     scalar_types: dict[str, str | None] = field(default_factory=dict)  # scalar key -> tensor dtype, None: a number
     body: dict = field(default_factory=dict)  # the manifest's fields (rank 0's are the ones written)
-    # Values of entries that are meta slices (states on NVMe), read when written: kind, slice -> host tensor.
-    materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    store: ShardStore | None = None  # the engine's: entries that rest in files (ZeRO-Infinity) are read as written
+
+    def in_files(self, t: torch.Tensor) -> bool:
+        return self.store is not None and self.store.in_files(t)
 
     def values(self, kind: str, t: torch.Tensor) -> torch.Tensor:
-        """An entry's values on the host (read from disk for states on NVMe)."""
-        if t.is_meta:
-            return self.materialize(kind, t).reshape(-1)
+        """An entry's values on the host (read from its file for states on NVMe: kind "optim.<state>" names it)."""
+        if self.store is not None:
+            t = self.store.read(t, kind[len("optim."):] if kind.startswith("optim.") else "master")
+        t = t.reshape(-1)
         return t if t.device.type == "cpu" else t.cpu()
 
 
@@ -104,8 +110,7 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
     # every rank writes what it holds whole (buffers, stage 0's pieces), not only the rank that writes it otherwise
     node_local = engine.config.checkpoint.use_node_local_storage
     # ZeRO-Infinity: master, moments or working shard on disk; each range is read as it is written
-    snap.materialize = lambda kind, t: engine._stand_in_read(t, kind[len("optim."):] if kind.startswith("optim.")
-                                                            else "master")
+    snap.store = engine.store
     for gi, group in enumerate(rt.shard_groups):
         for i, piece in enumerate(group.pieces):
             index, start, mine = smap.pieces[gi][i]
@@ -222,7 +227,7 @@ def _to_host(snap: Snapshot, *, pin: bool):
     out = []
     for kind, name, start, t in snap.entries:
         buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
-        buf.copy_(snap.values(kind, t) if t.is_meta else t.reshape(-1), non_blocking=pin)
+        buf.copy_(snap.values(kind, t) if snap.in_files(t) else t.reshape(-1), non_blocking=pin)
         out.append((kind, name, start, buf))
     if pin:
         torch.cuda.synchronize()

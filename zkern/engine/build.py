@@ -7,17 +7,28 @@ Each function does one step of zkern.Engine.__init__ and raises a clear error on
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 
 import torch
 
 from zkern import ops
 from zkern.comm.collectives import Comm, device_from_config
+from zkern.comm.zeropp import QuantizedReduce
 from zkern.config import Config, ConfigError
+from zkern.core.runtime import Runtime
+from zkern.core.spec import RuntimeSpec
+from zkern.offload import nvme
 from zkern.offload.nvme import NvmeAdam
+from zkern.offload.store import ShardStore
 from zkern.optim.lamb_lion import Lamb, Lion
 from zkern.optim.lr_schedules import build_scheduler
 from zkern.optim.shard_adam import ShardAdam, ShardGroup
+from zkern.stage3.runtime import Stage3Runtime
+from zkern.stage3.sharded_init import is_sharded
+from zkern.stage12.runtime import Stage12Runtime
+
+log = logging.getLogger("zkern")
 
 
 def pick_device(model: torch.nn.Module, want: str) -> torch.device:
@@ -246,3 +257,39 @@ def build_scheduler_for(cfg: Config, client_scheduler, optimizer: torch.optim.Op
         raise ValueError("lr_scheduler is bound to another optimizer than the engine's; build it on the optimizer "
                          "you pass to zkern.Engine, or pass a callable optimizer -> scheduler")
     return client_scheduler
+
+
+def checked_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, model_parameters,
+                   spec: RuntimeSpec) -> tuple[list[list[torch.nn.Parameter]], list[dict] | None]:
+    """The trainable parameters per optimizer group (the client optimizer's groups, the requested model_parameters
+    groups, or one group), and the requested groups; ValueError for what cannot train as asked."""
+    if model_parameters is not None and optimizer is not None:
+        raise ValueError("model_parameters and optimizer are both given; model_parameters are the param groups "
+                         "of the config's optimizer: pass the groups to your torch optimizer instead")
+    requested = requested_groups(model_parameters) if model_parameters is not None else None
+    groups = trainable_groups(model, optimizer, requested)
+    if not any(groups):
+        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+    if not spec.mixed:
+        check_dtypes(groups, model)
+    if not spec.zero.contiguous_gradients:
+        log.warning("zkern: zero_optimization.contiguous_gradients=false has no effect: zkern always reduces "
+                    "gradients from contiguous buckets, which costs no extra memory")
+    if spec.stage != 3 and any(is_sharded(p) for p in model.parameters()):
+        raise ValueError("the model was built under zkern.init_sharded, which partitions it for ZeRO stage 3; "
+                         f"the config says stage {spec.stage}: use stage 3, or build the model without it")
+    return groups, requested
+
+
+def make_runtime(model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], spec: RuntimeSpec, cfg: Config, *,
+                 comm: Comm, store: ShardStore) -> Runtime:
+    """The stage runtime: it builds its buffers on the device from the parameters where they are (the host,
+    typically), a bucket or a unit at a time, from the fp32 values."""
+    if spec.stage == 3:
+        param_files = None
+        if spec.offload_param == "nvme":  # stage 3's working shard in a file under offload_param.nvme_path
+            def param_files(numel, dtype, units):
+                return nvme.params_from_config(cfg, comm.rank, numel, dtype, units)
+        return Stage3Runtime(model, groups, spec, comm=comm, store=store, param_files=param_files)
+    return Stage12Runtime(model, groups, param_names(model), spec, comm=comm, store=store,
+                          quantized=QuantizedReduce.from_config(comm, spec.zero))

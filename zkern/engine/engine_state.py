@@ -21,7 +21,7 @@ def build_registry(engine) -> StateRegistry:
     for component in engine.runtime.state_components():
         registry.add(component)
     registry.add(_module(engine))
-    registry.add(_optimizer(engine.optimizer))
+    registry.add(_optimizer(engine.optimizer, engine.store))
     if engine.lr_scheduler is not None:
         registry.add(_scheduler(engine.lr_scheduler))
     registry.add(_scaler(engine))
@@ -52,10 +52,10 @@ def _module(engine) -> Component:
     return Component("module", "weights", snapshot=lambda: host_copy(own()), tensors=lambda: list(own().values()))
 
 
-def _optimizer(optimizer: torch.optim.Optimizer) -> Component:
+def _optimizer(optimizer: torch.optim.Optimizer, store) -> Component:
     """Moments and step counts per shard piece, and the param groups' hyper-parameters (an LR scheduler moves lr).
     Fresh: the state a just-built optimizer has (none) and the hyper-parameters it was built with (after the
-    scheduler's construction set the first lr)."""
+    scheduler's construction set the first lr). store: the engine's ShardStore (moments on NVMe are read from it)."""
     initial = hyper_parameters(optimizer)
 
     def reset() -> None:
@@ -71,7 +71,7 @@ def _optimizer(optimizer: torch.optim.Optimizer) -> Component:
             for i, piece in enumerate(group["params"]):
                 if isinstance(optimizer, ShardAdam):
                     state = optimizer.piece_state(gi, i)
-                    state = {k: (optimizer.shard.read(k, v) if getattr(v, "is_meta", False) else v)
+                    state = {k: (store.read(v, k) if isinstance(v, torch.Tensor) else v)
                              for k, v in state.items()}
                 else:
                     state = dict(optimizer.state.get(piece, {}))

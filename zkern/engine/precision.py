@@ -8,35 +8,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-
 from zkern.config import Config
 
 log = logging.getLogger("zkern")
-
-
-def working_dtype(cfg: Config) -> torch.dtype:
-    """The dtype parameters and gradients live in during forward/backward."""
-    match cfg.precision:
-        case "fp16":
-            return torch.float16
-        case "bf16":
-            return torch.bfloat16
-        case "fp32":
-            return torch.float32
-        case other:
-            raise ValueError(f"unknown precision {other!r}")
-
-
-_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def gradient_dtypes(cfg: Config, working: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-    """(communication dtype, accumulation dtype) of gradients: communication_data_type and
-    data_types.grad_accum_dtype, each the working dtype when not set."""
-    comm = _TORCH_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else working
-    accum = _TORCH_DTYPES[cfg.grad_accum_dtype] if cfg.grad_accum_dtype else working
-    return comm, accum
 
 
 class LossScaleAtMinimum(RuntimeError):

@@ -17,7 +17,9 @@ import time
 
 import torch
 
+from zkern.config.report import startup_block
 from zkern.monitor import Monitors
+from zkern.optim.shard_adam import ShardAdam
 
 log = logging.getLogger("zkern")
 PHASES = ("forward", "backward", "step")
@@ -119,3 +121,107 @@ class Reporter:
 
     def close(self) -> None:
         self.monitors.close()
+
+
+def log_layout(engine) -> None:
+    """Say once what zkern made of the config (a warning when a key was not DeepSpeed's), how the parameters were
+    laid out (padding included), and warn about costly layouts."""
+    if engine.rank != 0:
+        return
+    log.log(logging.WARNING if engine.config.notes.warned else logging.INFO, "%s", startup_block(engine.config))
+    for line in engine.runtime.describe():
+        log.info("zkern: %s", line)
+    for line in engine.runtime.warnings(engine.config.zero_optimization.reduce_bucket_size):
+        log.warning("zkern: %s", line)
+
+
+def log_offload(engine) -> None:
+    """Say where the optimizer's states went, and what the offload keys that do nothing here would have done."""
+    zero = engine.config.zero_optimization
+    if engine.nvme is not None:
+        engine.nvme.buffers()  # the tile size is fixed now that every region exists
+    store = getattr(engine.runtime, "param_store", None)
+    if engine.rank != 0:
+        return
+    if store is not None:
+        log.info("zkern NVMe: stage-3 parameter shard in %s (%.1f MB per rank), read ahead by up to %d reads / "
+                 "%d elements, up to %d elements cached in host memory", store.directory, store.nbytes / 1e6,
+                 store.buffer_count, store.buffer_size, store.max_in_cpu)
+    if zero.offload_param_device != "nvme" and zero.offload_param_nvme_path is not None:
+        log.warning("zkern: zero_optimization.offload_param.nvme_path is set but the device is %r: the "
+                    "parameter shards are not on NVMe (set device \"nvme\" for that)", zero.offload_param_device)
+    if engine.nvme is not None:
+        log.info("zkern NVMe: master and Adam moments in %s (%.1f MB per rank, %s I/O), stepped in tiles of %d "
+                 "elements through %d buffer sets (%.1f MB of host memory)", engine.nvme.directory,
+                 engine.nvme.nbytes() / 1e6, engine.nvme.io_path, engine.nvme.tile, engine.nvme.buffer_count,
+                 engine.nvme.buffer_bytes() / 1e6)
+        if engine.nvme.buffer_bytes() > 1 << 30:
+            log.warning("zkern NVMe: the tile buffers take %.1f GB of host memory (buffer_count x 3 states x "
+                        "sub_group_size x 4 bytes); lower zero_optimization.sub_group_size (e.g. 1e7)",
+                        engine.nvme.buffer_bytes() / 1e9)
+        return
+    if zero.offload_optimizer_nvme_path is not None:
+        log.warning("zkern: zero_optimization.offload_optimizer.nvme_path is set but the device is %r: the "
+                    "optimizer states are not on NVMe (set device \"nvme\" for that)",
+                    zero.offload_optimizer_device)
+    if zero.sub_group_size != 1_000_000_000:
+        log.info("zkern: zero_optimization.sub_group_size sets the tile of the NVMe optimizer step; with "
+                 "offload_optimizer.device %r it changes nothing", zero.offload_optimizer_device)
+
+
+def memory_report(engine) -> dict[str, dict[str, int]]:
+    """Bytes this rank holds, by where they live: params, grads, optimizer (states), master (fp32 weights),
+    comm_buffers (gradient buckets, gathered stage-3 units), offload_buffers (host staging), total; with
+    ZeRO++ also hpz_secondary (hpZ's secondary partition), loco_error (LoCo's error buffers) and frozen_int8
+    (the int8 codes and scales of frozen units under zero_quantized_nontrainable_weights, not in params).
+    With offload the master, the optimizer states and the staging buffers are under "host" (and the
+    stage-3 parameter shards too with offload_param); on a CPU-only run both places are one memory, but
+    they are still reported apart."""
+    device = {"params": 0, "grads": 0, "optimizer": 0, "master": 0, "comm_buffers": 0}
+    host = {"params": 0, "optimizer": 0, "master": 0, "offload_buffers": 0}
+    held = engine.runtime.memory()
+    on_host = held.pop("host_params")
+    params_on_disk = held.pop("disk_params", 0)
+    for key, value in held.items():  # ZeRO++ adds hpz_secondary, loco_error and frozen_int8 where they are on
+        if key.startswith("host_"):  # resting on the host (offload_param)
+            host[key[len("host_"):]] = host.get(key[len("host_"):], 0) + value
+        else:
+            device[key] = device.get(key, 0) + value
+    trainable = {id(p) for p in engine.runtime.params}
+    device["params"] += sum(p.numel() * p.element_size() for p in engine.module.parameters()
+                            if id(p) not in trainable)
+    optimizer = optimizer_state_bytes(engine.optimizer)
+    if engine.offload:
+        host["master"], device["master"] = device["master"], 0
+        host["optimizer"] = optimizer
+        host["offload_buffers"] = engine.host_step.staging_bytes
+    else:
+        device["optimizer"] = optimizer
+    host["params"], device["params"] = on_host, device["params"] - on_host
+    on_nvme = None
+    if engine.nvme is not None or params_on_disk:
+        on_nvme = {"params": params_on_disk, "master": 0, "optimizer": 0}
+    if engine.nvme is not None:  # the three state files are the same size: master, then exp_avg + exp_avg_sq
+        host["nvme_buffers"] = engine.nvme.buffer_bytes()
+        on_disk = engine.nvme.nbytes()
+        on_nvme.update(master=on_disk // 3, optimizer=on_disk - on_disk // 3)
+    if on_nvme is not None:
+        on_nvme["total"] = sum(on_nvme.values())
+    device["total"], host["total"] = sum(device.values()), sum(host.values())
+    # the host holds something with offload_optimizer, or with stage 3's parameters resting there (offload_param)
+    report = {engine.device.type: device, "host": host} if engine.offload or on_host else {engine.device.type: device}
+    if on_nvme is not None:
+        report["nvme"] = on_nvme
+    return report
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    if isinstance(optimizer, ShardAdam):
+        return optimizer.state_bytes()
+    seen, total = set(), 0
+    for state in optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and t.numel() > 1 and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total

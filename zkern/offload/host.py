@@ -33,13 +33,13 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
 class HostStep:
     """Staging buffers and the copy/step pipeline of an offloaded optimizer step."""
 
-    def __init__(self, device_groups: list[ShardGroup], *, pin: bool, out_on_host: bool, read=None, write=None):
+    def __init__(self, device_groups: list[ShardGroup], *, pin: bool, out_on_host: bool, store=None):
         """device_groups: the runtime's shard groups (param = host master chunk, grad = device gradient chunk,
         out = device parameter chunk, or a host one when out_on_host). An out that is a meta stand-in (the
         parameter shard on NVMe) is staged on the host and sent with write(out, values); read(out) gives its
         starting values."""
         self.device_groups = device_groups
-        self.read, self.write = read, write
+        self.store = store
         self._active: list[list[bool]] | None = None
         cuda = any(c.grad.is_cuda for g in device_groups for c in g.chunks)
         self.stream = torch.cuda.Stream() if cuda else None
@@ -50,9 +50,9 @@ class HostStep:
             for c in g.chunks:
                 grad = host_tensor(c.grad.numel(), c.grad.dtype, pin=pin)
                 out = c.out
-                if c.out is not None and (not out_on_host or c.out.is_meta):
+                if c.out is not None and (not out_on_host or store.in_files(c.out)):
                     out = host_tensor(c.out.numel(), c.out.dtype, pin=pin)
-                    out.copy_(read(c.out) if c.out.is_meta else c.out)
+                    out.copy_(store.read(c.out))
                     self.staging_bytes += out.numel() * out.element_size()
                 self.staging_bytes += grad.numel() * grad.element_size()
                 chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))
@@ -91,8 +91,8 @@ class HostStep:
         if host is None or host is dev:
             return
         for lo, hi in self._stepped(gi, ci):
-            if dev.is_meta:
-                self.write(dev[lo:hi], host[lo:hi])
+            if self.store.in_files(dev):
+                self.store.write(dev[lo:hi], host[lo:hi])
             elif self.stream is None:
                 dev[lo:hi].copy_(host[lo:hi])
             else:

@@ -216,22 +216,6 @@ def params_from_config(cfg, rank: int, numel: int, dtype: torch.dtype, units: di
                       buffer_count=zero.offload_param_buffer_count, buffer_size=zero.offload_param_buffer_size)
 
 
-def read_stand_in(t: torch.Tensor, shard: NvmeShard | None, params, state: str = "master") -> torch.Tensor:
-    """Values of a stand-in's slice: from the parameter file (params, an NvmeParams) when it is the working
-    shard's, else from the optimizer shard's `state` file."""
-    if params is not None and params.owns(t):
-        return params.read(t)
-    return shard.read(state, t)
-
-
-def write_stand_in(t: torch.Tensor, values: torch.Tensor, shard: NvmeShard | None, params,
-                   state: str = "master") -> None:
-    if params is not None and params.owns(t):
-        params.write(t, values)
-    else:
-        shard.write(state, t, values)
-
-
 class NvmeAdam(ShardAdam):
     """ShardAdam whose fp32 master and moments live in an NvmeShard: each chunk's param is a slice of a region's
     meta stand-in; grad and out are real tensors (the host staging buffers of offload.HostStep)."""

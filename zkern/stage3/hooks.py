@@ -13,7 +13,7 @@ another module's parameters are found, and what happens when ranks would gather 
             gather instead of a third one.
   external  the first pass watches torch calls for parameters at rest: a module that reads a parameter of
             another unit (a tied head) is given that unit to gather from then on.
-  diverging in a verifying pass (divergence.py) every gather is preceded by a tag exchange. When ranks would
+  diverging in a verifying pass (agreement.py) every gather is preceded by a tag exchange. When ranks would
             gather different units (routed experts: rank 0 runs experts[0], rank 1 experts[1]), the smallest
             module containing all of them becomes one merged group that its nearest running ancestor gathers on
             every rank, from this gather on (stage3_merge_divergent_modules, default true); otherwise, or where
@@ -29,25 +29,18 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
-from zkern.comm.collectives import CommError
 from zkern.comm.divergence import (
     TagKind,
-    common_prefix,
-    describe_mismatch,
-    exchange_tags,
     path_under,
 )
+from zkern.stage3 import agreement
+from zkern.stage3.external import WatchAtRest
 from zkern.stage3.gatherer import Gatherer
 from zkern.stage3.lifecycle import DataState, GradState, InvariantError, Unit, check_pass_end
 
 log = logging.getLogger("zkern")
-
-# Attribute reads an at-rest parameter answers correctly (its empty stand-in has the right dtype and device).
-_METADATA = frozenset({"dtype", "device", "requires_grad", "is_leaf", "layout", "is_cuda", "grad_fn"})
-
 
 @dataclass(eq=False)
 class Frame:
@@ -55,26 +48,6 @@ class Frame:
 
     module: torch.nn.Module
     acquired: list[Unit] = field(default_factory=list)
-
-
-class _WatchAtRest(TorchFunctionMode):
-    """Recording passes only: a torch call that reads a parameter at rest gathers its unit for the running
-    module (and remembers that the module needs it)."""
-
-    def __init__(self, hooks: Stage3Hooks):
-        super().__init__()
-        self.hooks = hooks
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.hooks.in_hook:  # the runtime's own work (gathering sets p.data) is not the model reading
-            return func(*args, **kwargs)
-        if getattr(getattr(func, "__self__", None), "__name__", None) in _METADATA:
-            return func(*args, **kwargs)
-        for leaf in tree_flatten((args, kwargs))[0]:
-            if isinstance(leaf, torch.nn.Parameter):
-                self.hooks.adopt_if_at_rest(leaf)
-        return func(*args, **kwargs)
 
 
 class Stage3Hooks:
@@ -99,7 +72,7 @@ class Stage3Hooks:
         self.in_hook = False
         self.suspended = False  # every unit is pinned whole (gathered_for_generation): forwards need no hooks
         self.needs_changed = False
-        self._watch: _WatchAtRest | None = None
+        self._watch: WatchAtRest | None = None
         self._said: set[str] = set()
         self._handles = []
         self._hooked: set[int] = set()
@@ -130,7 +103,7 @@ class Stage3Hooks:
             if not self.verify and not self.departed and not self.gatherer.catch_up(u, self.phase):
                 self._depart(u)
             if (self.verify or self.departed) and not u.live:
-                self._agree((TagKind.GATHER, u.index, self._module_number(requester)), requester=frame)
+                agreement.agree(self, (TagKind.GATHER, u.index, self._module_number(requester)), requester=frame)
         event = self.gatherer.use(u, self.phase)
         if frame is not None:
             u.ref()
@@ -260,12 +233,12 @@ class Stage3Hooks:
         self.verify = self.gatherer.begin_pass("forward")
         self.recording = self.gatherer.order.recording_only("forward")
         if self.recording:
-            self._watch = _WatchAtRest(self)
+            self._watch = WatchAtRest(self)
             self._watch.__enter__()
 
     def _end_forward(self) -> None:
         self._stop_watching()
-        self._agree_end(TagKind.END_FORWARD)
+        agreement.agree_end(self, TagKind.END_FORWARD)
         self._end_pass("forward")
         check_pass_end(self.units, "forward")
 
@@ -296,28 +269,6 @@ class Stage3Hooks:
         self.gatherer.drop_prefetched()
         self.gatherer.order.abandon(self.phase)
 
-    # -- external reads ---------------------------------------------------------------------------------------
-    def adopt_if_at_rest(self, p: torch.nn.Parameter) -> None:
-        u = self.unit_of.get(id(p))
-        if u is None or u.persistent or (u.data is DataState.GATHERED and not u.prefetched):
-            return
-        frame = self.frames[-1] if self.frames else None
-        module = frame.module if frame is not None else self.root
-        wanted = self.needs.setdefault(module, [])
-        if u.index not in wanted:
-            wanted.append(u.index)
-            self.hook_module(module)
-            self.needs_changed = True
-            if self.comm.rank == 0:
-                log.info("zkern stage 3: %s reads '%s' of unit '%s' outside that unit's modules; it gathers that "
-                         "unit from now on", type(module).__name__, self._param_name(p), u.name)
-        u.touched = True
-        self.in_hook = True
-        try:
-            self._acquire(u, frame=frame, requester=module)
-        finally:
-            self.in_hook = False
-
     # -- backward ---------------------------------------------------------------------------------------------
     def _pre_backward(self, module: torch.nn.Module, grad):
         self.in_hook = True
@@ -345,7 +296,7 @@ class Stage3Hooks:
         reductions, which another rank may complete only after such a gather."""
         self.in_hook = True
         try:
-            self._agree_end(TagKind.END_BACKWARD)
+            agreement.agree_end(self, TagKind.END_BACKWARD)
         finally:
             self.in_hook = False
 
@@ -354,16 +305,6 @@ class Stage3Hooks:
         self.release_backward()
         self._end_pass("backward")
         self.phase = "forward"
-
-    def _agree_end(self, kind: TagKind) -> None:
-        """At the end of every pass (several ranks): the rest of the record is issued, then the ranks agree that the
-        pass ended. Passes that follow their record exchange this one tag per pass; a rank that departed from it
-        is served here."""
-        if self.comm.world == 1:
-            return
-        if not self.verify and not self.departed:
-            self.gatherer.drain(self.phase)
-        self._agree((kind, -1, -1), requester=None)
 
     def release_backward(self) -> None:
         """Backward is over (or failed): nothing it held or left lingering stays gathered."""
@@ -382,135 +323,6 @@ class Stage3Hooks:
         elif u.held and not u.divergent:
             u.held = False
             self.release(u)
-
-    # -- agreement across ranks -------------------------------------------------------------------------------
-    def _agree(self, tag: tuple[int, int, int], *, requester: Frame | None) -> None:
-        """Exchange tags until every rank is about to do the same thing; resolve a divergence in between (each
-        rank derives the same resolution from the same tags) or raise a CommError naming it."""
-        while True:
-            tags = exchange_tags(self.comm, tag, self.gatherer.device)
-            if all(t == tags[0] for t in tags):
-                return
-            self._resolve(tags, requester, tag)
-            if tag[0] == TagKind.GATHER and self.units[tag[1]].live:
-                return  # the resolution gathered it
-
-    def _resolve(self, tags: list[tuple[int, int, int]], requester: Frame | None,
-                 mine: tuple[int, int, int]) -> None:
-        end = TagKind.END_FORWARD if self.phase == "forward" else TagKind.END_BACKWARD
-        wanted = sorted({t[1] for t in tags if t[0] == TagKind.GATHER})
-        what = describe_mismatch(tags, [u.name for u in self.units], [self._path(m) for m in self.modules])
-        if not wanted or any(t[0] not in (TagKind.GATHER, end) for t in tags):
-            raise self._diverged(what, "no merge can line these up")
-        if not self.verify:  # a pass that followed its record, and a rank left it: serve, no merge
-            self._serve(wanted, mine[1] if mine[0] == TagKind.GATHER else None)
-            return
-        if not self.merge_divergent:
-            raise self._diverged(what, "zero_optimization.stage3_merge_divergent_modules is false")
-        if self.phase == "backward":
-            self._merge_for_backward(wanted, what)
-        else:
-            self._merge_into_container(wanted, requester, what)
-        self.needs_changed = True
-        self.gatherer.verify_all = False  # found and merged: passes that follow their record need not verify
-
-    def _serve(self, wanted: list[int], own: int | None) -> None:
-        """Every rank takes part in the all-gathers of the units some rank asked for, in unit order: the asker keeps
-        its own (its _acquire uses it next), the others let theirs go. The next passes record afresh."""
-        self.needs_changed = True
-        for ui in wanted:
-            u = self.units[ui]
-            if ui == own:
-                self._gather_agreed(u)
-            else:
-                self.gatherer.join(u, "parameters another rank asked for")
-
-    def _merge_into_container(self, wanted: list[int], requester: Frame | None, what: str) -> None:
-        """Forward: the units under the deepest module containing every wanted unit become one group, gathered
-        from now on by `container` (the nearest module that runs on every rank) and, in this pass, by the deepest
-        open frame containing them."""
-        prefix = common_prefix([self.units[i].name for i in wanted])
-        group = list(wanted)
-        if self._siblings(wanted, prefix):  # children of a ModuleList/ModuleDict chosen per rank: take them all
-            group = [u.index for u in self.units if not u.persistent and path_under(u.name, prefix)]
-        container = self._container(prefix, proper=len(wanted) == 1)
-        frames = [f for f in self.frames if f is not requester and path_under(prefix, self._path(f.module))]
-        frame = frames[-1] if frames else None
-        tag = (TagKind.ATTACH, self._module_number(container), self._module_number(frame.module if frame else None))
-        tags = exchange_tags(self.comm, tag, self.gatherer.device)
-        if frame is None or any(t != tags[0] for t in tags):
-            raise self._diverged(what, "the ranks are not inside one common module that could gather the merged "
-                                       "units")
-        self.merged[container] = sorted({*self.merged.get(container, []), *group})
-        if id(container) not in self._hooked:
-            self._hooked_mid_call.add(id(container))
-            self.hook_module(container)
-        for ui in group:
-            self.units[ui].divergent = True
-        for ui in group:
-            self._gather_agreed(self.units[ui])
-            self.units[ui].ref()
-            frame.acquired.append(self.units[ui])
-        where = self._path(container) or "<root>"
-        self._say(f"merge:{where}",
-                  f"zkern stage 3: ranks gathered different units ({what}); module '{where}'"
-                  f" now gathers its {len(group)} unit(s) under '{prefix or '<root>'}' together on every rank "
-                  f"({sum(self.units[i].bucket.padded for i in group)} elements), starting with this gather. To "
-                  f"choose this yourself, list the module's class in zero_optimization.stage3_fetch_units")
-
-    def _merge_for_backward(self, wanted: list[int], what: str) -> None:
-        """Backward: every rank gathers the wanted units now. Units a forward merge already covers are gathered
-        by their container's backward hook from the next pass on; any others, when every later backward begins."""
-        container = {i: m for m, group in self.merged.items() for i in group}
-        later = [i for i in wanted if i not in container]
-        self.backward_set = sorted({*self.backward_set, *later})
-        for ui in wanted:
-            u = self.units[ui]
-            u.divergent = True
-            self._gather_agreed(u)
-            self._hold(u, container.get(ui, self.root))  # a holder every rank names alike
-        if later:
-            self._say(f"backward:{later}", f"zkern stage 3: ranks' backward passes gathered different units ({what});"
-                                           f" every rank now gathers {[self.units[i].name for i in later]} when "
-                                           f"backward begins")
-
-    def _gather_agreed(self, u: Unit) -> None:
-        """Join the all-gather of u that every rank issues now: gather it, or, where it is whole already, gather
-        into its own buffer."""
-        if u.data is DataState.REST:
-            self.gatherer.gather(u, async_op=False)
-        else:
-            u.lingering = False
-            self.gatherer.regather(u, "parameters gathered to line ranks up")
-
-    def _siblings(self, wanted: list[int], prefix: str) -> bool:
-        """Are the wanted units inside different children of one ModuleList or ModuleDict (experts[0],
-        experts[1], ...)? Then the other children are the other choices a rank can make, and merging all of them
-        now saves a divergence (and, outside verifying passes, a discarded step) per choice later."""
-        container = self.by_path.get(prefix)
-        return len(wanted) > 1 and isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict))
-
-    def _container(self, prefix: str, proper: bool) -> torch.nn.Module:
-        """The deepest module that has a forward and contains `prefix` (strictly, when `proper`)."""
-        best = self.root
-        for m in self.modules:
-            path = self._path(m)
-            if not path_under(prefix, path) or (proper and path == prefix):
-                continue
-            if type(m).forward is torch.nn.Module.forward:  # ModuleList, ModuleDict: never called
-                continue
-            if len(path) >= len(self._path(best)):
-                best = m
-        return best
-
-    def _diverged(self, what: str, why: str) -> CommError:
-        self.abort_pass()
-        return CommError(
-            f"zkern rank {self.comm.rank} of {self.comm.world}: the ranks' stage-3 gathers diverged ({what}); "
-            f"{why}. Nothing was gathered and no rank has stepped. Each rank must gather the same units in the same "
-            f"order: make every rank run the same modules, or list the class of the module whose children are "
-            f"chosen per rank (an MoE layer) in zero_optimization.stage3_fetch_units, so that it is gathered whole, "
-            f"or leave stage3_merge_divergent_modules at true to let zkern do that when it sees the divergence")
 
     # -- names ------------------------------------------------------------------------------------------------
     def _path(self, module: torch.nn.Module) -> str:

@@ -1,0 +1,189 @@
+"""The house rules of ARCHITECTURE.md, checked on the source: arrows only point down, no import cycles, no room
+too big to see whole, kernels reached only through zkern.ops.
+
+    python -m pytest tests/test_layout.py -q
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "zkern"
+
+# Lowest first. A module may import its own package's modules and anything on a lower layer, nothing above.
+LAYERS: list[tuple[str, ...]] = [
+    ("zkern.errors", "zkern.safe_io", "zkern.reference"),
+    ("zkern.cpu", "zkern.triton", "zkern.cuda"),
+    ("zkern.ops",),
+    ("zkern.config",),
+    ("zkern.monitor", "zkern.checkpointing"),
+    ("zkern.core",),
+    ("zkern.comm",),
+    ("zkern.optim",),
+    ("zkern.offload",),
+    ("zkern.stage12", "zkern.stage3"),
+    ("zkern.checkpoint",),
+    ("zkern.engine",),
+    ("zkern.hf",),
+    ("zkern",),  # the public face: names imported on first use, no static import of anything below
+    ("zkern.testing",),
+    ("zkern.env_report",),
+    ("zkern.verify",),
+]
+# Rooms that must reach kernels through zkern.ops (the backend choice is made there, once).
+THROUGH_OPS = ("zkern.core", "zkern.comm", "zkern.optim", "zkern.offload", "zkern.stage12", "zkern.stage3",
+               "zkern.engine", "zkern.checkpoint")
+KERNELS = ("zkern.cpu", "zkern.triton", "zkern.cuda")
+MAX_FILE_LINES = 500
+MAX_CLASS_LINES = 300
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _extension(package: str, name: str) -> bool:
+    """`from package import name` names a compiled extension module (zkern.cpu._adam_ext), not the package."""
+    folder = ROOT.parent.joinpath(*package.split("."))
+    return folder.is_dir() and any(folder.glob(f"{name}.*.so")) or (name == "_adam_ext" and package == "zkern.cpu")
+
+
+def imports_of(name: str) -> set[str]:
+    """zkern modules `name` imports, at module level or inside functions (a lazy import is still an arrow); imports
+    under `if TYPE_CHECKING:` are annotations only and do not count."""
+    tree = ast.parse(MODULES[name].read_text())
+    skip = {id(n) for node in ast.walk(tree) if _type_checking_only(node) for n in ast.walk(node)}
+    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES or _extension(base, a.name) else base
+                       for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in MODULES and t != name}
+    return found
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def layer_of(name: str) -> int:
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if name == prefix or name.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (i, len(prefix))
+    assert best is not None, f"{name} is on no layer of tests/test_layout.py: add it where it belongs"
+    return best[0]
+
+
+def room_of(name: str) -> str:
+    """The package a module lives in (zkern itself for top-level files)."""
+    return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def test_every_module_is_on_a_layer():
+    for name in MODULES:
+        layer_of(name)
+
+
+def test_arrows_only_point_down():
+    upward = [f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
+              for a, targets in GRAPH.items() for b in sorted(targets)
+              if layer_of(b) > layer_of(a) and not b.startswith(room_of(a) + ".")]
+    assert not upward, "imports that point up:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles():
+    """Tarjan's strongly connected components over the module graph: any component of two or more is a cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_only_the_store_asks_where_a_shard_lives():
+    """`is_meta` (a stand-in for bytes in a file) is asked by offload/store.py and the file stores behind it only."""
+    allowed = {"zkern.offload.store", "zkern.offload.nvme", "zkern.offload.nvme_params"}
+    askers = [name for name, path in MODULES.items() if name not in allowed
+              and any(".is_meta" in line.split("#")[0] for line in path.read_text().splitlines())]
+    assert not askers, f"ask zkern.offload.store.ShardStore instead: {askers}"
+
+
+def test_kernels_only_through_ops():
+    direct = [f"{a} imports {b}" for a, targets in GRAPH.items() for b in targets
+              if a.startswith(THROUGH_OPS) and b.startswith(KERNELS)]
+    assert not direct, "reach kernels through zkern.ops:\n" + "\n".join(direct)
+
+
+def test_rooms_are_small():
+    too_long = []
+    for path in MODULES.values():
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > MAX_FILE_LINES:
+            too_long.append(f"{path.relative_to(ROOT.parent)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_long.append(f"{path.relative_to(ROOT.parent)}: class {node.name} "
+                                f"{node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, f"split these (files <= {MAX_FILE_LINES}, classes <= {MAX_CLASS_LINES} lines):\n" + \
+        "\n".join(too_long)
+
+
+@pytest.mark.parametrize("bad", [{"zkern.a": {"zkern.b"}, "zkern.b": {"zkern.a"}}])
+def test_the_cycle_check_can_fail(bad, monkeypatch):
+    """A two-module cycle planted in the graph is found (the check is not vacuous)."""
+    monkeypatch.setattr(__import__(__name__), "GRAPH", bad, raising=False)
+    with pytest.raises(AssertionError, match="import cycles"):
+        test_no_import_cycles()

@@ -1,0 +1,82 @@
+"""RuntimeSpec: what a stage runtime is built from, resolved once from the config and the device.
+
+    python -c "from zkern.core.spec import RuntimeSpec; help(RuntimeSpec)"
+
+The engine resolves it (RuntimeSpec.resolve) and hands the same object to the stage runtime, which reads its
+fields instead of a list of keyword arguments; the config's ZeRO section rides along for the stage-3 keys that only
+stage 3 reads (fetch units, prefetch, ZeRO++).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from zkern.config import Config
+    from zkern.config.sections import ZeroConfig
+
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def working_dtype(cfg: Config) -> torch.dtype:
+    """The dtype parameters and gradients live in during forward/backward."""
+    match cfg.precision:
+        case "fp16":
+            return torch.float16
+        case "bf16":
+            return torch.bfloat16
+        case "fp32":
+            return torch.float32
+        case other:
+            raise ValueError(f"unknown precision {other!r}")
+
+
+def gradient_dtypes(cfg: Config, working: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(communication dtype, accumulation dtype) of gradients: communication_data_type and
+    data_types.grad_accum_dtype, each the working dtype when not set."""
+    comm = _TORCH_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else working
+    accum = _TORCH_DTYPES[cfg.grad_accum_dtype] if cfg.grad_accum_dtype else working
+    return comm, accum
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """One engine's stage runtime, as the config and the device decide it."""
+
+    stage: int  # 0, 1, 2 or 3
+    device: torch.device  # where the working buffers live
+    dtype: torch.dtype  # the working dtype (fp16/bf16 in mixed precision)
+    mixed: bool  # dtype is not fp32: an fp32 master shard is kept
+    comm_dtype: torch.dtype  # gradients are reduced in this dtype (communication_data_type)
+    accum_dtype: torch.dtype  # and accumulated across micro-steps in this one (data_types.grad_accum_dtype)
+    bucket_numel: int  # gradient bucket elements (stages 0-2: min of reduce and allgather bucket sizes)
+    overlap: bool  # overlap_comm: reductions run while backward continues
+    reduce_scatter: bool  # stages 1-3: reduce-scatter (else all-reduce and keep this rank's chunk)
+    offload_optimizer: str  # "none", "cpu" or "nvme": where the fp32 master and moments live
+    offload_param: str  # "none", "cpu" or "nvme": where stage 3's working shard rests
+    pin_optimizer: bool  # page-locked host copies of the optimizer's shard (only with a GPU to copy to)
+    pin_params: bool  # page-locked host copies of stage 3's working shard (only with a GPU)
+    zero: ZeroConfig  # the whole ZeRO section, for the keys stage 3 alone reads
+
+    @staticmethod
+    def resolve(cfg: Config, device: torch.device) -> RuntimeSpec:
+        zero = cfg.zero_optimization
+        dtype = working_dtype(cfg)
+        comm_dtype, accum_dtype = gradient_dtypes(cfg, dtype)
+        cuda = device.type == "cuda"  # page-locked host memory only helps (and only exists) with a GPU
+        bucket = zero.reduce_bucket_size if zero.stage == 3 else \
+            min(zero.reduce_bucket_size, zero.allgather_bucket_size)
+        return RuntimeSpec(stage=zero.stage, device=device, dtype=dtype, mixed=dtype != torch.float32,
+                           comm_dtype=comm_dtype, accum_dtype=accum_dtype, bucket_numel=bucket,
+                           overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
+                           offload_optimizer=zero.offload_optimizer_device, offload_param=zero.offload_param_device,
+                           pin_optimizer=cuda and zero.offload_optimizer_pin_memory,
+                           pin_params=cuda and zero.offload_param_pin_memory, zero=zero)
+
+    @property
+    def offloaded(self) -> bool:
+        """The optimizer steps on the host (ZeRO-Offload) or from files (ZeRO-Infinity)."""
+        return self.offload_optimizer in ("cpu", "nvme")

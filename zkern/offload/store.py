@@ -1,0 +1,96 @@
+"""ShardStore: where the bytes of this rank's shards live, and the one place that tells a resident tensor from a
+stand-in for bytes that are elsewhere.
+
+    python -m pytest tests/test_store.py tests/test_nvme_engine.py -q
+
+A shard (the fp32 master, the working copy, the gradient shard, an optimizer moment) rests in one of four homes:
+
+  device     an ordinary tensor on the training device (the GPU; the CPU in a CPU run)
+  host       an ordinary tensor in host memory, page-locked when a GPU copies it (ZeRO-Offload)
+  nvme       a file (ZeRO-Infinity): the runtimes hold a *meta* stand-in whose slices carry the shapes and storage
+             offsets of ranges of the file but no data, so a read by code that does not know about files fails
+             loudly instead of returning stale memory. nvme.NvmeShard holds the master and moments of every runtime,
+             nvme_params.NvmeParams stage 3's working shard.
+  int8       stage 3's units with nothing to train under zero_quantized_nontrainable_weights (comm/zeropp.FrozenStore,
+             reached per unit: a unit's codes and scales)
+
+Code that reads or writes a range of a shard (a step, a load, a checkpoint, GatheredParameters, full_state_dict)
+passes the tensor it holds to read()/write() and never asks which home it is; code that counts memory asks
+resident_bytes(). tests/test_layout.py holds that no other module asks `is_meta`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zkern.offload.host import host_tensor
+from zkern.offload.nvme import NvmeShard
+from zkern.offload.nvme_params import NvmeParams
+
+HOMES = ("device", "host", "nvme")
+
+
+class ShardStore:
+    """The homes of one engine's shards: its device, its host memory and, with ZeRO-Infinity, its files."""
+
+    def __init__(self, device: torch.device, *, nvme: NvmeShard | None = None):
+        """nvme: the optimizer's files when offload_optimizer.device is "nvme" (masters and moments)."""
+        self.device = device
+        self.nvme = nvme
+        self.params: NvmeParams | None = None  # stage 3's working shard in a file (offload_param.device "nvme")
+
+    # -- where ------------------------------------------------------------------------------------------------
+    def allocate(self, numel: int, dtype: torch.dtype, home: str, *, pin: bool = False) -> torch.Tensor:
+        """A zeroed shard of numel elements in `home`; for "nvme" (fp32 masters only) a region of the optimizer's
+        files, returned as its stand-in."""
+        match home:
+            case "device":
+                return torch.zeros(numel, dtype=dtype, device=self.device)
+            case "host":
+                return host_tensor(numel, dtype, pin=pin)
+            case "nvme":
+                if self.nvme is None or dtype != torch.float32:
+                    raise ValueError(f"ShardStore: an NVMe shard needs the optimizer's files and fp32, got "
+                                     f"{'no files' if self.nvme is None else dtype}")
+                return self.nvme.add_region(numel)
+            case _:
+                raise ValueError(f"ShardStore: home must be one of {HOMES}, got {home!r}")
+
+    def attach_param_file(self, params: NvmeParams) -> torch.Tensor:
+        """Stage 3's working shard moves to a file: returns the stand-in the runtime holds instead."""
+        self.params = params
+        return params.stand_in
+
+    @staticmethod
+    def in_files(t: torch.Tensor) -> bool:
+        """t (or the shard it is a slice of) rests in a file, not in memory."""
+        return t.is_meta
+
+    @staticmethod
+    def resident_bytes(t: torch.Tensor | None) -> int:
+        """Memory t holds (a stand-in holds none)."""
+        return 0 if t is None or t.is_meta else t.numel() * t.element_size()
+
+    # -- values -----------------------------------------------------------------------------------------------
+    def read(self, t: torch.Tensor, state: str = "master") -> torch.Tensor:
+        """The values of t: t itself when it is in memory; else read from the file its stand-in names (the
+        parameter file for the working shard's slices, else the optimizer's `state` file: master, exp_avg,
+        exp_avg_sq)."""
+        if not t.is_meta:
+            return t
+        if self.params is not None and self.params.owns(t):
+            return self.params.read(t)
+        if self.nvme is None:
+            raise RuntimeError("ShardStore: a stand-in tensor with no file behind it (was the engine destroyed?)")
+        return self.nvme.read(state, t)
+
+    def write(self, t: torch.Tensor, values: torch.Tensor, state: str = "master") -> None:
+        """t <- values, in memory or in the file t stands for."""
+        if not t.is_meta:
+            t.copy_(values)
+        elif self.params is not None and self.params.owns(t):
+            self.params.write(t, values)
+        elif self.nvme is None:
+            raise RuntimeError("ShardStore: a stand-in tensor with no file behind it (was the engine destroyed?)")
+        else:
+            self.nvme.write(state, t, values)

@@ -1,0 +1,302 @@
+"""FlatGroup: one optimizer group's trainable parameters packed into flat buffers, for ZeRO stages 0, 1 and 2.
+
+    python -m pytest tests/test_engine.py -q -k "stage0 or stage1 or stage2"
+
+Its parameters become views into one flat working-dtype buffer laid out by partition.plan_layout; its gradients
+views into a flat buffer (stages 0-1) or are folded bucket by bucket into a shard (stage 2); this rank steps its
+chunk of every bucket. runtime.py drives the groups through one reduce schedule; group_state.py reads them whole,
+writes their masters and accounts for them.
+"""
+
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from zkern import ops
+from zkern.comm.collectives import Comm, Work
+from zkern.comm.schedule import fold_reduced
+from zkern.comm.zeropp import QuantizedReduce
+from zkern.core.partition import Bucket, Layout, plan_layout
+from zkern.core.spec import RuntimeSpec
+from zkern.offload.store import ShardStore
+from zkern.optim.shard_adam import Chunk, ShardGroup
+
+log = logging.getLogger("zkern")
+
+
+class FlatGroup:
+    """One group of trainable parameters packed into flat buffers, for ZeRO stages 0, 1 and 2."""
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], spec: RuntimeSpec, *, comm: Comm,
+                 store: ShardStore):
+        """spec: the stage, dtypes, bucket size and offload as resolved from the config (core/spec.py). store:
+        where the shards live (offload/store.py); with its optimizer files (offload_optimizer.device "nvme") the
+        master shard is a region of them (self.master is then the region's stand-in)."""
+        stage, dtype, mixed, device = spec.stage, spec.dtype, spec.mixed, spec.device
+        self.params, self.names, self.stage, self.comm = params, names, stage, comm
+        self.dtype, self.mixed, self.overlap, self.reduce_scatter = dtype, mixed, spec.overlap, spec.reduce_scatter
+        self.comm_dtype, self.accum_dtype = spec.comm_dtype, spec.accum_dtype
+        self.quantized: QuantizedReduce | None = None  # qgZ at stage 2 (Stage12Runtime sets it)
+        self.quantized_key = 0
+        self.shard_world = 1 if stage == 0 else comm.world
+        self.shard_rank = 0 if stage == 0 else comm.rank
+        self.layout: Layout = plan_layout([p.numel() for p in params], self.shard_world, spec.bucket_numel)
+        layout = self.layout
+
+        # The flat working-dtype parameters and the fp32 master shard (mixed precision, or offloaded: then on the
+        # host even in fp32), written one bucket at a time from the parameters' own values (fp32, before any
+        # rounding to 16 bits; on the host or the device): each bucket's parameters become views into the flat
+        # buffer as soon as it is written, so their old storage goes at once and building holds one bucket of fp32
+        # beside the model. torch.empty commits pages only as they are written.
+        self.param_flat = torch.empty(layout.total, dtype=dtype, device=device)
+        self.store = store
+        self.master = None
+        if spec.offload_optimizer == "nvme":
+            self.master = store.allocate(layout.shard_numel, torch.float32, "nvme")
+        elif spec.offloaded:
+            self.master = store.allocate(layout.shard_numel, torch.float32, "host", pin=spec.pin_optimizer)
+        elif mixed:
+            self.master = torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
+        for b in layout.buckets:
+            values = ops.flatten([p.detach() for p in params[b.first:b.last]], torch.float32).to(device)
+            bucket = self.param_flat[b.offset:b.offset + b.padded]
+            bucket[:b.numel].copy_(values)
+            bucket[b.numel:].zero_()  # padding stays zero
+            if self.master is not None:
+                lo, size = layout.chunk_range(b, self.shard_rank)
+                start = lo - b.offset
+                real = max(0, min(size, b.numel - start))  # the rest of the chunk is padding
+                mine = self.master[b.shard_offset:b.shard_offset + size]
+                if store.in_files(mine):
+                    store.write(mine, torch.cat([values[start:start + real].cpu(), torch.zeros(size - real)]))
+                else:
+                    mine[:real].copy_(values[start:start + real])
+                    mine[real:].zero_()
+            del values
+            for i in range(b.first, b.last):
+                params[i].data = self._param_view(self.param_flat, i)
+
+        # Gradients: stages 0-1 a full flat buffer, stage 2 a shard, in the accumulation dtype. Where that is the
+        # working dtype, the flat buffer's views are the parameters' .grad and autograd accumulates into them;
+        # otherwise each gradient is added into the buffer as it arrives and freed.
+        self.grad_flat = self.grad_shard = None
+        self._grad_views = None
+        if stage < 2:
+            self.grad_flat = torch.zeros(layout.total, dtype=self.accum_dtype, device=device)
+            if self.accum_dtype == dtype:
+                self._attach_grad_views()
+        else:
+            self.grad_shard = torch.zeros(layout.shard_numel, dtype=self.accum_dtype, device=device)
+        self._bucket_capacity = max(b.padded for b in layout.buckets)  # every stage-2 bucket buffer's size
+        self._free_buffers: list[torch.Tensor] = []  # stage 2 bucket buffers not in use
+        self._buffer_count = 0
+        self._open: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> buffer being filled
+        # (bucket, work, stage-2 buffer, (reduced copy, where it goes) when reduced in another dtype)
+        self._in_flight: deque[tuple[Bucket, Work, torch.Tensor | None, tuple | None]] = deque()
+
+        self.bucket_of = [b for b in layout.buckets for _ in range(b.first, b.last)]
+        self.fired = [False] * len(params)  # got a gradient in this backward
+        self.counted = [False] * len(params)  # counted toward its bucket's completion in this backward
+        self.touched = [False] * len(params)  # a module that owns or declares it ran forward in this micro-step
+        self.used = [False] * len(params)  # got a gradient in any micro-step since the last optimizer step
+        self._micro_since_step = 0  # stage 2: reduced micro-steps accumulated into grad_shard
+        self._gathers: list[Work] = []  # post-step all-gathers in flight
+        self._gathered = [False] * len(layout.buckets)
+        self.pieces = layout.pieces(self.shard_rank)
+        self.shard_group = self._make_shard_group()
+
+    # -- views ------------------------------------------------------------------------------------------------
+    def _param_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        return flat[off:off + n].view(self.params[i].shape)
+
+    def _attach_grad_views(self) -> None:
+        self._grad_views = [self._param_view(self.grad_flat, i) for i in range(len(self.params))]
+        for p, view in zip(self.params, self._grad_views):
+            p.grad = view
+
+    def _own_chunk(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
+        lo, size = self.layout.chunk_range(b, self.shard_rank)
+        return flat[lo:lo + size]
+
+    def grad_chunk(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient for bucket b (valid after backward at the boundary)."""
+        if self.grad_shard is not None:
+            return self.grad_shard[b.shard_offset:b.shard_offset + b.chunk]
+        return self._own_chunk(self.grad_flat, b)
+
+    def grad_segments(self) -> list[torch.Tensor]:
+        """Contiguous buffers of the reduced gradient this rank accounts for (overflow check, norm): its shard,
+        so that summed over ranks every element counts once. Stage 0 holds the whole gradient on every rank and
+        splits the work: rank r takes every world-th bucket."""
+        if self.grad_shard is not None:
+            return [self.grad_shard]
+        if self.stage == 0:
+            comm = self.comm
+            return [self.grad_flat[b.offset:b.offset + b.padded] for b in self.layout.buckets
+                    if b.index % comm.world == comm.rank]
+        return [self.grad_chunk(b) for b in self.layout.buckets]
+
+    def _make_shard_group(self) -> ShardGroup:
+        """The shard as the optimizer sees it: fp32 pieces and per-bucket chunks."""
+        base = self.master  # fp32 shard layout
+        pieces, chunks = [], []
+        by_bucket: dict[int, list[tuple[int, int, int]]] = {b.index: [] for b in self.layout.buckets}
+        for piece in self.pieces:
+            if base is not None:
+                t = base[piece.shard_start:piece.shard_start + piece.numel]
+            else:  # fp32: the rank's chunk of the flat parameter buffer is the master copy
+                b = self.layout.buckets[piece.bucket]
+                t = self._own_chunk(self.param_flat, b)[piece.chunk_start:piece.chunk_start + piece.numel]
+            if piece.numel == self.params[piece.param].numel():
+                t = t.view(self.params[piece.param].shape)
+            by_bucket[piece.bucket].append((len(pieces), piece.chunk_start, piece.numel))
+            pieces.append(t)
+        for b in self.layout.buckets:
+            own = self._own_chunk(self.param_flat, b)
+            param = own if base is None else base[b.shard_offset:b.shard_offset + b.chunk]
+            chunks.append(Chunk(param=param, grad=self.grad_chunk(b), out=own if base is not None else None,
+                                pieces=by_bucket[b.index]))
+        return ShardGroup(pieces=pieces, chunks=chunks)
+
+    def active_pieces(self, used: list[bool]) -> list[bool]:
+        """For each shard piece: did its parameter get a gradient on any rank (used: global flags)?"""
+        return [used[piece.param] for piece in self.pieces]
+
+    # -- backward ---------------------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self.fired = [False] * len(self.params)
+        self.counted = [False] * len(self.params)
+        if self._grad_views is not None:  # autograd accumulates into p.grad in place, keeping the view object
+            for i, p in enumerate(self.params):
+                if p.grad is not self._grad_views[i]:
+                    raise RuntimeError(
+                        f"zkern: the gradient of '{self.names[i]}' was replaced or set to None outside the engine "
+                        f"(e.g. model.zero_grad() or optimizer.zero_grad()); the engine zeroes gradients itself "
+                        f"after each step, so remove that call")
+
+    def take_grad(self, i: int, p: torch.Tensor) -> bool:
+        """Parameter i's gradient arrived; stage 2 moves it into its bucket's buffer. Returns whether it is the
+        first this backward."""
+        again = self.fired[i]
+        self.fired[i] = self.used[i] = True
+        if self.stage == 2:
+            b = self.bucket_of[i]
+            buf = self._open.get(b.index)
+            if buf is None:
+                buf = self._open[b.index] = self._take_buffer(b)
+            off = self.layout.offsets[i] - b.offset
+            slot = buf[off:off + self.layout.numels[i]]
+            if again:
+                slot.add_(p.grad.reshape(-1))
+            else:
+                slot.copy_(p.grad.reshape(-1))
+            p.grad = None  # stage 2 keeps only the shard: this parameter's full gradient is freed here
+        elif self._grad_views is None:  # stages 0-1 accumulating in another dtype than the working one
+            self._param_view(self.grad_flat, i).add_(p.grad)
+            p.grad = None
+        return not again
+
+    def launch(self, b: Bucket) -> None:
+        """Issue bucket b's gradient collective (in the schedule's order, the same on every rank)."""
+        purpose = f"gradients of bucket {b.index}, parameters {self.names[b.first]}..{self.names[b.last - 1]}"
+        if self.stage == 2:
+            buf = self._open.pop(b.index, None)
+            if buf is None:
+                buf = self._take_buffer(b)
+            self._zero_unfilled(buf, b)
+            data = buf[:b.padded]
+            if self.reduce_scatter:  # qgZ has reduce-scatter's contract (refused without reduce_scatter)
+                out = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
+                via = self.comm if self.quantized is None else self.quantized.bucket((self.quantized_key, b.index))
+                work = via.reduce_scatter(out, data, purpose, async_op=self.overlap)
+            else:  # reduce_scatter=false: all-reduce the bucket, then keep this rank's chunk of it
+                work = self.comm.all_reduce(data, purpose, async_op=self.overlap)
+            self._in_flight.append((b, work, buf, None))
+        else:
+            data = self.grad_flat[b.offset:b.offset + b.padded]
+            # Reduced in place, or, in another communication dtype, through a copy cast back on arrival.
+            wire = data if data.dtype == self.comm_dtype else data.to(self.comm_dtype)
+            scatter = self.stage == 1 and self.reduce_scatter
+            if scatter:
+                out = wire[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
+                work = self.comm.reduce_scatter(out, wire, purpose, async_op=self.overlap)
+            else:
+                work = self.comm.all_reduce(wire, purpose, async_op=self.overlap)
+            back = None
+            if wire is not data:
+                back = (out, self._own_chunk(self.grad_flat, b)) if scatter else (wire, data)
+            self._in_flight.append((b, work, None, back))
+        if not self.overlap:
+            self._retire_oldest()
+
+    def _zero_unfilled(self, buf: torch.Tensor, b: Bucket) -> None:
+        """Zero the slots of parameters that got no gradient in this backward, and the padding."""
+        for i in range(b.first, b.last):
+            if not self.fired[i]:
+                off = self.layout.offsets[i] - b.offset
+                buf[off:off + self.layout.numels[i]].zero_()
+        buf[b.numel:b.padded].zero_()
+
+    def _take_buffer(self, b: Bucket) -> torch.Tensor:
+        """A stage-2 bucket buffer; reuses one whose collective has finished before allocating another."""
+        if not self._free_buffers and self._in_flight:
+            self._retire_oldest()
+        if self._free_buffers:
+            return self._free_buffers.pop()
+        self._buffer_count += 1
+        return torch.empty(self._bucket_capacity, dtype=self.comm_dtype, device=self.param_flat.device)
+
+    def _retire_oldest(self) -> None:
+        b, work, buf, back = self._in_flight.popleft()
+        work.wait()
+        if back is not None:
+            back[1].copy_(back[0])
+        if buf is not None:  # stage 2: fold this micro-step's reduced chunk into the gradient shard
+            fold_reduced(self.grad_shard[b.shard_offset:b.shard_offset + b.chunk],
+                         buf[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk], self._micro_since_step == 0)
+            self._free_buffers.append(buf)
+
+    def end_backward(self) -> None:
+        """Wait for every collective of this backward (the runtime launched the rest)."""
+        while self._in_flight:
+            self._retire_oldest()
+        if self.stage == 2:
+            self._micro_since_step += 1
+        self.touched = [False] * len(self.params)
+
+    # -- step -------------------------------------------------------------------------------------------------
+    def gather_bucket(self, index: int) -> None:
+        """Bucket `index`'s chunk is stepped: all-gather every rank's updated chunk into the flat parameter
+        buffer, asynchronously (gather_params waits), while the optimizer steps the next chunk."""
+        if self.stage == 0 or self._gathered[index]:
+            return
+        self._gathered[index] = True
+        b = self.layout.buckets[index]
+        data = self.param_flat[b.offset:b.offset + b.padded]
+        self._gathers.append(self.comm.all_gather(data, self._own_chunk(self.param_flat, b),
+                                                  f"updated parameters of bucket {b.index}", async_op=True))
+
+    def gather_params(self) -> None:
+        """After the step: every bucket gathered (those the optimizer did not hand over chunk by chunk now), and
+        waited for."""
+        for index in range(len(self.layout.buckets)):
+            self.gather_bucket(index)
+        for w in self._gathers:
+            w.wait()
+        self._gathers.clear()
+        self._gathered = [False] * len(self.layout.buckets)
+
+    def zero_grad(self) -> None:
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()
+        self._micro_since_step = 0  # stage 2: the next reduced chunk overwrites the shard
+        self.used = [False] * len(self.params)
+
+    # -- state (engine/state.py) ------------------------------------------------------------------------------
+
+    # -- accounting -------------------------------------------------------------------------------------------

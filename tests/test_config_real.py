@@ -227,7 +227,7 @@ def test_zkerns_defaults_are_deepspeeds_key_by_key():
                 spec = table[spec.canonical]
             if spec is None:
                 if name not in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
-                                "stage3_gather_fp16_weights_on_model_save"):  # read by config_parse._zero
+                                "stage3_gather_fp16_weights_on_model_save"):  # read by config.parse._zero
                     unknown.append(f"{section}.{name}")
                 continue
             if isinstance(spec, (keys.Inert, keys.SectionOff)) or field.is_required() or field.default_factory:

@@ -146,7 +146,7 @@ def stage2_buffers_worker(rank, world, specs):
 def in_flight_counter(engine, seen: list):
     """A gradient hook that records how many bucket reductions are in flight when it fires (during backward)."""
     def count(p):
-        seen.append(sum(len(g._in_flight) for g in engine.runtime.groups))
+        seen.append(sum(len(g.reducer) for g in engine.runtime.groups))
     return count
 
 

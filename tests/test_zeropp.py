@@ -1,4 +1,4 @@
-"""ZeRO++ in the engine (engine/zeropp.py): qwZ, hpZ, qgZ (stages 2 and 3) and LoCo, at world 4 standing for
+"""ZeRO++ in the engine (comm/zeropp.py): qwZ, hpZ, qgZ (stages 2 and 3) and LoCo, at world 4 standing for
 2 nodes x 2 ranks (ranks_per_node: 2, zero_hpz_partition_size: 2). Bytes are checked to the byte against what
 each scheme must send, computed here from the units' sizes; training against plain stage 3 and single-process
 AdamW."""

@@ -78,7 +78,7 @@ TOP = {
     "fp16": Key("section"),
     "bf16": Key("section"),
     "bfloat16": Alias("bf16"),  # DeepSpeed's older name of the section
-    "zero_optimization": Key("json"),  # a section, or DeepSpeed's oldest form true/false (config_parse._zero)
+    "zero_optimization": Key("json"),  # a section, or DeepSpeed's oldest form true/false (config.parse._zero)
     "steps_per_print": _int(10, 0),
     "zero_allow_untested_optimizer": _bool(False),
     "activation_checkpointing": Key("section"),

@@ -1,4 +1,4 @@
-"""Parse a DeepSpeed-style config dict against the key tables (config_keys.py) into zkern.Config.
+"""Parse a DeepSpeed-style config dict against the key tables (keys.py) into zkern.Config.
 
     python -m pytest tests/test_config.py tests/test_config_real.py -q
 

@@ -77,19 +77,19 @@ class ZeroConfig:
     offload_optimizer_pin_memory: bool = True  # DeepSpeed 0.19's default (page-locking is done on CUDA only)
     offload_param_device: str = "none"
     offload_param_pin_memory: bool = True
-    # offload_optimizer.device "nvme" (ZeRO-Infinity, engine/nvme.py): fp32 master and moments in files under
+    # offload_optimizer.device "nvme" (ZeRO-Infinity, offload/nvme.py): fp32 master and moments in files under
     # nvme_path, stepped in tiles of sub_group_size elements through buffer_count host buffer sets.
     offload_optimizer_nvme_path: str | None = None
     offload_optimizer_buffer_count: int = 4
     offload_optimizer_fast_init: bool = False
     sub_group_size: int = 1_000_000_000
-    # offload_param.device "nvme" (stage 3, engine/nvme_params.py): the parameter shard in a file under nvme_path,
+    # offload_param.device "nvme" (stage 3, offload/nvme_params.py): the parameter shard in a file under nvme_path,
     # read ahead by at most buffer_count reads / buffer_size elements, up to max_in_cpu elements cached on the host.
     offload_param_nvme_path: str | None = None
     offload_param_buffer_count: int = 5
     offload_param_buffer_size: int = 100_000_000
     offload_param_max_in_cpu: int = 1_000_000_000
-    # ZeRO++ (engine/zeropp.py)
+    # ZeRO++ (comm/zeropp.py)
     zero_quantized_weights: bool = False  # qwZ: stage 3's all-gathers send int8 codes + an fp32 scale per group
     zero_quantized_nontrainable_weights: bool = False  # stage 3: units with nothing to train rest as int8 codes
     zero_hpz_partition_size: int = 1  # hpZ: a secondary copy over groups of k ranks serves backward's gathers

@@ -1,4 +1,4 @@
-"""What the engine asks of a stage runtime (stage12.Stage12Runtime for stages 0-2, stage3.Stage3Runtime for 3):
+"""What the engine asks of a stage runtime (stage12/runtime.py for stages 0-2, stage3/runtime.py for 3):
 the engine calls these and reaches into neither runtime's fields.
 
     python -c "from zkern.core.runtime import Runtime; help(Runtime)"
@@ -78,7 +78,7 @@ class Runtime(Protocol):
         """The fp16 loss scale was multiplied by factor (state kept in scaled units follows)."""
 
     def state_components(self) -> list:
-        """This runtime's stateful pieces for the engine's registry (engine/state.py)."""
+        """This runtime's stateful pieces for the engine's registry (core/state.py)."""
 
     def chunk_stepped(self, group: int, chunk: int) -> None:
         """The optimizer finished one chunk of one group's shard."""

@@ -3,8 +3,10 @@
     engine = zkern.Engine(model, "ds_config.json")
     loss = engine(batch).loss; engine.backward(loss); engine.step()
 
-The stage runtime (stage12.Stage12Runtime, stage3.Stage3Runtime) owns buffers and gradient communication; the optimizer
-(optimizer.py) owns the update; this file sequences them and keeps the counters users read.
+The stage runtime (stage12/runtime.py, stage3/runtime.py) owns buffers and gradient communication, the optimizer
+(optim/shard_adam.py) the update, the ShardStore (offload/store.py) where shard bytes live; this file sequences them
+and keeps the counters users read. stepping.py holds the step, weights.py and saving.py the whole-weight and
+checkpoint calls, build.py the construction steps (ARCHITECTURE.md has the map).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class Engine(torch.nn.Module):
         self.dtype = spec.dtype
         groups, requested = build.checked_groups(model, optimizer, model_parameters, spec)
         self.offload = spec.offloaded
-        # ZeRO-Infinity: the fp32 master and moments in files of this rank's own (engine/nvme.py), made before the
+        # ZeRO-Infinity: the fp32 master and moments in files of this rank's own (offload/nvme.py), made before the
         # runtime, which writes the initial masters into them as it partitions.
         self.nvme = nvme.shard_from_config(cfg, rank) if zero.offload_optimizer_device == "nvme" else None
         self.store = ShardStore(self.device, nvme=self.nvme)  # where every shard lives (offload/store.py)
@@ -111,7 +113,7 @@ class Engine(torch.nn.Module):
         self._pending_save = None  # an asynchronous save in flight
         # What the config asks to report beside training (timers, monitors, profiler, comms logger): no cost when off.
         self.reporter = Reporter(self)
-        # Every stateful piece, with how it resets: loads, zero_grad and the tests walk this (engine/state.py).
+        # Every stateful piece, with how it resets: loads, zero_grad and the tests walk this (core/state.py).
         self.state = build_registry(self)
 
     # -- the training loop ------------------------------------------------------------------------------------

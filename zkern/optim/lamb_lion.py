@@ -4,7 +4,7 @@ own classes on the pieces (element-wise, so exact).
 
     python -m pytest tests/test_optimizers.py -q
 
-They are torch optimizers whose params are the shard pieces (engine/optimizer.step_torch_optimizer gives each active
+They are torch optimizers whose params are the shard pieces (shard_adam.step_torch_optimizer gives each active
 piece its fp32 gradient), so LR schedulers, checkpoints and the registry see the usual param_groups and state.
 """
 

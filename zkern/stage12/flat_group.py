@@ -12,14 +12,13 @@ writes their masters and accounts for them.
 from __future__ import annotations
 
 import logging
-from collections import deque
 
 import torch
 
 from zkern import ops
 from zkern.comm.collectives import Comm, Work
+from zkern.comm.reducer import BucketReducer
 from zkern.comm.schedule import fold_reduced
-from zkern.comm.zeropp import QuantizedReduce
 from zkern.core.partition import Bucket, Layout, plan_layout
 from zkern.core.spec import RuntimeSpec
 from zkern.offload.store import ShardStore
@@ -40,8 +39,9 @@ class FlatGroup:
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
         self.dtype, self.mixed, self.overlap, self.reduce_scatter = dtype, mixed, spec.overlap, spec.reduce_scatter
         self.comm_dtype, self.accum_dtype = spec.comm_dtype, spec.accum_dtype
-        self.quantized: QuantizedReduce | None = None  # qgZ at stage 2 (Stage12Runtime sets it)
-        self.quantized_key = 0
+        # Every bucket's collective goes through it; qgZ (stage 2) is its `quantized`, which Stage12Runtime sets.
+        self.reducer = BucketReducer(comm)
+        self.quantized_key = 0  # this group's part of qgZ's per-bucket keys (LoCo's error buffers)
         self.shard_world = 1 if stage == 0 else comm.world
         self.shard_rank = 0 if stage == 0 else comm.rank
         self.layout: Layout = plan_layout([p.numel() for p in params], self.shard_world, spec.bucket_numel)
@@ -96,7 +96,6 @@ class FlatGroup:
         self._buffer_count = 0
         self._open: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> buffer being filled
         # (bucket, work, stage-2 buffer, (reduced copy, where it goes) when reduced in another dtype)
-        self._in_flight: deque[tuple[Bucket, Work, torch.Tensor | None, tuple | None]] = deque()
 
         self.bucket_of = [b for b in layout.buckets for _ in range(b.first, b.last)]
         self.fired = [False] * len(params)  # got a gradient in this backward
@@ -210,29 +209,32 @@ class FlatGroup:
                 buf = self._take_buffer(b)
             self._zero_unfilled(buf, b)
             data = buf[:b.padded]
-            if self.reduce_scatter:  # qgZ has reduce-scatter's contract (refused without reduce_scatter)
-                out = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
-                via = self.comm if self.quantized is None else self.quantized.bucket((self.quantized_key, b.index))
-                work = via.reduce_scatter(out, data, purpose, async_op=self.overlap)
-            else:  # reduce_scatter=false: all-reduce the bucket, then keep this rank's chunk of it
-                work = self.comm.all_reduce(data, purpose, async_op=self.overlap)
-            self._in_flight.append((b, work, buf, None))
+            mine = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
+
+            def fold(b=b, buf=buf, mine=mine) -> None:  # this micro-step's reduced chunk into the gradient shard
+                fold_reduced(self.grad_shard[b.shard_offset:b.shard_offset + b.chunk], mine,
+                             self._micro_since_step == 0)
+                self._free_buffers.append(buf)
+
+            # qgZ has reduce-scatter's contract (refused without reduce_scatter); reduce_scatter=false all-reduces the
+            # bucket and keeps this rank's chunk of it
+            self.reducer.launch(data, purpose, out=mine if self.reduce_scatter else None, async_op=self.overlap,
+                                key=(self.quantized_key, b.index), then=fold, holds=buf)
         else:
             data = self.grad_flat[b.offset:b.offset + b.padded]
             # Reduced in place, or, in another communication dtype, through a copy cast back on arrival.
             wire = data if data.dtype == self.comm_dtype else data.to(self.comm_dtype)
-            scatter = self.stage == 1 and self.reduce_scatter
-            if scatter:
-                out = wire[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
-                work = self.comm.reduce_scatter(out, wire, purpose, async_op=self.overlap)
-            else:
-                work = self.comm.all_reduce(wire, purpose, async_op=self.overlap)
+            out = wire[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk] \
+                if self.stage == 1 and self.reduce_scatter else None
             back = None
-            if wire is not data:
-                back = (out, self._own_chunk(self.grad_flat, b)) if scatter else (wire, data)
-            self._in_flight.append((b, work, None, back))
+            if wire is not data:  # cast what arrived back into the accumulation buffer
+                src, dst = (out, self._own_chunk(self.grad_flat, b)) if out is not None else (wire, data)
+
+                def back(src=src, dst=dst) -> None:
+                    dst.copy_(src)
+            self.reducer.launch(wire, purpose, out=out, async_op=self.overlap, then=back)
         if not self.overlap:
-            self._retire_oldest()
+            self.reducer.retire_oldest()
 
     def _zero_unfilled(self, buf: torch.Tensor, b: Bucket) -> None:
         """Zero the slots of parameters that got no gradient in this backward, and the padding."""
@@ -244,27 +246,16 @@ class FlatGroup:
 
     def _take_buffer(self, b: Bucket) -> torch.Tensor:
         """A stage-2 bucket buffer; reuses one whose collective has finished before allocating another."""
-        if not self._free_buffers and self._in_flight:
-            self._retire_oldest()
+        if not self._free_buffers and len(self.reducer):
+            self.reducer.retire_oldest()
         if self._free_buffers:
             return self._free_buffers.pop()
         self._buffer_count += 1
         return torch.empty(self._bucket_capacity, dtype=self.comm_dtype, device=self.param_flat.device)
 
-    def _retire_oldest(self) -> None:
-        b, work, buf, back = self._in_flight.popleft()
-        work.wait()
-        if back is not None:
-            back[1].copy_(back[0])
-        if buf is not None:  # stage 2: fold this micro-step's reduced chunk into the gradient shard
-            fold_reduced(self.grad_shard[b.shard_offset:b.shard_offset + b.chunk],
-                         buf[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk], self._micro_since_step == 0)
-            self._free_buffers.append(buf)
-
     def end_backward(self) -> None:
         """Wait for every collective of this backward (the runtime launched the rest)."""
-        while self._in_flight:
-            self._retire_oldest()
+        self.reducer.drain()
         if self.stage == 2:
             self._micro_since_step += 1
         self.touched = [False] * len(self.params)
@@ -297,6 +288,6 @@ class FlatGroup:
         self._micro_since_step = 0  # stage 2: the next reduced chunk overwrites the shard
         self.used = [False] * len(self.params)
 
-    # -- state (engine/state.py) ------------------------------------------------------------------------------
+    # -- state (core/state.py) ------------------------------------------------------------------------------
 
     # -- accounting -------------------------------------------------------------------------------------------

@@ -106,8 +106,7 @@ def grad_tensors(g) -> list[torch.Tensor]:
 
 def scratch_tensors(g) -> list[torch.Tensor]:
     """Stage 2's bucket buffers: filled and reduced within one backward."""
-    in_flight = [buf for _, _, buf, _ in g._in_flight if buf is not None]
-    return [*g._free_buffers, *g._open.values(), *in_flight]
+    return [*g._free_buffers, *g._open.values(), *g.reducer.held()]
 
 
 def memory(g) -> dict[str, int]:

@@ -60,7 +60,7 @@ class Stage12Runtime:
         if quantized is not None and spec.stage != 2:
             raise ValueError(f"quantized gradients (qgZ) replace stage 2's reduce-scatter, not stage {spec.stage}'s")
         for gi, g in enumerate(self.groups):
-            g.quantized, g.quantized_key = quantized, gi
+            g.reducer.quantized, g.quantized_key = quantized, gi
         self.shard_groups = [g.shard_group if g is not None else ShardGroup([], []) for g in self.flat]
         self.params = [p for g in self.groups for p in g.params]
         self.names = [n for g in self.groups for n in g.names]
@@ -289,7 +289,7 @@ class Stage12Runtime:
             self._handles.append(module.register_forward_pre_hook(self._touch_hook([self._index[id(p)]])))
 
     def state_components(self) -> list[Component]:
-        """This runtime's state for the engine's registry (engine/state.py)."""
+        """This runtime's state for the engine's registry (core/state.py)."""
         out = [
             Component("stage12.weights", "weights",
                       snapshot=lambda: host_copy([{"param_flat": g.param_flat, "master": group_state.master_values(g)}

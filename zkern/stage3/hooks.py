@@ -8,7 +8,7 @@ another module's parameters are found, and what happens when ranks would gather 
             non-reentrant checkpoint stops a recomputation by raising inside a module), closes the frame and
             releases exactly what the frame acquired. Outputs get a tensor hook that acquires again in backward.
   backward  an output's hook acquires the module's units and holds them until this rank's gradients for them are
-            in (stage3_reduce.py completes them). A module that runs during backward is a recomputation
+            in (reduce.py completes them). A module that runs during backward is a recomputation
             (activation checkpointing): its units are held the same way, so the backward that follows uses that
             gather instead of a third one.
   external  the first pass watches torch calls for parameters at rest: a module that reads a parameter of

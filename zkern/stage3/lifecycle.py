@@ -64,8 +64,8 @@ class Unit:
     grads: GradState = GradState.IDLE
     fired: set[int] = field(default_factory=set)  # positions of parameters whose gradient arrived this pass
     touched: bool = False  # a module that reads it ran forward since the last backward
-    group: object = None  # its stage3_reduce.ReduceGroup
-    # Units whose readers differ between ranks (merged by stage3_hooks after a divergence). Their backward hold is
+    group: object = None  # its reduce.ReduceGroup
+    # Units whose readers differ between ranks (merged by hooks.py after a divergence). Their backward hold is
     # released at a point every rank shares, not when this rank's gradients arrive: `holder` is the module whose
     # gather started the hold, and a unit released while this rank still waits for its gradients `lingers`
     # (stays whole here) until they arrive, without counting as gathered for the ranks' common decisions.

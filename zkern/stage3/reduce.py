@@ -21,12 +21,12 @@ for the end of backward, so the interleaving is the same on every rank too (test
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from zkern.comm.collectives import Comm, Work
+from zkern.comm.collectives import Comm
+from zkern.comm.reducer import BucketReducer
 from zkern.comm.schedule import ReduceSchedule, fold_reduced
 from zkern.comm.zeropp import QuantizedReduce
 from zkern.stage3.lifecycle import GradState, Unit
@@ -51,6 +51,7 @@ class GradReducer:
         `used` flags the engine's step control reduces; quantized: qgZ's two-hop int4 reduction (zeropp.py)."""
         self.units, self.comm, self.grad_shard, self.comm_dtype = units, comm, grad_shard, comm_dtype
         self.quantized = quantized
+        self.reducer = BucketReducer(comm, quantized)  # the collectives, as stages 0-2 issue theirs
         self.overlap, self.reduce_scatter = overlap, reduce_scatter
         self.offsets, self.names = offsets, names
         self.groups = self._plan(bucket_numel)
@@ -61,7 +62,6 @@ class GradReducer:
         self._position = {id(p): i for u in units for i, p in enumerate(u.plan.params)}
         self._trainable_index = {id(p): i for i, p in enumerate(params)}
         self.used = [False] * len(params)
-        self._pending: deque[tuple[ReduceGroup, Work]] = deque()
         self.micro_since_step = 0
         self._may_block = True
         self.on_complete = None  # callback(unit): its gradients are complete (the runtime frees its data)
@@ -163,26 +163,20 @@ class GradReducer:
         names = f"'{g.units[0].name}'" + (f"..'{g.units[-1].name}'" if len(g.units) > 1 else "")
         purpose = f"gradients of units {names}"
         async_op = self.overlap or not self._may_block
-        if self.reduce_scatter:  # qgZ has reduce-scatter's contract (the config refuses it without reduce_scatter)
-            out = g.buffer[rank * g.section:(rank + 1) * g.section]
-            via = self.comm if self.quantized is None else self.quantized.bucket(g.index)
-            work = via.reduce_scatter(out, g.buffer, purpose, async_op=async_op)
-        else:  # reduce_scatter=false: all-reduce, then keep this rank's section
-            work = self.comm.all_reduce(g.buffer, purpose, async_op=async_op)
-        self._pending.append((g, work))
-        while self._pending and self._pending[0][1].done():
-            self._retire()
-        # Overlap keeps at most two reductions in flight, so gradient buffers never pile up during backward.
-        while self._may_block and self._pending and (not self.overlap or len(self._pending) > 2):
-            self._retire()
+        mine = g.buffer[rank * g.section:(rank + 1) * g.section]
 
-    def _retire(self) -> None:
-        g, work = self._pending.popleft()
-        work.wait()
-        rank = self.comm.rank
-        fold_reduced(self.grad_shard[g.shard_offset:g.shard_offset + g.section],
-                     g.buffer[rank * g.section:(rank + 1) * g.section], self.micro_since_step == 0)
-        g.buffer = None
+        def fold() -> None:  # this rank's section into its gradient shard; the group's buffer goes
+            fold_reduced(self.grad_shard[g.shard_offset:g.shard_offset + g.section], mine, self.micro_since_step == 0)
+            g.buffer = None
+
+        # qgZ has reduce-scatter's contract (the config refuses it without reduce_scatter); reduce_scatter=false
+        # all-reduces the group's buffer and keeps this rank's section
+        self.reducer.launch(g.buffer, purpose, out=mine if self.reduce_scatter else None, async_op=async_op,
+                            key=g.index, then=fold, holds=g.buffer)
+        self.reducer.retire_finished()
+        # Overlap keeps at most two reductions in flight, so gradient buffers never pile up during backward.
+        while self._may_block and len(self.reducer) and (not self.overlap or len(self.reducer) > 2):
+            self.reducer.retire_oldest()
 
     def end_backward(self) -> None:
         """Complete what no gradient completed (parameters without one on this rank), launch the rest in plan
@@ -192,8 +186,7 @@ class GradReducer:
                 self._complete(u)
         for gi in self.schedule.flush():  # empty: every unit is complete now
             self._launch(self.groups[gi])
-        while self._pending:
-            self._retire()
+        self.reducer.drain()
         for u in self.units:
             u.close_grads()
         self.schedule.end()  # once, after the first pass: every rank adopts rank 0's order
@@ -201,7 +194,7 @@ class GradReducer:
 
     def abort(self) -> None:
         """loss.backward() raised: forget this pass's gradients and reductions (the step must not use them)."""
-        self._pending.clear()
+        self.reducer.clear()
         for u in self.units:
             u.abandon_grads()
         for g in self.groups:

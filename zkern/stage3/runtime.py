@@ -11,12 +11,16 @@ With zero_quantized_nontrainable_weights the units with nothing to train are lai
 `frozen` (zeropp.FrozenStore): the three dense buffers stop before their chunks.
 
 The pieces, one job each:
+  units.py          fetch units and reduce groups planned from the model
   lifecycle.py      the unit's states and the only transitions between them; invariants at each pass's end
-  gatherer.py       gather, release, prefetch along the recorded order, versions, counts, the gather signature
-  stage3_hooks.py   module frames, backward holds, external reads, agreement across ranks and merges
-  stage3_reduce.py  gradient buckets reduced in one fixed order on a process group of their own
-  gathered.py       zkern.GatheredParameters
-This file builds them, lays the shards out, and answers the engine's runtime interface (see Stage12Runtime).
+  layout.py         the units laid out, this rank's shards allocated and written, the shard groups, the shard map
+  gatherer.py       gather, release, prefetch along order.py's record, versions, counts, the gather signature
+  hooks.py          module frames and backward holds; external.py finds reads of parameters at rest, agreement.py
+                    lines ranks up when they would gather different units and merges them
+  reduce.py         gradient buckets reduced in one fixed order on a process group of their own
+  gathered.py       zkern.GatheredParameters over pinning.py (pin, unpin, a modifier rank's writes)
+  full.py, report.py  whole tensors; state components, memory and start-up lines
+This file builds them and answers the engine's runtime interface (core/runtime.py).
 """
 
 from __future__ import annotations
@@ -250,7 +254,7 @@ class Stage3Runtime:
     def full_grads(self) -> dict[int, torch.Tensor]:
         return full.full_grads(self)
 
-    # -- state (engine/state.py) ------------------------------------------------------------------------------
+    # -- state (core/state.py) ------------------------------------------------------------------------------
     def state_components(self) -> list[Component]:
         return report.state_components(self)
 

@@ -9,7 +9,7 @@ each outermost instance of those module classes one unit covering its whole subt
 several modules (tied weights) belongs to the first owner in named_modules() order, and every module that
 holds it needs that unit. Units smaller than the persistence threshold are merged into one persistent unit
 that stays gathered. plan_units and plan_reduce_groups are pure (they read the module tree and sizes); the
-runtime records built on them are lifecycle.Unit and stage3_reduce.ReduceGroup.
+runtime records built on them are lifecycle.Unit and reduce.ReduceGroup.
 """
 
 from __future__ import annotations

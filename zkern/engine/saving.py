@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,8 +16,11 @@ from zkern.checkpoint.control import control_comm
 from zkern.checkpoint.manifest import check_plain
 from zkern.checkpoint.save import AsyncSave, checked_tag, snapshot, write
 
+if TYPE_CHECKING:
+    from zkern.engine.engine import Engine
 
-def write_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool,
+
+def write_checkpoint(engine: Engine, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool,
                      async_save: bool = False) -> str | None:
     """save_checkpoint without its refusal mid-accumulation: zkern.hf.Accelerator saves there as DeepSpeed does
     (the pending gradients are not saved; it warns)."""
@@ -38,14 +42,14 @@ def write_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, exc
     return write(ctrl, snap, save_dir, tag, save_latest, mode, local)
 
 
-def checkpoint_group(engine):
+def checkpoint_group(engine: Engine):
     if engine._checkpoint_comm is None:
 
         engine._checkpoint_comm = control_comm(engine.comm)
     return engine._checkpoint_comm
 
 
-def checkpoint_in_flight(engine) -> bool:
+def checkpoint_in_flight(engine: Engine) -> bool:
     """Whether an asynchronous save is still writing on any rank: the same answer on every rank (a collective,
     so every rank must ask it at the same point). A rank asking only its own writer may see it finish a step
     before another rank does, and ranks that branch on that take different numbers of steps."""

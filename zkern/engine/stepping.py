@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,10 +19,13 @@ from zkern import ops
 from zkern.comm.divergence import signatures_differ
 from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 
+if TYPE_CHECKING:
+    from zkern.engine.engine import Engine
+
 log = logging.getLogger("zkern")
 
 
-def optimizer_step(engine) -> None:
+def optimizer_step(engine: Engine) -> None:
     found = torch.zeros((), dtype=torch.float32, device=engine.device)
     sq_norm = torch.zeros((), dtype=torch.float32, device=engine.device)
     for segment in engine.runtime.grad_segments():
@@ -72,7 +76,7 @@ def optimizer_step(engine) -> None:
     engine.runtime.zero_grad()
 
 
-def skip(engine, norm: float) -> None:
+def skip(engine: Engine, norm: float) -> None:
     engine.skipped_steps += 1
     engine.runtime.skipped_step()
     before = engine.scaler.scale
@@ -86,7 +90,7 @@ def skip(engine, norm: float) -> None:
                     "state unchanged", norm, engine.global_steps + 1)
 
 
-def check_unused(engine, flags: list[bool]) -> None:
+def check_unused(engine: Engine, flags: list[bool]) -> None:
     if engine.config.zero_optimization.ignore_unused_parameters:
         return
     unused = [n for n, f in zip(engine.runtime.names, flags) if not f]

@@ -9,15 +9,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from zkern.stage3.gathered import GatheredParameters
 
+if TYPE_CHECKING:
+    from zkern.engine.engine import Engine
+
 log = logging.getLogger("zkern")
 
 
-def save_16bit_model(engine, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> str:
+def save_16bit_model(engine: Engine, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> str:
     """Save the weights in the training dtype with model.state_dict()'s names, as DeepSpeed's method does (a
     collective; rank 0 writes). Stage 3 gathers them only when the config allows it."""
     zero = engine.config.zero_optimization
@@ -33,7 +37,7 @@ def save_16bit_model(engine, save_dir: str | os.PathLike, save_filename: str = "
     return path
 
 
-def full_working_state_dict(engine, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+def full_working_state_dict(engine: Engine, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
     """The weights in the training dtype (bf16/fp16 when mixed precision, else fp32) with model.state_dict()'s
     names, on the host: what DeepSpeed's 16-bit consolidation gives (a collective: call it on every rank). With
     rank0_only, other ranks return None and, at stage 3, hold one unit at a time. Tensors one parameter shares
@@ -54,14 +58,14 @@ def full_working_state_dict(engine, rank0_only: bool = False) -> dict[str, torch
     return out
 
 
-def module_state(engine) -> dict[str, torch.Tensor]:
+def module_state(engine: Engine) -> dict[str, torch.Tensor]:
     """model.state_dict(keep_vars=True): the names and the tensor objects (stage 3 parameters at rest are empty;
     the caller substitutes gathered values by id)."""
     with engine.runtime.unguarded():
         return engine.module.state_dict(keep_vars=True)
 
 
-def full_state_dict(engine, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+def full_state_dict(engine: Engine, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
     """fp32 weights with model.state_dict()'s names, on the host (a collective: call it on every rank). The
     device holds one bucket at a time; with rank0_only, other ranks return None."""
     values = engine.runtime.full_fp32(rank0_only)
@@ -78,7 +82,7 @@ def full_state_dict(engine, rank0_only: bool = False) -> dict[str, torch.Tensor]
 
 
 @contextlib.contextmanager
-def gathered_for_generation(engine):
+def gathered_for_generation(engine: Engine):
     """Engine.gathered_for_generation: every unit gathered once and pinned (stage 3), under torch.no_grad()."""
     if engine.config.zero_optimization.stage != 3:
         with torch.no_grad():

@@ -6,13 +6,18 @@ registry, GatheredParameters and memory_report.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from zkern.comm.whole import WholeBucket, gather_whole
 from zkern.offload.store import ShardStore
 
+if TYPE_CHECKING:
+    from zkern.stage12.flat_group import FlatGroup
 
-def whole(g, what: str, keep: bool) -> dict[int, torch.Tensor]:
+
+def whole(g: FlatGroup, what: str, keep: bool) -> dict[int, torch.Tensor]:
     """id(parameter) -> whole value (collective where shards must be gathered): "fp32" weights, "working"
     weights, or the reduced "grads" as the optimizer reads them (loss-scaled, summed over ranks). Parameters
     are whole on every rank at stages 0-2, so only the fp32 master and the gradient shards are gathered."""
@@ -37,7 +42,7 @@ def whole(g, what: str, keep: bool) -> dict[int, torch.Tensor]:
             raise ValueError(f"whole() takes 'fp32', 'working' or 'grads', got {what!r}")
 
 
-def whole_buckets(g, whole: bool) -> list[WholeBucket]:
+def whole_buckets(g: FlatGroup, whole: bool) -> list[WholeBucket]:
     """Each bucket's tensors and where they lie in it; chunk: what each rank contributes (the whole padded
     bucket where nothing needs gathering)."""
     return [WholeBucket(b.padded if whole else b.chunk,
@@ -45,23 +50,23 @@ def whole_buckets(g, whole: bool) -> list[WholeBucket]:
                               for i in range(b.first, b.last))) for b in g.layout.buckets]
 
 
-def bucket_of(g, flat: torch.Tensor, i: int) -> torch.Tensor:
+def bucket_of(g: FlatGroup, flat: torch.Tensor, i: int) -> torch.Tensor:
     b = g.layout.buckets[i]
     return flat[b.offset:b.offset + b.padded]
 
 
-def master_chunk(g, i: int) -> torch.Tensor:
+def master_chunk(g: FlatGroup, i: int) -> torch.Tensor:
     """Bucket i's chunk of the fp32 master (read from disk when it is there)."""
     chunk = g.master[shard_slice(g, i)]
     return g.store.read(chunk)
 
 
-def shard_slice(g, i: int) -> slice:
+def shard_slice(g: FlatGroup, i: int) -> slice:
     b = g.layout.buckets[i]
     return slice(b.shard_offset, b.shard_offset + b.chunk)
 
 
-def write_master(g, i: int, before: torch.Tensor) -> None:
+def write_master(g: FlatGroup, i: int, before: torch.Tensor) -> None:
     """Parameter i's working values were written (GatheredParameters with a modifier rank; `before`: its values
     when the context began): the elements that changed take the new value in this rank's fp32 master pieces."""
     if g.master is None:  # fp32 without offload: the flat parameter buffer is the master
@@ -79,14 +84,14 @@ def write_master(g, i: int, before: torch.Tensor) -> None:
         g.store.write(region, merged)
 
 
-def master_values(g) -> torch.Tensor | None:
+def master_values(g: FlatGroup) -> torch.Tensor | None:
     """The fp32 master shard's values (read from its files when on NVMe), or None in fp32 without offload."""
     if g.master is None:
         return None
     return g.store.read(g.master)
 
 
-def grad_values(g) -> dict:
+def grad_values(g: FlatGroup) -> dict:
     """The accumulated gradient as the next step would read it (stage 2's shard only counts once a
     micro-step has been folded into it since the last step)."""
     if g.grad_shard is not None:
@@ -95,21 +100,21 @@ def grad_values(g) -> dict:
     return {"grad_flat": g.grad_flat, "used": list(g.used)}
 
 
-def weight_tensors(g) -> list[torch.Tensor]:
+def weight_tensors(g: FlatGroup) -> list[torch.Tensor]:
     return [t for t in (g.param_flat, g.master) if t is not None] + list(g.params)
 
 
-def grad_tensors(g) -> list[torch.Tensor]:
+def grad_tensors(g: FlatGroup) -> list[torch.Tensor]:
     grads = [t for t in (g.grad_flat, g.grad_shard) if t is not None]
     return grads + list(g._grad_views or ()) + [p.grad for p in g.params if p.grad is not None]
 
 
-def scratch_tensors(g) -> list[torch.Tensor]:
+def scratch_tensors(g: FlatGroup) -> list[torch.Tensor]:
     """Stage 2's bucket buffers: filled and reduced within one backward."""
     return [*g._free_buffers, *g._open.values(), *g.reducer.held()]
 
 
-def memory(g) -> dict[str, int]:
+def memory(g: FlatGroup) -> dict[str, int]:
     nbytes = ShardStore.resident_bytes
     grads = nbytes(g.grad_flat) + nbytes(g.grad_shard)
     buffers = g._buffer_count * g._bucket_capacity * g.comm_dtype.itemsize

@@ -19,10 +19,10 @@ from zkern.errors import CommError
 from zkern.stage3.lifecycle import DataState, Unit
 
 if TYPE_CHECKING:
-    from zkern.stage3.hooks import Frame
+    from zkern.stage3.hooks import Frame, Stage3Hooks
 
 
-def agree(h, tag: tuple[int, int, int], *, requester: Frame | None) -> None:
+def agree(h: Stage3Hooks, tag: tuple[int, int, int], *, requester: Frame | None) -> None:
     """Exchange tags until every rank is about to do the same thing; resolve a divergence in between (each
     rank derives the same resolution from the same tags) or raise a CommError naming it."""
     while True:
@@ -34,7 +34,7 @@ def agree(h, tag: tuple[int, int, int], *, requester: Frame | None) -> None:
             return  # the resolution gathered it
 
 
-def resolve(h, tags: list[tuple[int, int, int]], requester: Frame | None,
+def resolve(h: Stage3Hooks, tags: list[tuple[int, int, int]], requester: Frame | None,
             mine: tuple[int, int, int]) -> None:
     end = TagKind.END_FORWARD if h.phase == "forward" else TagKind.END_BACKWARD
     wanted = sorted({t[1] for t in tags if t[0] == TagKind.GATHER})
@@ -54,7 +54,7 @@ def resolve(h, tags: list[tuple[int, int, int]], requester: Frame | None,
     h.gatherer.verify_all = False  # found and merged: passes that follow their record need not verify
 
 
-def serve(h, wanted: list[int], own: int | None) -> None:
+def serve(h: Stage3Hooks, wanted: list[int], own: int | None) -> None:
     """Every rank takes part in the all-gathers of the units some rank asked for, in unit order: the asker keeps
     its own (its _acquire uses it next), the others let theirs go. The next passes record afresh."""
     h.needs_changed = True
@@ -66,7 +66,7 @@ def serve(h, wanted: list[int], own: int | None) -> None:
             h.gatherer.join(u, "parameters another rank asked for")
 
 
-def merge_into_container(h, wanted: list[int], requester: Frame | None, what: str) -> None:
+def merge_into_container(h: Stage3Hooks, wanted: list[int], requester: Frame | None, what: str) -> None:
     """Forward: the units under the deepest module containing every wanted unit become one group, gathered
     from now on by `container` (the nearest module that runs on every rank) and, in this pass, by the deepest
     open frame containing them."""
@@ -100,7 +100,7 @@ def merge_into_container(h, wanted: list[int], requester: Frame | None, what: st
            f"choose this yourself, list the module's class in zero_optimization.stage3_fetch_units")
 
 
-def merge_for_backward(h, wanted: list[int], what: str) -> None:
+def merge_for_backward(h: Stage3Hooks, wanted: list[int], what: str) -> None:
     """Backward: every rank gathers the wanted units now. Units a forward merge already covers are gathered
     by their container's backward hook from the next pass on; any others, when every later backward begins."""
     container = {i: m for m, group in h.merged.items() for i in group}
@@ -117,7 +117,7 @@ def merge_for_backward(h, wanted: list[int], what: str) -> None:
                                     f"backward begins")
 
 
-def gather_agreed(h, u: Unit) -> None:
+def gather_agreed(h: Stage3Hooks, u: Unit) -> None:
     """Join the all-gather of u that every rank issues now: gather it, or, where it is whole already, gather
     into its own buffer."""
     if u.data is DataState.REST:
@@ -127,7 +127,7 @@ def gather_agreed(h, u: Unit) -> None:
         h.gatherer.regather(u, "parameters gathered to line ranks up")
 
 
-def siblings(h, wanted: list[int], prefix: str) -> bool:
+def siblings(h: Stage3Hooks, wanted: list[int], prefix: str) -> bool:
     """Are the wanted units inside different children of one ModuleList or ModuleDict (experts[0],
     experts[1], ...)? Then the other children are the other choices a rank can make, and merging all of them
     now saves a divergence (and, outside verifying passes, a discarded step) per choice later."""
@@ -135,7 +135,7 @@ def siblings(h, wanted: list[int], prefix: str) -> bool:
     return len(wanted) > 1 and isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict))
 
 
-def container_of(h, prefix: str, proper: bool) -> torch.nn.Module:
+def container_of(h: Stage3Hooks, prefix: str, proper: bool) -> torch.nn.Module:
     """The deepest module that has a forward and contains `prefix` (strictly, when `proper`)."""
     best = h.root
     for m in h.modules:
@@ -149,7 +149,7 @@ def container_of(h, prefix: str, proper: bool) -> torch.nn.Module:
     return best
 
 
-def diverged(h, what: str, why: str) -> CommError:
+def diverged(h: Stage3Hooks, what: str, why: str) -> CommError:
     h.abort_pass()
     return CommError(
         f"zkern rank {h.comm.rank} of {h.comm.world}: the ranks' stage-3 gathers diverged ({what}); "
@@ -159,7 +159,7 @@ def diverged(h, what: str, why: str) -> CommError:
         f"or leave stage3_merge_divergent_modules at true to let zkern do that when it sees the divergence")
 
 
-def agree_end(h, kind: TagKind) -> None:
+def agree_end(h: Stage3Hooks, kind: TagKind) -> None:
     """At the end of every pass (several ranks): the rest of the record is issued, then the ranks agree that the
     pass ended. Passes that follow their record exchange this one tag per pass; a rank that departed from it
     is served here."""

@@ -44,7 +44,7 @@ class WatchAtRest(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def adopt_if_at_rest(h, p: torch.nn.Parameter) -> None:
+def adopt_if_at_rest(h: Stage3Hooks, p: torch.nn.Parameter) -> None:
     """A torch call read p: when p is at rest, its unit is gathered for the running module and, from now on,
     gathered by that module's hooks too (h: the Stage3Hooks)."""
     u = h.unit_of.get(id(p))

@@ -6,12 +6,17 @@ save_16bit_model and the reduced gradients the tests compare (collectives: every
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from zkern.comm.whole import WholeBucket, gather_whole
 
+if TYPE_CHECKING:
+    from zkern.stage3.runtime import Stage3Runtime
 
-def full_fp32(rt, rank0_only: bool) -> dict[int, torch.Tensor] | None:
+
+def full_fp32(rt: Stage3Runtime, rank0_only: bool) -> dict[int, torch.Tensor] | None:
     """id(parameter) -> fp32 value (collective; None off rank 0 with rank0_only). Trained parameters come from the
     fp32 master; frozen ones from the working shard they live in (the master's copy of them is never stepped, and
     a checkpoint keeps them in the working dtype: reading the master would give a value that differs with where
@@ -27,7 +32,7 @@ def full_fp32(rt, rank0_only: bool) -> dict[int, torch.Tensor] | None:
     return values if keep else None
 
 
-def full_working(rt, rank0_only: bool = False) -> dict[int, torch.Tensor] | None:
+def full_working(rt: Stage3Runtime, rank0_only: bool = False) -> dict[int, torch.Tensor] | None:
     """id(parameter) -> value in the working dtype (collective; None off rank 0 with rank0_only, which then
     holds one unit at a time), for saving 16-bit weights."""
     keep = not rank0_only or rt.comm.rank == 0
@@ -35,13 +40,13 @@ def full_working(rt, rank0_only: bool = False) -> dict[int, torch.Tensor] | None
     return values if keep else None
 
 
-def full_grads(rt) -> dict[int, torch.Tensor]:
+def full_grads(rt: Stage3Runtime) -> dict[int, torch.Tensor]:
     """id(trainable parameter) -> the reduced gradient as the optimizer reads it (see Stage12Runtime)."""
     grads = whole(rt, rt.grad_shard, rt.grad_shard.dtype, "reduced gradients", True, trainable_only=True)
     return {k: v for k, v in grads.items() if k in {id(p) for p in rt.params}}
 
 
-def whole(rt, source: torch.Tensor, dtype: torch.dtype, purpose: str, keep: bool,
+def whole(rt: Stage3Runtime, source: torch.Tensor, dtype: torch.dtype, purpose: str, keep: bool,
           trainable_only: bool = False, frozen_only: bool = False) -> dict:
     """Every unit whole from `source` shards (int8-resting units from their codes), one unit at a time
     (offloaded sources are copied up); only units with trainable (or frozen) parameters where asked."""

@@ -9,6 +9,8 @@ order they appear here, and shard_map per save or load.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from zkern import ops
@@ -22,8 +24,11 @@ from zkern.stage3.lifecycle import Unit
 from zkern.stage3.sharded_init import forget_sharding, full_shape, gather_built, is_sharded, release_freed_memory
 from zkern.stage3.units import plan_units
 
+if TYPE_CHECKING:
+    from zkern.stage3.runtime import Stage3Runtime
 
-def plan(rt, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], zero) -> dict:
+
+def plan(rt: Stage3Runtime, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], zero) -> dict:
     """The fetch units (units.py) with their parameters ordered by optimizer group, the layout of their chunks
     (one bucket per unit, padded to the world size), and per parameter its full shape and offset in its unit (recorded
     while parameters are still whole: at rest .data is empty; a model built under init_sharded arrives at rest).
@@ -63,7 +68,7 @@ def plan(rt, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], zer
     return needs
 
 
-def allocate(rt, spec: RuntimeSpec, store: ShardStore, param_files) -> None:
+def allocate(rt: Stage3Runtime, spec: RuntimeSpec, store: ShardStore, param_files) -> None:
     """This rank's shards, each in its home (ShardStore): the working copy, the fp32 master, the gradient shard and,
     under zero_quantized_nontrainable_weights, the int8 store of units with nothing to train (laid out last by
     frozen_last, so the dense buffers end where they begin)."""
@@ -100,7 +105,7 @@ def allocate(rt, spec: RuntimeSpec, store: ShardStore, param_files) -> None:
                                 pin=rt.param_shard.is_pinned())
 
 
-def partition(rt) -> None:
+def partition(rt: Stage3Runtime) -> None:
     """Keep this rank's chunk of every unit (fp32 master and working copy); parameters go to rest. One unit
     is whole at a time, on the device (the parameters may be on the host: the model is never whole on the
     device): rank 0's values are broadcast for it, and parameters partitioned by init_sharded (equal on every
@@ -132,7 +137,7 @@ def partition(rt) -> None:
             release_freed_memory()  # the unit's whole values go back to the OS now, not when building ends
 
 
-def make_shard_groups(rt, groups: list[list[torch.nn.Parameter]]) -> list[ShardGroup]:
+def make_shard_groups(rt: Stage3Runtime, groups: list[list[torch.nn.Parameter]]) -> list[ShardGroup]:
     """Per optimizer group: its pieces, and per unit the contiguous sub-range of its pieces."""
     base = rt.master if rt.master is not None else rt.param_shard
     out_base = rt.param_shard if rt.master is not None else None
@@ -168,7 +173,7 @@ def make_shard_groups(rt, groups: list[list[torch.nn.Parameter]]) -> list[ShardG
     return result
 
 
-def shard_map(rt) -> ShardMap:
+def shard_map(rt: Stage3Runtime) -> ShardMap:
     pieces = [[(i, s, True) for i, s in zip(idx, starts)]
               for idx, starts in zip(rt._pieces_param, rt._pieces_start)]
     resting, masters = [], {}

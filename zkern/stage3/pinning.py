@@ -7,6 +7,7 @@ into every shard) and gathered_for_generation (every unit pinned, module hooks a
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,9 +15,12 @@ from zkern.comm.divergence import TagKind, describe_mismatch, exchange_tags
 from zkern.errors import CommError
 from zkern.stage3.lifecycle import DataState, InvariantError, Unit
 
+if TYPE_CHECKING:
+    from zkern.stage3.runtime import Stage3Runtime
+
 
 @contextlib.contextmanager
-def hooks_suspended(rt):
+def hooks_suspended(rt: Stage3Runtime):
     """While every unit is pinned whole and gradients are off (gathered_for_generation), a forward has nothing
     to gather, free or record: the module hooks step aside, and the passes do not enter the order trace."""
     if rt.hooks.frames or any(u.pins == 0 and not u.plan.persistent for u in rt.units):
@@ -28,7 +32,7 @@ def hooks_suspended(rt):
         rt.hooks.suspended = False
 
 
-def generation_params(rt) -> tuple[list[torch.nn.Parameter], int, int]:
+def generation_params(rt: Stage3Runtime) -> tuple[list[torch.nn.Parameter], int, int]:
     """The parameters of the units that fit stage3_max_live_parameters together, in unit order (all of them
     unless the user set a bound below the model), with the elements they hold and the model's total."""
     chosen, held = [], 0
@@ -40,7 +44,7 @@ def generation_params(rt) -> tuple[list[torch.nn.Parameter], int, int]:
     return chosen, held, sum(u.bucket.padded for u in rt.units)
 
 
-def pin(rt, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list[Unit]:
+def pin(rt: Stage3Runtime, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list[Unit]:
     """Make the units of params whole and keep them so (a collective, checked across ranks)."""
     units = sorted({id(rt._unit_of[id(p)]): rt._unit_of[id(p)] for p in params}.values(), key=lambda u: u.index)
     if modifier_rank is not None and modifier_rank >= rt.comm.world:
@@ -63,7 +67,7 @@ def pin(rt, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list
     return units
 
 
-def agree_pin(rt, u: Unit, modifier_rank: int | None) -> None:
+def agree_pin(rt: Stage3Runtime, u: Unit, modifier_rank: int | None) -> None:
     tag = (TagKind.PIN, u.index, -1 if modifier_rank is None else modifier_rank)
     tags = exchange_tags(rt.comm, tag, rt.gatherer.device)
     if any(t != tags[0] for t in tags):
@@ -73,7 +77,7 @@ def agree_pin(rt, u: Unit, modifier_rank: int | None) -> None:
                         f"pass the same parameters in the same order")
 
 
-def unpin(rt, units: list[Unit], modifier_rank: int | None) -> None:
+def unpin(rt: Stage3Runtime, units: list[Unit], modifier_rank: int | None) -> None:
     """Leave a GatheredParameters context; with modifier_rank, write that rank's values into every shard (the
     working copy, and the fp32 master where a value changed)."""
     if modifier_rank is not None:

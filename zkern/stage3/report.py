@@ -6,13 +6,18 @@ start-up lines about its layout.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from zkern.core.state import Component, host_copy
 from zkern.offload.store import ShardStore
 
+if TYPE_CHECKING:
+    from zkern.stage3.runtime import Stage3Runtime
 
-def state_components(rt) -> list[Component]:
+
+def state_components(rt: Stage3Runtime) -> list[Component]:
     """This runtime's state for the engine's registry: the shards (weights), the gradient shard and reduction
     buffers (transient), the gathered copies and hpZ's slices (derived from the shards), LoCo's errors."""
 
@@ -50,13 +55,13 @@ def state_components(rt) -> list[Component]:
     return out
 
 
-def forget_derived(rt) -> None:
+def forget_derived(rt: Stage3Runtime) -> None:
     """hpZ's secondary slices no longer stand for the shards (a load wrote them)."""
     if rt.secondary is not None:
         rt.secondary.versions.clear()
 
 
-def memory(rt) -> dict[str, int]:
+def memory(rt: Stage3Runtime) -> dict[str, int]:
     nbytes = ShardStore.resident_bytes
     persistent = sum(nbytes(u.buffer) for u in rt.units if u.persistent)
     live = sum(nbytes(u.buffer) for u in rt.units if not u.persistent)
@@ -73,7 +78,7 @@ def memory(rt) -> dict[str, int]:
             **(rt.quantized_reduce.memory() if rt.quantized_reduce is not None else {})}
 
 
-def describe(rt) -> list[str]:
+def describe(rt: Stage3Runtime) -> list[str]:
     persistent = sum(u.plan.numel for u in rt.units if u.persistent)
     lines = []
     if rt.frozen is not None:
@@ -89,7 +94,7 @@ def describe(rt) -> list[str]:
                     f"every rank"]
 
 
-def warnings(rt, reduce_bucket_size: int) -> list[str]:
+def warnings(rt: Stage3Runtime, reduce_bucket_size: int) -> list[str]:
     groups = rt.reducer.groups
     if rt.comm.world > 1 and len(groups) == 1 and len(groups[0].units) > 1:
         n = groups[0].section * rt.comm.world

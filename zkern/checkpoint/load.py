@@ -21,6 +21,7 @@ from zkern.checkpoint.control import all_gather_json
 from zkern.checkpoint.manifest import check_sizes, read_latest, read_manifest, tag_dir
 from zkern.checkpoint.ranges import TORCH_DTYPES, RangeReader
 from zkern.checkpoint.save import loco_layout, loco_reducer
+from zkern.checkpoint.save import module_state as engine_module_state
 from zkern.core.state import kinds_a_load_resets
 from zkern.errors import CheckpointError
 from zkern.optim.shard_adam import ShardAdam
@@ -91,7 +92,7 @@ def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) 
     smap = rt.shard_map()
     where = os.path.join(path, "manifest.json")
     saved_params, saved_module, aliases = manifest["params"], manifest["module"], manifest["aliases"]
-    module_state = engine._module_state()
+    module_state = engine_module_state(engine)
     trainable = {id(p) for p in rt.params}
     # Names: the model's (state_dict) against the checkpoint's, tied names resolved through either side's aliases.
     model_names = set(module_state)

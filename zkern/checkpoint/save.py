@@ -100,6 +100,13 @@ def optimizer_piece_state(optimizer: torch.optim.Optimizer, group: int, index: i
     return dict(optimizer.state.get(piece, {}))
 
 
+def module_state(engine) -> dict[str, torch.Tensor]:
+    """model.state_dict(keep_vars=True): the names and the tensor objects (stage-3 parameters at rest are empty, and
+    the runtime's guard against reading them steps aside for this walk over names and ids)."""
+    with engine.runtime.unguarded():
+        return engine.module.state_dict(keep_vars=True)
+
+
 def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snapshot:
     """What this rank writes. copy: values are copied into fresh host buffers (an asynchronous save), else the
     entries are views of the live state (written before the call returns)."""
@@ -143,7 +150,7 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
     for i, name in enumerate(rt.names):
         params[name] = {"shape": list(smap.shapes[i])}
         seen[id(rt.params[i])] = name
-    for name, t in engine._module_state().items():
+    for name, t in module_state(engine).items():
         order.append(name)
         if id(t) in seen:
             if seen[id(t)] != name:

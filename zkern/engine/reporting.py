@@ -14,12 +14,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from zkern.config.report import startup_block
 from zkern.monitor import Monitors
 from zkern.optim.shard_adam import ShardAdam
+
+if TYPE_CHECKING:
+    from zkern.engine.engine import Engine
 
 log = logging.getLogger("zkern")
 PHASES = ("forward", "backward", "step")
@@ -123,7 +127,7 @@ class Reporter:
         self.monitors.close()
 
 
-def log_layout(engine) -> None:
+def log_layout(engine: Engine) -> None:
     """Say once what zkern made of the config (a warning when a key was not DeepSpeed's), how the parameters were
     laid out (padding included), and warn about costly layouts."""
     if engine.rank != 0:
@@ -135,7 +139,7 @@ def log_layout(engine) -> None:
         log.warning("zkern: %s", line)
 
 
-def log_offload(engine) -> None:
+def log_offload(engine: Engine) -> None:
     """Say where the optimizer's states went, and what the offload keys that do nothing here would have done."""
     zero = engine.config.zero_optimization
     if engine.nvme is not None:
@@ -169,14 +173,9 @@ def log_offload(engine) -> None:
                  "offload_optimizer.device %r it changes nothing", zero.offload_optimizer_device)
 
 
-def memory_report(engine) -> dict[str, dict[str, int]]:
-    """Bytes this rank holds, by where they live: params, grads, optimizer (states), master (fp32 weights),
-    comm_buffers (gradient buckets, gathered stage-3 units), offload_buffers (host staging), total; with
-    ZeRO++ also hpz_secondary (hpZ's secondary partition), loco_error (LoCo's error buffers) and frozen_int8
-    (the int8 codes and scales of frozen units under zero_quantized_nontrainable_weights, not in params).
-    With offload the master, the optimizer states and the staging buffers are under "host" (and the
-    stage-3 parameter shards too with offload_param); on a CPU-only run both places are one memory, but
-    they are still reported apart."""
+def memory_report(engine: Engine) -> dict[str, dict[str, int]]:
+    """Engine.memory_report (its docstring says what each key counts): the runtime's memory by kind, moved
+    under "host" and "nvme" where offload puts it, with the optimizer states and the staging buffers added."""
     device = {"params": 0, "grads": 0, "optimizer": 0, "master": 0, "comm_buffers": 0}
     host = {"params": 0, "optimizer": 0, "master": 0, "offload_buffers": 0}
     held = engine.runtime.memory()

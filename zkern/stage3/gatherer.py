@@ -57,6 +57,7 @@ class Gatherer:
         self._said_reorder = False
         self.quantize_weights, self.secondary, self.frozen = quantize_weights, secondary, frozen
         self.param_store = param_store
+        self.paths = [self._path_of(u) for u in units]  # per unit: its gather path (ZeRO++ chosen here, once)
 
     # -- one unit ---------------------------------------------------------------------------------------------
     def _own_chunk(self, u: Unit, buffer: torch.Tensor) -> torch.Tensor:
@@ -75,20 +76,35 @@ class Gatherer:
         self.signature = fold_signature(self.signature, u.index)
 
     def _launch(self, u: Unit, buffer: torch.Tensor, purpose: str, async_op: bool, exact: bool):
-        """The all-gather of u into buffer, by the path every rank chooses alike from shared state: exact
-        (persistent units, GatheredParameters), hpZ's secondary partition while it holds this version, the stored
-        int8 codes of a unit resting as int8 (exact too: the codes are its values), qwZ's int8, or the plain
-        all-gather."""
+        """The all-gather of u into buffer, by the path every rank chooses alike from shared state: hpZ's secondary
+        partition while it holds this version (never for exact gathers: persistent units, GatheredParameters),
+        else the unit's own path, chosen once at construction (_path_of)."""
         exact = exact or u.persistent or u.pins > 0
         if self.secondary is not None and not exact and self.secondary.fresh(u.index, self.version):
             return self.secondary.gather(u.index, buffer, purpose, async_op=async_op)
+        return self.paths[u.index](u, buffer, purpose, async_op, exact)
+
+    def _path_of(self, u: Unit):
+        """How u is gathered from the primary partition, fixed for its life: from its stored int8 codes when it rests
+        as int8 (exact: the codes are its values), with qwZ's int8 when configured (plain for exact gathers), or the
+        plain all-gather of the working dtype."""
         if self.frozen is not None and u.index in self.frozen:
-            return self.frozen.gather(self.comm, u.index, buffer, purpose, async_op=async_op)
-        own = self._own_chunk(u, buffer)
-        if self.quantize_weights and not exact:
-            return quantized_all_gather(self.comm, buffer, own, purpose, async_op=async_op,
+            def from_codes(u: Unit, buffer, purpose, async_op, exact):
+                return self.frozen.gather(self.comm, u.index, buffer, purpose, async_op=async_op)
+            return from_codes
+
+        def plain(u: Unit, buffer, purpose, async_op, exact):
+            return self.comm.all_gather(buffer, self._own_chunk(u, buffer), purpose, async_op=async_op)
+
+        if not self.quantize_weights:
+            return plain
+
+        def int8(u: Unit, buffer, purpose, async_op, exact):
+            if exact:
+                return plain(u, buffer, purpose, async_op, exact)
+            return quantized_all_gather(self.comm, buffer, self._own_chunk(u, buffer), purpose, async_op=async_op,
                                         group=self.quantize_weights)
-        return self.comm.all_gather(buffer, own, purpose, async_op=async_op)
+        return int8
 
     def gather(self, u: Unit, *, async_op: bool, exact: bool = False) -> None:
         """REST -> INFLIGHT, and on to GATHERED unless async_op. exact: never quantized nor from the secondary

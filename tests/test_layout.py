@@ -56,10 +56,26 @@ def _type_checking_only(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _extension(package: str, name: str) -> bool:
-    """`from package import name` names a compiled extension module (zkern.cpu._adam_ext), not the package."""
-    folder = ROOT.parent.joinpath(*package.split("."))
-    return folder.is_dir() and any(folder.glob(f"{name}.*.so")) or (name == "_adam_ext" and package == "zkern.cpu")
+def _defined_in(package: str) -> set[str]:
+    """Names a package's __init__ binds (assignments, defs, classes, imports)."""
+    path = MODULES.get(package)
+    if path is None or path.name != "__init__.py":
+        return set()
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _submodule(package: str, name: str) -> bool:
+    """`from package import name` imports a submodule (a .py file, or a compiled extension such as
+    zkern.cpu._adam_ext, built or not) rather than a name the package's __init__ binds."""
+    return f"{package}.{name}" in MODULES or (package in MODULES and name not in _defined_in(package))
 
 
 def imports_of(name: str) -> set[str]:
@@ -79,8 +95,7 @@ def imports_of(name: str) -> set[str]:
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES or _extension(base, a.name) else base
-                       for a in node.names]
+            targets = [f"{base}.{a.name}" if _submodule(base, a.name) else base for a in node.names]
         else:
             continue
         found |= {t for t in targets if t in MODULES and t != name}

@@ -43,8 +43,9 @@ def write_checkpoint(engine: Engine, save_dir, tag, client_state, save_latest: b
 
 
 def checkpoint_group(engine: Engine):
+    """The checkpoints' own process group (gloo, for their JSON and control messages), made at the first save or
+    load."""
     if engine._checkpoint_comm is None:
-
         engine._checkpoint_comm = control_comm(engine.comm)
     return engine._checkpoint_comm
 

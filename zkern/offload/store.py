@@ -78,19 +78,24 @@ class ShardStore:
         exp_avg_sq)."""
         if not t.is_meta:
             return t
-        if self.params is not None and self.params.owns(t):
+        if self._in_param_file(t):
             return self.params.read(t)
-        if self.nvme is None:
-            raise RuntimeError("ShardStore: a stand-in tensor with no file behind it (was the engine destroyed?)")
-        return self.nvme.read(state, t)
+        return self._optimizer_files().read(state, t)
 
     def write(self, t: torch.Tensor, values: torch.Tensor, state: str = "master") -> None:
         """t <- values, in memory or in the file t stands for."""
         if not t.is_meta:
             t.copy_(values)
-        elif self.params is not None and self.params.owns(t):
+        elif self._in_param_file(t):
             self.params.write(t, values)
-        elif self.nvme is None:
-            raise RuntimeError("ShardStore: a stand-in tensor with no file behind it (was the engine destroyed?)")
         else:
-            self.nvme.write(state, t, values)
+            self._optimizer_files().write(state, t, values)
+
+    def _in_param_file(self, t: torch.Tensor) -> bool:
+        return self.params is not None and self.params.owns(t)
+
+    def _optimizer_files(self) -> NvmeShard:
+        """The files behind every stand-in that is not the parameter file's."""
+        if self.nvme is None:
+            raise RuntimeError("ShardStore: a stand-in tensor with no file behind it (was the engine destroyed?)")
+        return self.nvme

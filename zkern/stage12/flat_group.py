@@ -8,10 +8,7 @@ chunk of every bucket. runtime.py drives the groups through one reduce schedule;
 writes their masters and accounts for them.
 """
 
-
 from __future__ import annotations
-
-import logging
 
 import torch
 
@@ -23,8 +20,6 @@ from zkern.core.partition import Bucket, Layout, plan_layout
 from zkern.core.spec import RuntimeSpec
 from zkern.offload.store import ShardStore
 from zkern.optim.shard_adam import Chunk, ShardGroup
-
-log = logging.getLogger("zkern")
 
 
 class FlatGroup:

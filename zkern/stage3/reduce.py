@@ -50,7 +50,6 @@ class GradReducer:
         """offsets: id(parameter) -> offset inside its unit; params: the trainable parameters, in the order of the
         `used` flags the engine's step control reduces; quantized: qgZ's two-hop int4 reduction (zeropp.py)."""
         self.units, self.comm, self.grad_shard, self.comm_dtype = units, comm, grad_shard, comm_dtype
-        self.quantized = quantized
         self.reducer = BucketReducer(comm, quantized)  # the collectives, as stages 0-2 issue theirs
         self.overlap, self.reduce_scatter = overlap, reduce_scatter
         self.offsets, self.names = offsets, names

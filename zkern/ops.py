@@ -133,9 +133,11 @@ def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch
 
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, adamw: bool,
-               grad_scale: float = 1.0, param_out: torch.Tensor | None = None) -> None:
+               grad_scale: float = 1.0, param_out: torch.Tensor | None = None, sr_seed: int | None = None,
+               sr_offset: int = 0) -> None:
     _impl(param, "adam_step_")(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,
-                               weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, param_out=param_out)
+                               weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, param_out=param_out,
+                               sr_seed=sr_seed, sr_offset=sr_offset)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,25 +88,94 @@ def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch
     return found_inf, sq_norm.float()
 
 
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_M32 = 0xFFFFFFFF
+INDEX_STEP, SECOND_STREAM = 0x9E3779B1, 0x68E31DA4  # as csrc/simd.h's kIndexStep and kSecondStream
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 tensors holding uint32 values, in two halves so nothing overflows int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32, the integer hash behind stochastic rounding (csrc/simd.h's mix32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def stochastic_bits(seed: int, offset: int, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two 32-bit hashes of elements offset..offset+n-1 (int64 tensors): exp_avg rounds with the low 16 bits
+    of the first, exp_avg_sq with its high 16, a bf16 master with the low 16 of the second."""
+    index = (torch.arange(n, dtype=torch.int64, device=device) + offset) & _M32
+    first = _mix32((seed & _M32) ^ _mul32(index, INDEX_STEP))
+    return first, _mix32(first ^ SECOND_STREAM)
+
+
+def round_bf16(x: torch.Tensor, random16: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 x rounded to bfloat16: to nearest even (torch's cast) when random16 is None, else stochastically by
+    adding random16 (uniform in [0, 2**16)) to the bits and truncating, so the expected value is x. NaN stays NaN."""
+    if random16 is None:
+        return x.to(torch.bfloat16)
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    top = ((bits + random16) & _M32) >> 16
+    top = torch.where(torch.isnan(x), torch.full_like(top, 0xFFFF), top)
+    return torch.where(top >= 0x8000, top - 0x10000, top).to(torch.int16).view(torch.bfloat16).view(x.shape)
+
+
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, adamw: bool,
-               grad_scale: float = 1.0, param_out: torch.Tensor | None = None) -> None:
+               grad_scale: float = 1.0, param_out: torch.Tensor | None = None, sr_seed: int | None = None,
+               sr_offset: int = 0) -> None:
     """One Adam/AdamW step in place, with torch.optim.Adam/AdamW's exact formulas (single-tensor path).
 
-    param, exp_avg, exp_avg_sq: fp32. grad: fp32/fp16/bf16, multiplied by grad_scale after the upcast (zkern folds
-    loss-scale unscaling, clipping and the 1/world average into that one factor). step: the step count after
-    this update (1 on the first step). param_out: optional fp16/bf16 buffer that receives param.to(dtype).
+    param (the master), exp_avg, exp_avg_sq: fp32, or bf16 (DeepSpeed's bf16_master_weights_and_grads and
+    bf16_optimizer_states): a bf16 tensor is read exactly, the step computed in fp32 from it, and the result
+    stored rounded to nearest even, or stochastically when sr_seed is given (random bits from
+    stochastic_bits(sr_seed, sr_offset, n): the same on every backend). grad: fp32/fp16/bf16, multiplied by
+    grad_scale after the upcast (zkern folds loss-scale unscaling, clipping and the 1/world average into that
+    one factor). step: the step count after this update (1 on the first step). param_out: optional buffer that
+    receives the stored master's value in its own dtype.
     """
     for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"adam_step_: {name} must be float32, got {t.dtype}")
+        if t.dtype not in _STATE_DTYPES:
+            raise TypeError(f"adam_step_: {name} must be float32 or bfloat16, got {t.dtype}")
         if t.shape != param.shape:
             raise ValueError(f"adam_step_: {name} has shape {tuple(t.shape)}, param has {tuple(param.shape)}")
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise TypeError(f"adam_step_: exp_avg is {exp_avg.dtype} and exp_avg_sq {exp_avg_sq.dtype}; the moments "
+                        f"share one dtype")
     _check_float("grad", grad)
     if grad.shape != param.shape:
         raise ValueError(f"adam_step_: grad has shape {tuple(grad.shape)}, param has {tuple(param.shape)}")
     if step < 1:
         raise ValueError(f"adam_step_: step counts from 1, got {step}")
+    if param_out is not None and param_out.shape != param.shape:
+        raise ValueError(f"adam_step_: param_out has shape {tuple(param_out.shape)}, param has {tuple(param.shape)}")
+    if param.dtype == exp_avg.dtype == torch.float32:
+        _adam_fp32_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, adamw, grad_scale)
+        if param_out is not None:
+            param_out.copy_(param)
+        return
+    # bf16 state: the same fp32 arithmetic on fp32 copies, then each stored rounded.
+    p, m, v = param.float(), exp_avg.float(), exp_avg_sq.float()
+    _adam_fp32_(p, grad, m, v, step, lr, betas, eps, weight_decay, adamw, grad_scale)
+    first = second = None
+    if sr_seed is not None:
+        first, second = stochastic_bits(sr_seed, sr_offset, param.numel(), param.device)
+        first, second = first.view(param.shape), second.view(param.shape)
+    for target, value, random16 in ((param, p, None if second is None else second & 0xFFFF),
+                                    (exp_avg, m, None if first is None else first & 0xFFFF),
+                                    (exp_avg_sq, v, None if first is None else first >> 16)):
+        target.copy_(value if target.dtype == torch.float32 else round_bf16(value, random16))
+    if param_out is not None:
+        param_out.copy_(param)
+
+
+def _adam_fp32_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, adamw, grad_scale) -> None:
     beta1, beta2 = betas
     g = grad.float() if grad.dtype != torch.float32 else grad
     if weight_decay != 0.0:
@@ -130,11 +199,6 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     denom = exp_avg_sq.sqrt()
     denom.div_(bias_correction2**0.5).add_(eps)  # in place: one temporary instead of torch's two, same values
     param.addcdiv_(exp_avg, denom, value=-step_size)
-    if param_out is not None:
-        if param_out.shape != param.shape:
-            raise ValueError(f"adam_step_: param_out has shape {tuple(param_out.shape)}, param has "
-                             f"{tuple(param.shape)}")
-        param_out.copy_(param)
 
 
 def unflatten_into_(flat: torch.Tensor, tensors: list[torch.Tensor], *, align: int = 1) -> None:

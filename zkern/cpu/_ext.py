@@ -104,19 +104,23 @@ def _check(name: str, t: torch.Tensor, numel: int, dtypes: tuple[torch.dtype, ..
         raise ValueError(f"CPU Adam: {name} has {t.numel()} elements, param has {numel}")
 
 
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, adamw: bool,
-               grad_scale: float = 1.0, param_out: torch.Tensor | None = None, isa: str | None = None,
-               threads: int | None = None) -> None:
+               grad_scale: float = 1.0, param_out: torch.Tensor | None = None, sr_seed: int | None = None,
+               sr_offset: int = 0, isa: str | None = None, threads: int | None = None) -> None:
     """zkern.reference.adam_step_'s semantics in one fused pass (to float32 rounding; see csrc/adam_kernel.h).
 
+    param (the master) and the moments may be bfloat16 (rounded to nearest even, or stochastically with sr_seed).
     isa: a path to use instead of active_isa() (tests step every path); threads: default cpu_threads().
     """
     n = param.numel()
-    _check("param", param, n, (torch.float32,))
+    _check("param", param, n, STATE_DTYPES)
     _check("grad", grad, n, tuple(DTYPE_CODES))
-    _check("exp_avg", exp_avg, n, (torch.float32,))
-    _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
+    _check("exp_avg", exp_avg, n, STATE_DTYPES)
+    _check("exp_avg_sq", exp_avg_sq, n, (exp_avg.dtype,))
     if param_out is not None:
         _check("param_out", param_out, n, tuple(DTYPE_CODES))
     if step < 1:
@@ -124,8 +128,10 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     chosen = active_isa() if isa is None else isa
     if chosen not in SUPPORTED:
         raise ValueError(f"CPU Adam: path {chosen!r} is not available here (paths: {', '.join(SUPPORTED)})")
-    EXT.adam_step(chosen, param.data_ptr(), grad.data_ptr(), DTYPE_CODES[grad.dtype], exp_avg.data_ptr(),
-                  exp_avg_sq.data_ptr(), 0 if param_out is None else param_out.data_ptr(),
+    EXT.adam_step(chosen, param.data_ptr(), DTYPE_CODES[param.dtype], grad.data_ptr(), DTYPE_CODES[grad.dtype],
+                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), DTYPE_CODES[exp_avg.dtype],
+                  0 if param_out is None else param_out.data_ptr(),
                   -1 if param_out is None else DTYPE_CODES[param_out.dtype], n, int(step), float(lr),
                   float(betas[0]), float(betas[1]), float(eps), float(weight_decay), bool(adamw),
-                  float(grad_scale), threads or cpu_threads())
+                  float(grad_scale), sr_seed is not None, (sr_seed or 0) & 0xFFFFFFFF, int(sr_offset),
+                  threads or cpu_threads())

@@ -45,6 +45,30 @@ def to_bf16_rne(x):
 
 
 @triton.jit
+def mix32(x):
+    """lowbias32 over uint32 lanes: the hash behind stochastic rounding (zkern.reference._mix32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * tl.full((), 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def round_bf16_value(x, random16, STOCHASTIC: tl.constexpr):
+    """fp32 x rounded to bf16 and returned as the fp32 of that bf16 value: to nearest even, or stochastically by
+    adding random16 (uint32 lanes in [0, 2**16)) to the bits before truncating; NaN as torch writes it."""
+    bits = x.to(tl.uint32, bitcast=True)
+    if STOCHASTIC:
+        add = random16
+    else:
+        add = 0x7FFF + ((bits >> 16) & 1)
+    rounded = (bits + add) & tl.full((), 0xFFFF0000, tl.uint32)
+    rounded = tl.where(x != x, tl.full((), 0xFFFF0000, tl.uint32), rounded)
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def cast_from_fp32(x, OUT_CODE: tl.constexpr):
     """x (fp32) in the dtype of CODE OUT_CODE."""
     if OUT_CODE == 2:

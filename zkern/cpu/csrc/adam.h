@@ -8,11 +8,13 @@
 enum ZkDtype : int { ZK_F32 = 0, ZK_F16 = 1, ZK_BF16 = 2, ZK_NONE = -1 };
 
 struct AdamArgs {
-  float* param;          // fp32 master, updated in place
+  void* param;           // the master (param_dtype), updated in place
+  int param_dtype;       // ZK_F32, or ZK_BF16 (bf16_master_weights_and_grads)
   const void* grad;      // grad_dtype elements, read only
   int grad_dtype;        // ZK_F32 / ZK_F16 / ZK_BF16
-  float* exp_avg;        // fp32, in place
-  float* exp_avg_sq;     // fp32, in place
+  void* exp_avg;         // state_dtype, in place
+  void* exp_avg_sq;      // state_dtype, in place
+  int state_dtype;       // ZK_F32, or ZK_BF16 (bf16_optimizer_states)
   void* out;             // optional copy of the updated param: fp16/bf16, or fp32 for an offloaded fp32 run
   int out_dtype;         // ZK_F32 / ZK_F16 / ZK_BF16 / ZK_NONE
   int64_t n;             // elements
@@ -24,6 +26,9 @@ struct AdamArgs {
   float inv_bc2_sqrt;    // 1 / sqrt(1 - beta2^step)
   float eps;
   float grad_scale;      // multiplies the upcast gradient first (unscale, clip and average folded in)
+  bool stochastic;       // bf16 state rounds stochastically (else to nearest even)
+  uint32_t sr_seed;      // stochastic rounding: the hash seed of this call
+  int64_t sr_base;       // and the hashed index of its first element
   int threads;           // OpenMP threads for this call
 };
 

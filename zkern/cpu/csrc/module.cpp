@@ -41,18 +41,26 @@ Kernel kernel_for(const std::string& isa) {
   return zk_scalar::adam_step;
 }
 
-void adam_step(const std::string& isa, uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
-               uintptr_t exp_avg_sq, uintptr_t out, int out_dtype, int64_t n, int64_t step, double lr,
-               double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
-               int threads) {
+void adam_step(const std::string& isa, uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype,
+               uintptr_t exp_avg, uintptr_t exp_avg_sq, int state_dtype, uintptr_t out, int out_dtype, int64_t n,
+               int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+               double grad_scale, bool stochastic, uint32_t sr_seed, int64_t sr_base, int threads) {
   Kernel kernel = kernel_for(isa);
   if (step < 1) throw std::invalid_argument("step counts from 1");
+  for (int dtype : {param_dtype, state_dtype})
+    if (dtype != ZK_F32 && dtype != ZK_BF16)
+      throw std::invalid_argument("the master and the moments are float32 or bfloat16");
   AdamArgs a{};
-  a.param = reinterpret_cast<float*>(param);
+  a.param = reinterpret_cast<void*>(param);
+  a.param_dtype = param_dtype;
   a.grad = reinterpret_cast<const void*>(grad);
   a.grad_dtype = grad_dtype;
-  a.exp_avg = reinterpret_cast<float*>(exp_avg);
-  a.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+  a.exp_avg = reinterpret_cast<void*>(exp_avg);
+  a.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
+  a.state_dtype = state_dtype;
+  a.stochastic = stochastic;
+  a.sr_seed = sr_seed;
+  a.sr_base = sr_base;
   a.out = out ? reinterpret_cast<void*>(out) : nullptr;
   a.out_dtype = out ? out_dtype : ZK_NONE;
   a.n = n;
@@ -87,10 +95,11 @@ PYBIND11_MODULE(_adam_ext, m) {
         "the ISA paths in this build, fastest first");
   m.def("cpu_supports", &cpu_supports, py::arg("isa"), "whether this CPU can run the given path");
   m.def("adam_step", &adam_step, "one fused Adam/AdamW step over raw buffers (see zkern/cpu/_ext.py)",
-        py::arg("isa"), py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"),
-        py::arg("exp_avg_sq"), py::arg("out"), py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
-        py::arg("grad_scale"), py::arg("threads"));
+        py::arg("isa"), py::arg("param"), py::arg("param_dtype"), py::arg("grad"), py::arg("grad_dtype"),
+        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("state_dtype"), py::arg("out"), py::arg("out_dtype"),
+        py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"), py::arg("stochastic"), py::arg("sr_seed"),
+        py::arg("sr_base"), py::arg("threads"));
   // The NVMe path's I/O pool (aio.h). submit and wait release the GIL: the Python side overlaps reads and
   // writes with the CPU Adam, which releases it too.
   py::class_<zk_aio::Pool>(m, "AioPool", "a pool of I/O threads over pread/pwrite (see zkern/cpu/aio.py)")

@@ -7,6 +7,12 @@
 // torch's param.to(dtype): fp16 rounds to nearest even as the F16C instructions do (NaN quieted, payload kept
 // in its top 10 bits); bf16 rounds to nearest even and writes every NaN as 0xFFFF, as torch's vectorised cast
 // does. Loads of fp16/bf16 are exact.
+//
+// bf16 optimizer state (the master or the moments kept in bf16) is rounded with vround_bf16 (to nearest even, as
+// torch's cast) or vround_bf16_sr (stochastically: the 16 discarded bits get a uniform 16-bit number added before
+// truncation, so the expected stored value is the fp32 value). The random bits come from vhash, a counter-based
+// hash of (seed, element index): the same bits on every ISA, thread count and chunking (zkern/reference.py
+// implements the same hash for the torch path).
 #pragma once
 
 #include <cmath>
@@ -61,7 +67,31 @@ inline uint16_t f32_to_f16(float f) {
   return sign | static_cast<uint16_t>(q);
 }
 
+// lowbias32 (a 32-bit integer finaliser with full avalanche): the random bits of stochastic rounding.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The fp32 value of x rounded to bf16 by adding `add` to its bits and truncating: 0x7fff plus the kept lsb rounds
+// to nearest even, a uniform 16-bit number rounds stochastically. NaN becomes the bf16 NaN torch writes.
+inline float round_bf16_bits(float x, uint32_t add) {
+  uint32_t b = bits_of(x);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return float_of(0xffff0000u);
+  return float_of((b + add) & 0xffff0000u);
+}
+
 }  // namespace zk_scalar_bits
+
+// The golden-ratio step between consecutive element indices before hashing, and the constant that derives the
+// second 32 random bits of an element (one hash gives exp_avg and exp_avg_sq 16 bits each, the second a bf16
+// master's).
+constexpr uint32_t kIndexStep = 0x9e3779b1u;
+constexpr uint32_t kSecondStream = 0x68e31da4u;
 
 #if defined(ZK_ISA_AVX512)
 
@@ -95,6 +125,10 @@ constexpr bool kHasStream = true;
 inline void vstream(float* p, Vec a) { _mm512_stream_ps(p, a.v); }
 inline void vstream_f16(uint16_t* p, Vec a) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_f16(a)); }
 inline void vstream_bf16(uint16_t* p, Vec a) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(a)); }
+// A value vround_bf16 / vround_bf16_sr returned is a bf16 already: its top 16 bits are the bf16.
+inline __m256i top_halves(Vec a) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a.v), 16)); }
+inline void vstore_bf16_exact(uint16_t* p, Vec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), top_halves(a)); }
+inline void vstream_bf16_exact(uint16_t* p, Vec a) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), top_halves(a)); }
 inline void vstream_fence() { _mm_sfence(); }
 inline Vec vadd(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec vsub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
@@ -102,6 +136,39 @@ inline Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec vdiv(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c, one rounding
 inline Vec vsqrt(Vec a) { return {_mm512_sqrt_ps(a.v)}; }
+
+struct VecI {
+  __m512i v;
+};
+inline VecI vmix32(VecI a) {
+  __m512i x = a.v;
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  return {x};
+}
+// mix32(seed ^ ((index + lane) * kIndexStep)) for the W lanes from `index`.
+inline VecI vhash(uint32_t seed, uint32_t index) {
+  __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i i = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index)), lane);
+  __m512i x = _mm512_mullo_epi32(i, _mm512_set1_epi32(static_cast<int>(kIndexStep)));
+  return vmix32({_mm512_xor_si512(x, _mm512_set1_epi32(static_cast<int>(seed)))});
+}
+inline VecI vrehash(VecI h) { return vmix32({_mm512_xor_si512(h.v, _mm512_set1_epi32(static_cast<int>(kSecondStream)))}); }
+inline VecI vlow16(VecI h) { return {_mm512_and_si512(h.v, _mm512_set1_epi32(0xffff))}; }
+inline VecI vhigh16(VecI h) { return {_mm512_srli_epi32(h.v, 16)}; }
+inline Vec round_bf16_add(Vec a, __m512i add) {
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(a.v), add), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
+  return {_mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+}
+inline Vec vround_bf16(Vec a) {
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(a.v), 16), _mm512_set1_epi32(1));
+  return round_bf16_add(a, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+inline Vec vround_bf16_sr(Vec a, VecI r) { return round_bf16_add(a, r.v); }
 
 #elif defined(ZK_ISA_AVX2)
 
@@ -135,6 +202,12 @@ constexpr bool kHasStream = true;
 inline void vstream(float* p, Vec a) { _mm256_stream_ps(p, a.v); }
 inline void vstream_f16(uint16_t* p, Vec a) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(a)); }
 inline void vstream_bf16(uint16_t* p, Vec a) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(a)); }
+inline __m128i top_halves(Vec a) {
+  __m256i r = _mm256_srli_epi32(_mm256_castps_si256(a.v), 16);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
+}
+inline void vstore_bf16_exact(uint16_t* p, Vec a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), top_halves(a)); }
+inline void vstream_bf16_exact(uint16_t* p, Vec a) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), top_halves(a)); }
 inline void vstream_fence() { _mm_sfence(); }
 inline Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec vsub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
@@ -142,6 +215,38 @@ inline Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline Vec vdiv(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec vsqrt(Vec a) { return {_mm256_sqrt_ps(a.v)}; }
+
+struct VecI {
+  __m256i v;
+};
+inline VecI vmix32(VecI a) {
+  __m256i x = a.v;
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  return {x};
+}
+inline VecI vhash(uint32_t seed, uint32_t index) {
+  __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i i = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)), lane);
+  __m256i x = _mm256_mullo_epi32(i, _mm256_set1_epi32(static_cast<int>(kIndexStep)));
+  return vmix32({_mm256_xor_si256(x, _mm256_set1_epi32(static_cast<int>(seed)))});
+}
+inline VecI vrehash(VecI h) { return vmix32({_mm256_xor_si256(h.v, _mm256_set1_epi32(static_cast<int>(kSecondStream)))}); }
+inline VecI vlow16(VecI h) { return {_mm256_and_si256(h.v, _mm256_set1_epi32(0xffff))}; }
+inline VecI vhigh16(VecI h) { return {_mm256_srli_epi32(h.v, 16)}; }
+inline Vec round_bf16_add(Vec a, __m256i add) {
+  __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(a.v), add), _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
+  return {_mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u)), nan))};
+}
+inline Vec vround_bf16(Vec a) {
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(a.v), 16), _mm256_set1_epi32(1));
+  return round_bf16_add(a, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+}
+inline Vec vround_bf16_sr(Vec a, VecI r) { return round_bf16_add(a, r.v); }
 
 #elif defined(ZK_ISA_SCALAR)
 
@@ -160,6 +265,8 @@ constexpr bool kHasStream = false;  // plain stores only on this path
 inline void vstream(float* p, Vec a) { vstore(p, a); }
 inline void vstream_f16(uint16_t* p, Vec a) { vstore_f16(p, a); }
 inline void vstream_bf16(uint16_t* p, Vec a) { vstore_bf16(p, a); }
+inline void vstore_bf16_exact(uint16_t* p, Vec a) { *p = static_cast<uint16_t>(zk_scalar_bits::bits_of(a.v) >> 16); }
+inline void vstream_bf16_exact(uint16_t* p, Vec a) { vstore_bf16_exact(p, a); }
 inline void vstream_fence() {}
 inline Vec vadd(Vec a, Vec b) { return {a.v + b.v}; }
 inline Vec vsub(Vec a, Vec b) { return {a.v - b.v}; }
@@ -172,6 +279,18 @@ inline Vec vfma(Vec a, Vec b, Vec c) {
   return {static_cast<float>(static_cast<double>(a.v) * static_cast<double>(b.v) + static_cast<double>(c.v))};
 }
 inline Vec vsqrt(Vec a) { return {std::sqrt(a.v)}; }
+
+struct VecI {
+  uint32_t v;
+};
+inline VecI vhash(uint32_t seed, uint32_t index) { return {zk_scalar_bits::mix32(seed ^ (index * kIndexStep))}; }
+inline VecI vrehash(VecI h) { return {zk_scalar_bits::mix32(h.v ^ kSecondStream)}; }
+inline VecI vlow16(VecI h) { return {h.v & 0xffffu}; }
+inline VecI vhigh16(VecI h) { return {h.v >> 16}; }
+inline Vec vround_bf16(Vec a) {
+  return {zk_scalar_bits::round_bf16_bits(a.v, 0x7fffu + ((zk_scalar_bits::bits_of(a.v) >> 16) & 1u))};
+}
+inline Vec vround_bf16_sr(Vec a, VecI r) { return {zk_scalar_bits::round_bf16_bits(a.v, r.v)}; }
 
 #else
 #error "define one of ZK_ISA_AVX512, ZK_ISA_AVX2, ZK_ISA_SCALAR before including simd.h"

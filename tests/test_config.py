@@ -91,7 +91,8 @@ def test_deepspeed_keys_are_accepted_when_they_ask_for_nothing_else_and_refused_
     cases = [
         (dict(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
          "'zero_optimization.offload_optimizer.ratio' = 0.5 asks for partial optimizer offload"),
-        (dict(bf16={"bf16_optimizer_states": True}), "'bf16.bf16_optimizer_states' = true asks for bf16 optimizer"),
+        (dict(fp16={"fp16_master_weights_and_grads": True}),
+         "'fp16.fp16_master_weights_and_grads' = true asks for fp16 master weights"),
         (dict(optimizer={"type": "Adam", "params": {"amsgrad": True}}), "'optimizer.params.amsgrad' = true"),
         (dict(tensor_parallel={"autotp_size": 2}), "'tensor_parallel' asks for tensor parallelism"),
         (dict(pipeline={"stages": 2}), "'pipeline' asks for pipeline parallelism"),

@@ -58,7 +58,7 @@ def test_bad_requests_name_what_is_wrong(nvme_store):
     store = ShardStore(torch.device("cpu"))
     with pytest.raises(ValueError, match="optimizer's files"):
         store.allocate(8, torch.float32, "nvme")
-    with pytest.raises(ValueError, match="fp32"):
+    with pytest.raises(ValueError, match=r"master dtype \(torch.float32\), got torch.float16"):
         nvme_store.allocate(8, torch.float16, "nvme")
     with pytest.raises(ValueError, match="home must be one of"):
         store.allocate(8, torch.float32, "disk")

@@ -26,6 +26,23 @@ def check_combinations(cfg: Config) -> None:
                           "\"cpu\" or \"nvme\" too: the optimizer writes the updated shards into the parameter file "
                           "from the host")
     _check_zeropp(cfg)
+    _check_bf16_state(cfg)
+
+
+def _check_bf16_state(cfg: Config) -> None:
+    """bf16 master weights and moments: DeepSpeed's keys, with its conditions (bf16 on, a ZeRO stage); zkern also
+    takes bf16_optimizer_states alone (an fp32 master with bf16 moments), which DeepSpeed refuses."""
+    bf16 = cfg.bf16
+    for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        if getattr(bf16, key) and not bf16.enabled:
+            raise ConfigError(f"'bf16.{key}' keeps optimizer state in bf16 for bf16 training, and 'bf16.enabled' is "
+                              f"false; set it to true or remove '{key}'")
+        if getattr(bf16, key) and cfg.zero_optimization.stage == 0:
+            raise ConfigError(f"'bf16.{key}' applies to the ZeRO optimizer's shard (stages 1, 2 and 3), as in "
+                              f"DeepSpeed; set 'zero_optimization.stage' to 1 or more or remove it")
+    if cfg.bf16_stochastic_rounding and not (bf16.bf16_master_weights_and_grads or bf16.bf16_optimizer_states):
+        raise ConfigError("'bf16_stochastic_rounding' rounds the optimizer state kept in bf16, and none is: set "
+                          "'bf16.bf16_optimizer_states' or 'bf16.bf16_master_weights_and_grads', or remove it")
 
 
 def _check_zeropp(cfg: Config) -> None:

@@ -98,6 +98,7 @@ TOP = {
     "dataloader_drop_last": _bool(False),
     # zkern's own
     "comm_timeout_s": _float(600.0, 1e-3),
+    "bf16_stochastic_rounding": _bool(False),
     "device": Key("str", "auto"),
     "ranks_per_node": Key("int_or_null", None, 1),
     # DeepSpeed's, asking for nothing zkern does differently
@@ -155,8 +156,8 @@ BF16 = {
     "check_grad_overflow": Inert("zkern checks every step's gradients for inf/NaN in every precision (fused with the "
                                  "norm, free) and skips a non-finite step, whatever this says"),
     "immediate_grad_update": Inert("zkern folds each micro-step's gradients into the shard as they are reduced"),
-    "bf16_master_weights_and_grads": DefaultOnly(False, "bf16 master weights"),
-    "bf16_optimizer_states": DefaultOnly(False, "bf16 optimizer states"),
+    "bf16_master_weights_and_grads": _bool(False),
+    "bf16_optimizer_states": _bool(False),
 }
 
 ZERO = {

@@ -54,6 +54,7 @@ class Config:
     steps_per_print: int = 10
     zero_allow_untested_optimizer: bool = False
     comm_timeout_s: float = 600.0  # zkern's own key: collective timeout, so a dead rank ends the job
+    bf16_stochastic_rounding: bool = False  # zkern's own key: bf16 master/moments round stochastically, not to nearest
     device: str = "auto"  # zkern's own key: "auto" (cuda:LOCAL_RANK when CUDA is available), "cpu" or "cuda"
     ranks_per_node: int | None = None  # zkern's own key: None = the launcher's LOCAL_WORLD_SIZE, else one node
     activation_checkpointing: ActivationCheckpointingConfig | None = None  # None: no section in the config

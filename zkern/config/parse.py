@@ -261,6 +261,7 @@ def parse_config(raw: dict) -> dict[str, Any]:
         steps_per_print=top.get("steps_per_print", 10),
         zero_allow_untested_optimizer=top.get("zero_allow_untested_optimizer", False),
         comm_timeout_s=top.get("comm_timeout_s", 600.0), device=top.get("device", "auto"),
+        bf16_stochastic_rounding=top.get("bf16_stochastic_rounding", False),
         ranks_per_node=top.get("ranks_per_node"), activation_checkpointing=checkpointing,
         aio=_aio(raw.get("aio"), notes),
         gradient_predivide_factor=top.get("gradient_predivide_factor"),

@@ -54,6 +54,8 @@ class FP16Config:
 @dataclass(frozen=True)
 class BF16Config:
     enabled: bool = False
+    bf16_master_weights_and_grads: bool = False  # the optimizer's master shard in bf16 (no fp32 copy)
+    bf16_optimizer_states: bool = False  # exp_avg / exp_avg_sq in bf16
 
 @dataclass(frozen=True)
 class ZeroConfig:

@@ -155,7 +155,8 @@ def _layout(numels: list[int], world: int, groups: list[tuple[int, int]]) -> Lay
 
 def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimizer: bool | str = False,
                     offload_param: bool | str = False, optimizer_bytes_per_param: int | None = None,
-                    precision: str = "mixed", hpz_partition_size: int = 1) -> dict[str, int]:
+                    precision: str = "mixed", hpz_partition_size: int = 1, bf16_optimizer_states: bool = False,
+                    bf16_master_weights_and_grads: bool = False) -> dict[str, int]:
     """Model-state bytes per device by the ZeRO paper's formulas (Psi = num_params, N = world_size).
 
     precision "mixed": 2-byte parameters and gradients, K = optimizer_bytes_per_param (default 12: fp32 master,
@@ -167,6 +168,8 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
     "cpu") moves the parameter shard to "host", "nvme" to "nvme" (less the host cache, max_in_cpu, not counted).
     hpz_partition_size k > 1 (ZeRO++ hpZ, stage 3): a secondary copy of the working weights over groups of k ranks,
     width * Psi / k more per device, under "hpz_secondary".
+    bf16_optimizer_states (mixed only): Adam's moments in bf16, K 12 -> 8. bf16_master_weights_and_grads: the master
+    in bf16, which on the device is the working copy itself (K loses all 4 master bytes) and offloaded a 2-byte copy.
     Returns {"params", "grads", "optimizer_states", ["hpz_secondary",] "total", "host"[, "nvme"]}.
     """
     if offload_optimizer not in (False, True, "none", "cpu", "nvme"):
@@ -177,9 +180,15 @@ def estimate_memory(num_params: int, world_size: int, stage: int, offload_optimi
     params_nvme = offload_param == "nvme"
     offload_optimizer = offload_optimizer not in (False, "none")
     offload_param = offload_param not in (False, "none")
+    if (bf16_optimizer_states or bf16_master_weights_and_grads) and (
+            precision != "mixed" or optimizer_bytes_per_param is not None):
+        raise ValueError("bf16_optimizer_states / bf16_master_weights_and_grads describe mixed-precision bf16 training "
+                         "with zkern's Adam: use precision='mixed' and leave optimizer_bytes_per_param unset")
     match precision:
         case "mixed":
-            width, k = 2, 12 if optimizer_bytes_per_param is None else optimizer_bytes_per_param
+            master = (2 if offload_optimizer not in (False, "none") else 0) if bf16_master_weights_and_grads else 4
+            width, k = 2, (master + (4 if bf16_optimizer_states else 8) if optimizer_bytes_per_param is None
+                           else optimizer_bytes_per_param)
         case "fp32":
             width, k = 4, 8 if optimizer_bytes_per_param is None else optimizer_bytes_per_param
         case _:

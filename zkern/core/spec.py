@@ -49,7 +49,10 @@ class RuntimeSpec:
     stage: int  # 0, 1, 2 or 3
     device: torch.device  # where the working buffers live
     dtype: torch.dtype  # the working dtype (fp16/bf16 in mixed precision)
-    mixed: bool  # dtype is not fp32: an fp32 master shard is kept
+    mixed: bool  # dtype is not the master's: a master shard apart from the working copy is kept
+    master_dtype: torch.dtype  # the optimizer's master shard: fp32, bf16 with bf16.bf16_master_weights_and_grads
+    state_dtype: torch.dtype  # zkern's Adam moments: fp32, bf16 with bf16.bf16_optimizer_states
+    stochastic_rounding: bool  # bf16 master/moments round stochastically (bf16_stochastic_rounding), else to nearest
     comm_dtype: torch.dtype  # gradients are reduced in this dtype (communication_data_type)
     accum_dtype: torch.dtype  # and accumulated across micro-steps in this one (data_types.grad_accum_dtype)
     bucket_numel: int  # gradient bucket elements (stages 0-2: min of reduce and allgather bucket sizes)
@@ -69,7 +72,11 @@ class RuntimeSpec:
         cuda = device.type == "cuda"  # page-locked host memory only helps (and only exists) with a GPU
         bucket = zero.reduce_bucket_size if zero.stage == 3 else \
             min(zero.reduce_bucket_size, zero.allgather_bucket_size)
-        return RuntimeSpec(stage=zero.stage, device=device, dtype=dtype, mixed=dtype != torch.float32,
+        master = torch.bfloat16 if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads else torch.float32
+        states = torch.bfloat16 if cfg.bf16.enabled and cfg.bf16.bf16_optimizer_states else torch.float32
+        # A bf16 master in bf16 training is the working copy itself (as an fp32 run's is): no second shard.
+        return RuntimeSpec(stage=zero.stage, device=device, dtype=dtype, mixed=dtype != master,
+                           master_dtype=master, state_dtype=states, stochastic_rounding=cfg.bf16_stochastic_rounding,
                            comm_dtype=comm_dtype, accum_dtype=accum_dtype, bucket_numel=bucket,
                            overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
                            offload_optimizer=zero.offload_optimizer_device, offload_param=zero.offload_param_device,

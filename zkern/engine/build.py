@@ -188,10 +188,13 @@ def _other_optimizer(cfg: Config, shard_groups: list[ShardGroup], requested: lis
 
 
 def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_groups: list[ShardGroup],
-                    requested: list[dict] | None = None, nvme=None) -> torch.optim.Optimizer:
+                    requested: list[dict] | None = None, nvme=None, *, rank: int = 0,
+                    state_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
     """zkern's fused ShardAdam from the config (one group per requested group, its options over the config's), or
     the client's torch optimizer re-pointed at the shard pieces. nvme: the NvmeShard holding the master and moments
-    (offload_optimizer.device "nvme"): zkern's Adam steps them there (nvme.NvmeAdam)."""
+    (offload_optimizer.device "nvme"): zkern's Adam steps them there (nvme.NvmeAdam). rank: seeds this rank's
+    stochastic rounding (bf16_stochastic_rounding). state_dtype: the Adam moments' (RuntimeSpec.state_dtype)."""
+    _check_bf16_state_optimizer(cfg, client)
     if nvme is not None and (client is not None or (cfg.optimizer is not None and cfg.optimizer.torch_adam)):
         raise ConfigError("zero_optimization.offload_optimizer.device \"nvme\" steps zkern's own Adam/AdamW over the "
                           "state files: give the optimizer in the config's 'optimizer' section (type Adam or AdamW, "
@@ -213,9 +216,12 @@ def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_gro
         if cfg.optimizer.torch_adam:
             cls = torch.optim.AdamW if options[0]["adamw"] else torch.optim.Adam
             return cls([{"params": g.pieces, **{k: o[k] for k in GROUP_KEYS}} for g, o in zip(shard_groups, options)])
+        seed = rank if cfg.bf16_stochastic_rounding else None
+        if state_dtype == torch.bfloat16 and seed is None and rank == 0:
+            _warn_stuck_second_moment(options)
         if nvme is not None:
-            return NvmeAdam(shard_groups, options, nvme)
-        return ShardAdam(shard_groups, options)
+            return NvmeAdam(shard_groups, options, nvme, rounding_seed=seed)
+        return ShardAdam(shard_groups, options, state_dtype=state_dtype, rounding_seed=seed)
     stage = cfg.zero_optimization.stage
     if stage >= 1 and not isinstance(client, (torch.optim.Adam, torch.optim.AdamW)) \
             and not cfg.zero_allow_untested_optimizer:
@@ -226,6 +232,34 @@ def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_gro
     for group, shard in zip(client.param_groups, shard_groups):
         group["params"] = shard.pieces
     return client
+
+
+def _warn_stuck_second_moment(options: list[dict]) -> None:
+    """bf16 moments rounded to nearest: beta2 * v is within half a bf16 unit of v once beta2 > 1 - 2**-9, so v can
+    never decrease (it only ratchets up, and the step size with it shrinks). Said once; stochastic rounding keeps
+    the decay in expectation."""
+    beta2 = max(o["betas"][1] for o in options)
+    if beta2 > 1 - 2**-9:
+        log.warning("zkern: bf16.bf16_optimizer_states rounds exp_avg_sq to nearest, and beta2 = %g: beta2 * v rounds "
+                    "back to v in bf16, so exp_avg_sq never decays (it only grows, and the steps shrink with it). "
+                    "Set \"bf16_stochastic_rounding\": true to keep the decay in expectation, or beta2 <= %g",
+                    beta2, 1 - 2**-9)
+
+
+def _check_bf16_state_optimizer(cfg: Config, client) -> None:
+    """bf16 optimizer state is zkern's Adam's: a torch optimizer keeps its own state in its parameters' dtype."""
+    bf16 = cfg.bf16
+    keys = [k for k in ("bf16_optimizer_states", "bf16_master_weights_and_grads") if bf16.enabled and getattr(bf16, k)]
+    if not keys:
+        return
+    other = (f"a client optimizer ({type(client).__name__})" if client is not None else
+             f"'optimizer.type' {cfg.optimizer.type}" if cfg.optimizer is not None and cfg.optimizer.type in _OTHERS
+             else "'optimizer.params.torch_adam': true" if cfg.optimizer is not None and cfg.optimizer.torch_adam
+             else None)
+    if other is not None:
+        raise ConfigError(f"'bf16.{keys[0]}' keeps the optimizer's state in bf16 inside zkern's fused Adam, and the "
+                          f"run steps {other}; use the config's 'optimizer' section with type Adam or AdamW, or "
+                          f"remove '{keys[0]}'")
 
 
 def attach_layout(optimizer: torch.optim.Optimizer, runtime, comm: Comm, stage: int) -> None:
@@ -270,7 +304,7 @@ def checked_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     groups = trainable_groups(model, optimizer, requested)
     if not any(groups):
         raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
-    if not spec.mixed:
+    if spec.dtype == torch.float32:
         check_dtypes(groups, model)
     if not spec.zero.contiguous_gradients:
         log.warning("zkern: zero_optimization.contiguous_gradients=false has no effect: zkern always reduces "

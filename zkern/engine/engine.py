@@ -80,7 +80,8 @@ class Engine(torch.nn.Module):
         self.offload = spec.offloaded
         # ZeRO-Infinity: the fp32 master and moments in files of this rank's own (offload/nvme.py), made before the
         # runtime, which writes the initial masters into them as it partitions.
-        self.nvme = nvme.shard_from_config(cfg, rank) if zero.offload_optimizer_device == "nvme" else None
+        self.nvme = nvme.shard_from_config(cfg, rank, master_dtype=spec.master_dtype, state_dtype=spec.state_dtype) \
+            if zero.offload_optimizer_device == "nvme" else None
         self.store = ShardStore(self.device, nvme=self.nvme)  # where every shard lives (offload/store.py)
         # The runtimes build their buffers on the device from the parameters where they are (the host, typically),
         # a bucket or a unit at a time, from the fp32 values; then what is still whole (buffers, frozen parameters,
@@ -97,7 +98,8 @@ class Engine(torch.nn.Module):
             self.host_step = HostStep(shard_groups, pin=spec.pin_optimizer,
                                       out_on_host=zero.offload_param_device != "none", store=self.store)
             shard_groups = self.host_step.host_groups
-        self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups, requested, nvme=self.nvme)
+        self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups, requested, nvme=self.nvme, rank=rank,
+                                               state_dtype=spec.state_dtype)
         build.attach_layout(self.optimizer, self.runtime, self.comm, zero.stage)
         reporting.log_offload(self)
         self.lr_scheduler = build.build_scheduler_for(cfg, lr_scheduler, self.optimizer)

@@ -200,10 +200,9 @@ def memory_report(engine: Engine) -> dict[str, dict[str, int]]:
     on_nvme = None
     if engine.nvme is not None or params_on_disk:
         on_nvme = {"params": params_on_disk, "master": 0, "optimizer": 0}
-    if engine.nvme is not None:  # the three state files are the same size: master, then exp_avg + exp_avg_sq
+    if engine.nvme is not None:  # the master's files, and the moments' (bf16 ones are half the size)
         host["nvme_buffers"] = engine.nvme.buffer_bytes()
-        on_disk = engine.nvme.nbytes()
-        on_nvme.update(master=on_disk // 3, optimizer=on_disk - on_disk // 3)
+        on_nvme.update(master=engine.nvme.nbytes(("master",)), optimizer=engine.nvme.nbytes(("exp_avg", "exp_avg_sq")))
     if on_nvme is not None:
         on_nvme["total"] = sum(on_nvme.values())
     device["total"], host["total"] = sum(device.values()), sum(host.values())

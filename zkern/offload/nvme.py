@@ -40,7 +40,7 @@ from zkern.optim.shard_adam import ShardAdam, ShardGroup, _runs
 log = logging.getLogger("zkern")
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
-ALIGN_ELEMENTS = 1024  # fp32 elements in 4096 bytes: O_DIRECT's alignment
+ALIGN_BYTES = 4096  # O_DIRECT's alignment: every transfer starts and ends on it, in every file
 
 
 def _round_up(n: int, to: int) -> int:
@@ -54,17 +54,22 @@ def _round_down(n: int, to: int) -> int:
 @dataclass(frozen=True)
 class Tile:
     region: int
-    start: int  # first element, within the region (ALIGN_ELEMENTS-aligned)
+    start: int  # first element, within the region (NvmeShard.align-aligned)
     end: int  # one past the last element to transfer (a whole number of 4 KiB blocks past start)
 
 
 class NvmeShard:
     """The files of one rank's optimizer states, and the host buffers they stream through."""
 
-    def __init__(self, directory: str, pool, *, sub_group_size: int, buffer_count: int = 4, remove: bool = False):
+    def __init__(self, directory: str, pool, *, sub_group_size: int, buffer_count: int = 4, remove: bool = False,
+                 master_dtype: torch.dtype = torch.float32, state_dtype: torch.dtype = torch.float32):
         """directory: this rank's own (made here). sub_group_size: elements per tile transfer (capped at the largest
         region, rounded up to whole 4 KiB blocks). remove: delete the directory when this object goes (a run's
-        scratch files; the engine's)."""
+        scratch files; the engine's). master_dtype / state_dtype: the files' element types (fp32 or bf16)."""
+        self.dtypes = {"master": master_dtype, "exp_avg": state_dtype, "exp_avg_sq": state_dtype}
+        # Elements per aligned block: a whole number of 4 KiB blocks in each file (1024 with fp32 files alone,
+        # 2048 once one is bf16), so an element range moves between every file on the same bounds.
+        self.align = ALIGN_BYTES // min(d.itemsize for d in self.dtypes.values())
         if buffer_count < 3:
             raise ValueError(f"offload_optimizer.buffer_count must be >= 3 for the NVMe pipeline (a tile read "
                              f"ahead, one stepping, one written behind), got {buffer_count}")
@@ -85,12 +90,12 @@ class NvmeShard:
         self.tile = 0  # elements per tile, fixed when the buffers are made
 
     def add_region(self, numel: int) -> torch.Tensor:
-        """Files for a new region of numel fp32 elements (reserved whole now: a full disk fails here, naming the
-        file, never inside a step), zero-filled; returns its meta stand-in."""
-        index, nbytes = len(self.regions), 4 * _round_up(max(numel, 1), ALIGN_ELEMENTS)
-        self.files.append({name: ops.nvme_file(os.path.join(self.directory, f"{name}-{index}.bin"), nbytes,
-                                               self.pool) for name in STATES})
-        stand_in = torch.empty(numel, dtype=torch.float32, device="meta")
+        """Files for a new region of numel elements (reserved whole now: a full disk fails here, naming the
+        file, never inside a step), zero-filled; returns its meta stand-in (in the master's dtype)."""
+        index, padded = len(self.regions), _round_up(max(numel, 1), self.align)
+        self.files.append({name: ops.nvme_file(os.path.join(self.directory, f"{name}-{index}.bin"),
+                                               padded * self.dtypes[name].itemsize, self.pool) for name in STATES})
+        stand_in = torch.empty(numel, dtype=self.dtypes["master"], device="meta")
         self.regions.append(stand_in)
         return stand_in
 
@@ -98,19 +103,20 @@ class NvmeShard:
     def io_path(self) -> str:
         return self.files[0]["master"].io_path if self.files else "none"
 
-    def nbytes(self) -> int:
-        """Bytes on disk (every state, padding included)."""
-        return sum(f.nbytes for files in self.files for f in files.values())
+    def nbytes(self, states: tuple[str, ...] = STATES) -> int:
+        """Bytes on disk of the given states' files (padding included)."""
+        return sum(files[name].nbytes for files in self.files for name in states)
 
     def buffer_bytes(self) -> int:
-        return 0 if self._buffers is None else sum(t.numel() * 4 for b in self._buffers for t in b.values())
+        return 0 if self._buffers is None else sum(t.numel() * t.element_size() for b in self._buffers
+                                                   for t in b.values())
 
     def buffers(self) -> list[dict[str, torch.Tensor]]:
         """The tile buffer sets, made at the first use once every region exists."""
         if self._buffers is None:
             largest = max((r.numel() for r in self.regions), default=1)
-            self.tile = _round_up(min(self.sub_group_size, max(largest, 1)), ALIGN_ELEMENTS)
-            self._buffers = [{name: ops.aligned_empty(self.tile, torch.float32) for name in STATES}
+            self.tile = _round_up(min(self.sub_group_size, max(largest, 1)), self.align)
+            self._buffers = [{name: ops.aligned_empty(self.tile, self.dtypes[name]) for name in STATES}
                              for _ in range(self.buffer_count)]
         return self._buffers
 
@@ -138,27 +144,27 @@ class NvmeShard:
         temporary one."""
         if self._buffers is not None:
             return self._buffers[0][state], self.tile
-        tile = _round_up(min(self.sub_group_size, hi - lo + ALIGN_ELEMENTS), ALIGN_ELEMENTS)
-        return ops.aligned_empty(tile, torch.float32), tile
+        tile = _round_up(min(self.sub_group_size, hi - lo + self.align), self.align)
+        return ops.aligned_empty(tile, self.dtypes[state]), tile
 
-    @staticmethod
-    def _spans(lo: int, hi: int, tile: int):
+    def _spans(self, lo: int, hi: int, tile: int):
         """Aligned transfers covering elements [lo, hi): (block start, block end), at most `tile` elements each."""
-        a, end = _round_down(lo, ALIGN_ELEMENTS), _round_up(hi, ALIGN_ELEMENTS)
+        a, end = _round_down(lo, self.align), _round_up(hi, self.align)
         while a < end:
             yield a, min(a + tile, end)
             a += tile
 
     def read(self, state: str, t: torch.Tensor) -> torch.Tensor:
         """The values of state ("master", "exp_avg", "exp_avg_sq") at the elements slice t covers: a fresh
-        host fp32 tensor shaped like t."""
+        host tensor shaped like t, in t's dtype (a bf16 state read through an fp32 master's slice is widened,
+        exactly)."""
         region, lo = self.locate(t)
         hi = lo + t.numel()
-        out = torch.empty(t.numel(), dtype=torch.float32)
+        out = torch.empty(t.numel(), dtype=t.dtype)
         buf, tile = self._bounce(state, lo, hi)
-        f = self.files[region][state]
+        f, size = self.files[region][state], self.dtypes[state].itemsize
         for a, b in self._spans(lo, hi, tile):
-            f.read(buf[:b - a], 4 * a)
+            f.read(buf[:b - a], size * a)
             x, y = max(a, lo), min(b, hi)
             out[x - lo:y - lo].copy_(buf[x - a:y - a])
         return out.view(t.shape)
@@ -171,13 +177,13 @@ class NvmeShard:
         if values.numel() != t.numel():
             raise ValueError(f"zkern NVMe: writing {values.numel()} values into {t.numel()} elements")
         buf, tile = self._bounce(state, lo, hi)
-        f = self.files[region][state]
+        f, size = self.files[region][state], self.dtypes[state].itemsize
         for a, b in self._spans(lo, hi, tile):
             x, y = max(a, lo), min(b, hi)
             if x > a or y < b:
-                f.read(buf[:b - a], 4 * a)
-            buf[x - a:y - a].copy_(values[x - lo:y - lo])
-            f.write(buf[:b - a], 4 * a)
+                f.read(buf[:b - a], size * a)
+            buf[x - a:y - a].copy_(values[x - lo:y - lo])  # rounded to nearest where the file is bf16
+            f.write(buf[:b - a], size * a)
 
     def close(self) -> None:
         """Close the files (and remove the directory when this shard owns it)."""
@@ -195,15 +201,18 @@ def _pool_and_directory(cfg, path: str, what: str, rank: int):
     return pool, os.path.join(path, f"zkern-{what}-rank{rank}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def shard_from_config(cfg, rank: int) -> NvmeShard:
-    """The engine's NvmeShard under offload_optimizer.nvme_path (removed when the engine goes)."""
+def shard_from_config(cfg, rank: int, *, master_dtype: torch.dtype = torch.float32,
+                      state_dtype: torch.dtype = torch.float32) -> NvmeShard:
+    """The engine's NvmeShard under offload_optimizer.nvme_path (removed when the engine goes), its files in the
+    master's and the moments' dtypes (RuntimeSpec's)."""
     zero, aio = cfg.zero_optimization, cfg.aio
     pool, directory = _pool_and_directory(cfg, zero.offload_optimizer_nvme_path, "optimizer", rank)
     if rank == 0 and (aio.single_submit, aio.overlap_events) != (False, True):
         log.info("zkern NVMe: aio.single_submit and aio.overlap_events choose libaio submission modes; zkern's reader "
                  "is a thread pool over pread/pwrite, where they change nothing")
     return NvmeShard(directory, pool, sub_group_size=zero.sub_group_size,
-                     buffer_count=zero.offload_optimizer_buffer_count, remove=True)
+                     buffer_count=zero.offload_optimizer_buffer_count, remove=True, master_dtype=master_dtype,
+                     state_dtype=state_dtype)
 
 
 def params_from_config(cfg, rank: int, numel: int, dtype: torch.dtype, units: dict[int, tuple[int, int]]):
@@ -220,9 +229,10 @@ class NvmeAdam(ShardAdam):
     """ShardAdam whose fp32 master and moments live in an NvmeShard: each chunk's param is a slice of a region's
     meta stand-in; grad and out are real tensors (the host staging buffers of offload.HostStep)."""
 
-    def __init__(self, groups: list[ShardGroup], options: list[dict], shard: NvmeShard):
+    def __init__(self, groups: list[ShardGroup], options: list[dict], shard: NvmeShard, *,
+                 rounding_seed: int | None = None):
         self.shard = shard
-        super().__init__(groups, options)
+        super().__init__(groups, options, state_dtype=shard.dtypes["exp_avg"], rounding_seed=rounding_seed)
         self._spans = sorted((shard.locate(c.param) + (c.param.numel(), gi, ci))
                              for gi, g in enumerate(groups) for ci, c in enumerate(g.chunks))
         self._first = {(gi, ci): start for _, start, _, gi, ci in self._spans}  # chunk -> its first region element
@@ -294,7 +304,7 @@ class NvmeAdam(ShardAdam):
         out = []
         for region, a in sorted(by_tile):
             size = self.shard.regions[region].numel()
-            end = min(a + tile, _round_up(size, ALIGN_ELEMENTS))
+            end = min(a + tile, _round_up(size, self.shard.align))
             out.append((Tile(region, a, end), by_tile[(region, a)]))
         return out
 
@@ -302,7 +312,9 @@ class NvmeAdam(ShardAdam):
         """Start reading (or writing) tile t of every state file into (from) one buffer set."""
         files = self.shard.files[t.region]
         n = t.end - t.start
-        return [(files[name].write if write else files[name].read)(buffers[name][:n], 4 * t.start, async_op=True)
+        return [(files[name].write if write else files[name].read)(buffers[name][:n],
+                                                                   self.shard.dtypes[name].itemsize * t.start,
+                                                                   async_op=True)
                 for name in STATES]
 
     def _wait(self, works: list) -> None:
@@ -374,7 +386,7 @@ class NvmeAdam(ShardAdam):
                            buffers["exp_avg_sq"][x:y], step=step + 1,
                            param_out=None if chunk.out is None else chunk.out[lo:hi], lr=o["lr"],
                            betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"], adamw=o["adamw"],
-                           grad_scale=grad_scale)
+                           grad_scale=grad_scale, **self.rounding(gi, step + 1, first + lo))
         self.compute_s += time.perf_counter() - start
 
 

@@ -41,7 +41,7 @@ class ShardStore:
 
     # -- where ------------------------------------------------------------------------------------------------
     def allocate(self, numel: int, dtype: torch.dtype, home: str, *, pin: bool = False) -> torch.Tensor:
-        """A zeroed shard of numel elements in `home`; for "nvme" (fp32 masters only) a region of the optimizer's
+        """A zeroed shard of numel elements in `home`; for "nvme" (masters only) a region of the optimizer's
         files, returned as its stand-in."""
         match home:
             case "device":
@@ -49,9 +49,10 @@ class ShardStore:
             case "host":
                 return host_tensor(numel, dtype, pin=pin)
             case "nvme":
-                if self.nvme is None or dtype != torch.float32:
-                    raise ValueError(f"ShardStore: an NVMe shard needs the optimizer's files and fp32, got "
-                                     f"{'no files' if self.nvme is None else dtype}")
+                if self.nvme is None or dtype != self.nvme.dtypes["master"]:
+                    raise ValueError(f"ShardStore: an NVMe shard needs the optimizer's files and their master dtype "
+                                     f"({'no files' if self.nvme is None else self.nvme.dtypes['master']}), got "
+                                     f"{dtype}")
                 return self.nvme.add_region(numel)
             case _:
                 raise ValueError(f"ShardStore: home must be one of {HOMES}, got {home!r}")

@@ -11,6 +11,11 @@ grad None and is skipped, its step count unchanged), and lets LR schedulers driv
 ShardAdam keeps exp_avg/exp_avg_sq as two flat shard-sized buffers and steps each bucket chunk in ONE fused
 ops.adam_step_ call when all its pieces are active with equal step counts (the common case), else per run of
 such pieces. Loss-scale unscaling, clipping and the 1/world average arrive folded into one grad_scale.
+
+The moments are fp32, or bf16 (bf16.bf16_optimizer_states: 4 bytes per element instead of 8), and the master
+they step may be bf16 (bf16_master_weights_and_grads); bf16 values are stored rounded to nearest even, or
+stochastically (bf16_stochastic_rounding) with random bits hashed from (this rank, group, step, element), so a
+run is reproducible and the bits do not depend on how a chunk is split into calls.
 """
 
 from __future__ import annotations
@@ -43,11 +48,17 @@ class ShardGroup:
 class ShardAdam(torch.optim.Optimizer):
     """Adam/AdamW over flat shard chunks, with torch.optim.AdamW's per-parameter semantics."""
 
-    def __init__(self, groups: list[ShardGroup], options: list[dict]):
+    def __init__(self, groups: list[ShardGroup], options: list[dict], *, state_dtype: torch.dtype = torch.float32,
+                 rounding_seed: int | None = None):
+        """state_dtype: the moments' dtype (fp32 or bf16). rounding_seed: bf16 state rounds stochastically with
+        bits derived from it (give each rank its own), else (None) to nearest even."""
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"ShardAdam keeps its moments in float32 or bfloat16, got {state_dtype}")
         param_groups = [{"params": g.pieces, **o} for g, o in zip(groups, options)]
         super().__init__(param_groups, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
                                         "adamw": True})
         self.shard_groups = groups
+        self.state_dtype, self.rounding_seed = state_dtype, rounding_seed
         # Per-piece step counts as Python ints: reading a device tensor here would sync the host every step.
         self.steps = [[0] * len(g.pieces) for g in groups]
         self._allocate_moments(groups)
@@ -58,8 +69,8 @@ class ShardAdam(torch.optim.Optimizer):
         # would cost 8 bytes per element of the whole shard for every group.
         self._start = [_compact_starts(g) for g in groups]  # per group, per chunk: its first moment element
         sizes = [sum(c.param.numel() for c in g.chunks) for g in groups]
-        self.exp_avg = [torch.zeros(n, dtype=torch.float32, device=_device(g)) for n, g in zip(sizes, groups)]
-        self.exp_avg_sq = [torch.zeros(n, dtype=torch.float32, device=_device(g)) for n, g in zip(sizes, groups)]
+        self.exp_avg = [torch.zeros(n, dtype=self.state_dtype, device=_device(g)) for n, g in zip(sizes, groups)]
+        self.exp_avg_sq = [torch.zeros(n, dtype=self.state_dtype, device=_device(g)) for n, g in zip(sizes, groups)]
         # Per-piece state as views into the flat buffers, shaped like the piece (as torch's AdamW keeps it).
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for gi, g in enumerate(groups):
@@ -104,6 +115,13 @@ class ShardAdam(torch.optim.Optimizer):
             else:
                 for i in range(len(g.pieces)):
                     self.set_piece_state(gi, i, {})
+
+    def rounding(self, group: int, step: int, offset: int) -> dict:
+        """ops.adam_step_'s stochastic-rounding arguments for a call at element `offset` of the master's storage
+        (nothing when the state rounds to nearest)."""
+        if self.rounding_seed is None:
+            return {}
+        return {"sr_seed": call_seed(self.rounding_seed, group, step), "sr_offset": offset}
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.exp_avg, *self.exp_avg_sq))
@@ -163,7 +181,8 @@ class ShardAdam(torch.optim.Optimizer):
                     away = out is not None and out.device != chunk.param.device
                     ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], self.exp_avg[gi][s + lo:s + hi],
                                    self.exp_avg_sq[gi][s + lo:s + hi], step=step + 1,
-                                   param_out=None if away else out, **hyper)
+                                   param_out=None if away else out, **hyper,
+                                   **self.rounding(gi, step + 1, chunk.param.storage_offset() + lo))
                     if away:
                         out.copy_(chunk.param[lo:hi])  # the same rounding the fused copy-out does
                 if after_chunk is not None:
@@ -172,6 +191,16 @@ class ShardAdam(torch.optim.Optimizer):
                 if is_on:
                     steps[i] += 1
         return None
+
+
+def call_seed(seed: int, group: int, step: int) -> int:
+    """A 32-bit seed for one (group, step) of a run seeded `seed`: splitmix64's finaliser over the three."""
+    x = (seed * 0x9E3779B97F4A7C15 + group * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) & 0xFFFFFFFF
 
 
 def _compact_starts(group: ShardGroup) -> list[int]:

@@ -51,11 +51,11 @@ class FlatGroup:
         self.store = store
         self.master = None
         if spec.offload_optimizer == "nvme":
-            self.master = store.allocate(layout.shard_numel, torch.float32, "nvme")
+            self.master = store.allocate(layout.shard_numel, spec.master_dtype, "nvme")
         elif spec.offloaded:
-            self.master = store.allocate(layout.shard_numel, torch.float32, "host", pin=spec.pin_optimizer)
+            self.master = store.allocate(layout.shard_numel, spec.master_dtype, "host", pin=spec.pin_optimizer)
         elif mixed:
-            self.master = torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
+            self.master = torch.empty(layout.shard_numel, dtype=spec.master_dtype, device=device)
         for b in layout.buckets:
             values = ops.flatten([p.detach() for p in params[b.first:b.last]], torch.float32).to(device)
             bucket = self.param_flat[b.offset:b.offset + b.padded]
@@ -67,7 +67,8 @@ class FlatGroup:
                 real = max(0, min(size, b.numel - start))  # the rest of the chunk is padding
                 mine = self.master[b.shard_offset:b.shard_offset + size]
                 if store.in_files(mine):
-                    store.write(mine, torch.cat([values[start:start + real].cpu(), torch.zeros(size - real)]))
+                    store.write(mine, torch.cat([values[start:start + real].cpu(), torch.zeros(size - real)]).to(
+                        spec.master_dtype))
                 else:
                     mine[:real].copy_(values[start:start + real])
                     mine[real:].zero_()

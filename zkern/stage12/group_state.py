@@ -25,7 +25,7 @@ def whole(g: FlatGroup, what: str, keep: bool) -> dict[int, torch.Tensor]:
     match what:
         case "fp32" if g.master is not None:
             return gather_whole(g.comm, g.shard_world, whole_buckets(g, False),
-                                lambda i: master_chunk(g, i), torch.float32, device,
+                                lambda i: master_chunk(g, i).float(), torch.float32, device,
                                 "fp32 weights", keep)
         case "fp32" | "working":
             dtype = torch.float32 if what == "fp32" else g.dtype
@@ -79,7 +79,7 @@ def write_master(g: FlatGroup, i: int, before: torch.Tensor) -> None:
         lo, hi = piece.param_start, piece.param_start + piece.numel
         region = g.master[piece.shard_start:piece.shard_start + piece.numel]
         master = g.store.read(region)
-        merged = torch.where(changed[lo:hi].to(master.device), new[lo:hi].to(master.device, torch.float32),
+        merged = torch.where(changed[lo:hi].to(master.device), new[lo:hi].to(master.device, master.dtype),
                              master)
         g.store.write(region, merged)
 

@@ -89,13 +89,13 @@ def allocate(rt: Stage3Runtime, spec: RuntimeSpec, store: ShardStore, param_file
     # offload_optimizer: the fp32 master shard lives on the host, in fp32 runs too (the optimizer's copy).
     rt.master = None
     if spec.offload_optimizer == "nvme":  # the master is a region of the optimizer's files
-        rt.master = store.allocate(shard, torch.float32, "nvme")
+        rt.master = store.allocate(shard, spec.master_dtype, "nvme")
     elif spec.offload_optimizer == "cpu":
-        rt.master = store.allocate(shard, torch.float32, "host", pin=spec.pin_optimizer)
+        rt.master = store.allocate(shard, spec.master_dtype, "host", pin=spec.pin_optimizer)
     elif spec.mixed or rt.params_on_host:
         # offload_param without offload_optimizer keeps the optimizer on the device: an fp32 master there (in fp32
         # runs too), whose step writes each updated chunk to the host shard
-        rt.master = store.allocate(shard, torch.float32, "device")
+        rt.master = store.allocate(shard, spec.master_dtype, "device")
     rt.grad_shard = torch.zeros(shard, dtype=spec.accum_dtype, device=device)  # data_types.grad_accum_dtype
     rt._empty = torch.empty(0, dtype=dtype, device=device)
     rt.frozen = None

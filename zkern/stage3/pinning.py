@@ -100,7 +100,7 @@ def unpin(rt: Stage3Runtime, units: list[Unit], modifier_rank: int | None) -> No
                     region = rt.master[b.shard_offset:b.shard_offset + b.chunk]
                     master = rt.store.read(region)
                     changed = (mine.to(working.device) != working).to(master.device)
-                    merged = torch.where(changed, mine.to(master.device, torch.float32), master)
+                    merged = torch.where(changed, mine.to(master.device, master.dtype), master)
                     rt.store.write(region, merged)
                 rt.store.write(resting, mine)
     for u in units:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 GLOBAL = 4  # sequences per optimizer step, whatever the world size and accumulation
 WORLDS = (1, 2, 4)
 CHECKPOINT_FLAVOURS = ("", "non_reentrant", "zkern")
+BF16_STATES = ("states", "states_sr", "master", "master_sr")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Draw:
     world: int = 2
     stage: int = 0
     precision: str = "fp32"  # fp32 | bf16 | fp16
+    # bf16 optimizer state: "" | states (bf16 moments) | master (bf16 master and moments); "_sr": rounded
+    # stochastically (bf16_stochastic_rounding)
+    bf16_state: str = ""
     accumulation: int = 1
     clip: float = 0.0
     lr: float = 1e-2
@@ -110,6 +114,8 @@ class Draw:
         for name in ("write_at", "overflow_at"):
             if getattr(self, name) >= self.steps:
                 problems.append(f"{name} beyond the last step")
+        if self.bf16_state and (self.bf16_state not in BF16_STATES or self.precision != "bf16" or 0 in stages):
+            problems.append(f"bf16_state must be one of {BF16_STATES}, with bf16 and stage 1-3 throughout")
         if self.checkpoint not in CHECKPOINT_FLAVOURS or self.arch not in ("tiny", "moe"):
             problems.append("unknown checkpoint flavour or arch")
         if problems:
@@ -151,6 +157,8 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
             if values["load_into"] == "fresh" and rng.random() < 0.4:
                 values["world_after"] = rng.choice([w for w in worlds if w != world] or [world])
                 values["stage_after"] = rng.choice((0, 1, 2, 3))
+        if precision == "bf16" and stage > 0 and rng.random() < 0.4:
+            values["bf16_state"] = rng.choice(BF16_STATES)
         try:
             return Draw(**values).checked()
         except ValueError:

@@ -85,6 +85,10 @@ def config(draw: Draw, world: int, stage: int, root: str, device: str) -> dict:
            "ranks_per_node": 2 if world >= 2 and world % 2 == 0 else world}
     if draw.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+        if draw.bf16_state:
+            cfg["bf16"].update(bf16_optimizer_states=True,
+                               bf16_master_weights_and_grads=draw.bf16_state.startswith("master"))
+            cfg["bf16_stochastic_rounding"] = draw.bf16_state.endswith("_sr")
     elif draw.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "hysteresis": 1, "loss_scale_window": 3}
     return cfg

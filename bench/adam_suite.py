@@ -14,10 +14,13 @@ interleaved round by round so that the machine's noise falls on all of them alik
   zkern fp32          the plain fp32 step (fp32 grad, no copy)
   torch fused fp32    torch.optim.AdamW(fused=True).step() alone
   zkern offload 1t    the offload step on one thread (the 1 -> 2 thread speed-up)
+  zkern bf16 states   the offload step with bf16 moments (bf16.bf16_optimizer_states): 20 bytes per parameter
+  zkern bf16 states sr  the same, rounding stochastically (bf16_stochastic_rounding)
+  zkern bf16 master   bf16 master and moments (bf16_master_weights_and_grads too): 16 bytes per parameter
   in-place bandwidth  x.mul_(c) over a buffer of the working set's size: bytes read + written per second
 
 The roofline of the offload step: 28 bytes per parameter (2 in, 12 read, 12 written, 2 out) at the measured
-in-place bandwidth.
+in-place bandwidth; 20 with bf16 moments (2 in, 8 read, 8 written, 2 out), 16 with a bf16 master too.
 
 The ratios are paired: each round times zkern's offload step next to each peer, the ratio is taken within the
 round, and the figure is the median over rounds. A shared machine's memory bandwidth moves by up to 2x between
@@ -42,6 +45,8 @@ from zkern.cpu import _ext
 from zkern.env_report import cpu_model
 
 BYTES_PER_PARAM = 28  # offload step: 2 (bf16 grad) + 12 read + 12 written (param, exp_avg, exp_avg_sq) + 2 out
+BF16_STATES_BYTES = 20  # the same with bf16 moments: 2 + 8 read + 8 written + 2
+BF16_MASTER_BYTES = 16  # and a bf16 master: 2 + 6 read + 6 written + 2
 DEFAULT_NUMEL = 50_000_000
 
 
@@ -106,6 +111,9 @@ def run(numel: int = DEFAULT_NUMEL, reps: int = 15, progress=None, deepspeed: bo
     # zkern's buffers
     zp, zm, zv = torch.randn(numel, generator=gen), torch.zeros(numel), torch.zeros(numel)
     zout = torch.empty(numel, dtype=torch.bfloat16)
+    # bf16 state: the moments (and for the last candidate the master) in bf16
+    bm, bv = torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16)
+    bp = zp.bfloat16()
     # torch's: its own parameter and optimizer state
     tp = torch.nn.Parameter(zp.clone())
     topt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=0.01, fused=True)
@@ -119,6 +127,12 @@ def run(numel: int = DEFAULT_NUMEL, reps: int = 15, progress=None, deepspeed: bo
         tp.grad = grad16.float()
         topt.step()
         tout.copy_(tp.detach())
+
+    def zkern_bf16_states(sr: int | None = None):
+        _ext.adam_step_(zp, grad16, bm, bv, step=10, param_out=zout, threads=threads, sr_seed=sr, **hyper)
+
+    def zkern_bf16_master():
+        _ext.adam_step_(bp, grad16, bm, bv, step=10, param_out=zout, threads=threads, **hyper)
 
     def zkern_fp32():
         _ext.adam_step_(zp, grad32, zm, zv, step=10, threads=threads, **hyper)
@@ -137,7 +151,9 @@ def run(numel: int = DEFAULT_NUMEL, reps: int = 15, progress=None, deepspeed: bo
     if ds_step is not None:
         candidates["deepspeed offload"] = ds_step
     candidates.update({"zkern fp32": zkern_fp32, "torch fused fp32": torch_fused_fp32,
-                       "zkern offload 1t": lambda: zkern_offload(1)})
+                       "zkern offload 1t": lambda: zkern_offload(1), "zkern bf16 states": zkern_bf16_states,
+                       "zkern bf16 states sr": lambda: zkern_bf16_states(sr=12345),
+                       "zkern bf16 master": zkern_bf16_master})
     times = _time_round_robin(candidates, reps, progress)
 
     figures = {}
@@ -163,6 +179,14 @@ def run(numel: int = DEFAULT_NUMEL, reps: int = 15, progress=None, deepspeed: bo
         * numel * BYTES_PER_PARAM / (bandwidth_buf.numel() * 8),
         "fp32_over_torch_fused": paired("torch fused fp32", "zkern fp32"),
         "thread_speedup": paired("zkern offload 1t", "zkern offload"),
+        # bf16 state: parameters per second over the fp32-state offload step, and the fraction of the new roofline
+        "bf16_states_over_offload": paired("zkern offload", "zkern bf16 states"),
+        "bf16_states_of_roofline": paired("in-place bandwidth", "zkern bf16 states")
+        * numel * BF16_STATES_BYTES / (bandwidth_buf.numel() * 8),
+        "bf16_states_sr_over_offload": paired("zkern offload", "zkern bf16 states sr"),
+        "bf16_master_over_offload": paired("zkern offload", "zkern bf16 master"),
+        "bf16_master_of_roofline": paired("in-place bandwidth", "zkern bf16 master")
+        * numel * BF16_MASTER_BYTES / (bandwidth_buf.numel() * 8),
     }
     if ds_step is not None:
         ratios["offload_over_deepspeed"] = paired("deepspeed offload", "zkern offload")
@@ -201,5 +225,10 @@ def table(record: dict) -> str:
             + (f", x{r['offload_over_deepspeed']:.2f} DeepSpeedCPUAdam" if "offload_over_deepspeed" in r else ""),
             f"zkern fp32 step: x{r['fp32_over_torch_fused']:.2f} torch.optim.AdamW(fused=True); 1 -> "
             f"{record['threads']} threads: x{r['thread_speedup']:.2f}"]
+    if "bf16_states_over_offload" in r:
+        out += [f"bf16 moments (20 B/param): x{r['bf16_states_over_offload']:.2f} the fp32-state offload step, "
+                f"{r['bf16_states_of_roofline'] * 100:.0f}% of their roofline; stochastic rounding "
+                f"x{r['bf16_states_sr_over_offload']:.2f}; bf16 master and moments (16 B/param) "
+                f"x{r['bf16_master_over_offload']:.2f}, {r['bf16_master_of_roofline'] * 100:.0f}% of their roofline"]
     out += [f"skipped: {k}: {v}" for k, v in record["peers_skipped"].items()]
     return "\n".join(out)

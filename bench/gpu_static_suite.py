@@ -124,6 +124,12 @@ def _drive_launchers(torch) -> None:
                            param_out=out)
             ops.adam_step_(p, x, m, v, step=2, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                            adamw=False)
+            # bf16 optimizer state (bf16_optimizer_states, bf16_master_weights_and_grads), to nearest and stochastic
+            bm, bv = torch.zeros_like(m, dtype=torch.bfloat16), torch.zeros_like(v, dtype=torch.bfloat16)
+            ops.adam_step_(p, x, bm, bv, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                           adamw=True, param_out=out)
+            ops.adam_step_(p.bfloat16(), x, bm, bv, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                           weight_decay=0.01, adamw=True, param_out=out, sr_seed=7, sr_offset=start)
         for bits, group in ((8, zeropp.WEIGHT_GROUP), (4, zeropp.GRAD_GROUP)):
             x = torch.randn(n, generator=g)
             q, s = ops.quantize(x, bits, group)

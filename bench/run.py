@@ -13,6 +13,7 @@
     python bench/run.py --suite nvme                 # the disk (zkern's reader vs dd), the NVMe Adam step at 50M
     python bench/run.py --suite gpu-static           # every Triton kernel compiled for sm_80/sm_90 and checked
     python bench/run.py --suite gpu                  # on a GPU machine: the whole first-run record (bench/gpu_suite.py)
+    python bench/run.py --suite bf16-state           # where training ends with bf16 optimizer state, small GPT
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import (  # noqa: E402
     adam_suite,
+    bf16_state_suite,
     checkpoint_suite,
     engine_suite,
     gates,
@@ -50,9 +52,9 @@ from bench import (  # noqa: E402
 
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
           "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite, "gpu-static": gpu_static_suite,
-          "gpu": gpu_suite}
+          "gpu": gpu_suite, "bf16-state": bf16_state_suite}
 # --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name
-MEASURED = [name for name in SUITES if name not in ("scale", "nvme", "gpu-static", "gpu")]
+MEASURED = [name for name in SUITES if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state")]
 
 
 def _stages(text: str) -> list[int]:
@@ -141,6 +143,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             record = checkpoint_suite.run(args.model or "25m", args.world or 2)
         elif suite == "hf":
             record = hf_suite.run(args.model or "25m")
+        elif suite == "bf16-state":
+            record = bf16_state_suite.run(args.model or "small", args.steps)
         elif suite == "gpu-static":
             record = gpu_static_suite.run()
         elif suite == "gpu":
@@ -192,8 +196,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return 1
         note = f" (not checked: the {', '.join(unchecked)} suite did not run)" if unchecked else ""
         if elsewhere:
-            note += (f" ({len(elsewhere)} gate(s) set for another device not checked: "
-                     f"{', '.join(sorted({f'{g.figure} ({g.device})' for g in elsewhere}))})")
+            note += (f" ({len(elsewhere)} gate(s) set for another device or CPU path not checked: "
+                     f"{', '.join(sorted({f'{g.figure} ({g.device or g.isa})' for g in elsewhere}))})")
         print(f"gates: all {args.gate} gates of the {', '.join(suites)} suite(s) that apply hold{note}")
     return 0
 

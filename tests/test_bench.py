@@ -93,10 +93,10 @@ def test_required_bytes_are_the_zero_paper_volumes():
     assert required_bytes_per_step(3, 1000, 4, 4, 2) == 18000  # per micro-step: two all-gathers, one reduce-scatter
 
 
-def adam_record(**ratios):
+def adam_record(isa: str = "avx512", **ratios):
     base = {"offload_over_stock": 3.2, "offload_of_roofline": 0.97, "fp32_over_torch_fused": 1.3,
-            "thread_speedup": 1.8}
-    return {"suite": "adam", "ratios": {**base, **ratios}}
+            "thread_speedup": 1.8, "bf16_states_over_offload": 1.4}
+    return {"suite": "adam", "isa": isa, "ratios": {**base, **ratios}}
 
 
 def test_adam_gates_fail_a_slow_step_and_skip_an_absent_optional_peer():
@@ -106,6 +106,11 @@ def test_adam_gates_fail_a_slow_step_and_skip_an_absent_optional_peer():
                                                                           committed)[0]
     assert "offload_of_roofline" in gates.check(adam_record(offload_of_roofline=0.6), committed)[0]
     assert "offload_over_deepspeed" in gates.check(adam_record(offload_over_deepspeed=1.1), committed)[0]
+    # a gate for one CPU path judges that path's records only
+    assert "bf16_states_over_offload = 1, below its bound 1.1" in gates.check(
+        adam_record(bf16_states_over_offload=1.0), committed)[0]
+    assert gates.check(adam_record("avx2", bf16_states_over_offload=1.0), committed) == []
+    assert "below its bound 0.8" in gates.check(adam_record("avx2", bf16_states_over_offload=0.5), committed)[0]
     rec = adam_record()
     del rec["ratios"]["fp32_over_torch_fused"]
     assert gates.check(rec, committed) == ["adam: fp32_over_torch_fused: not in the record"]
@@ -116,7 +121,8 @@ def test_adam_suite_measures_every_candidate_on_a_small_buffer():
 
     rec = adam_suite.run(numel=200_003, reps=2, progress=lambda line: None)
     assert set(rec["figures"]) >= {"zkern offload", "stock offload", "zkern fp32", "torch fused fp32",
-                                   "zkern offload 1t", "in-place bandwidth"}
+                                   "zkern offload 1t", "in-place bandwidth", "zkern bf16 states",
+                                   "zkern bf16 states sr", "zkern bf16 master"}
     assert all(f["median_s"] > 0 for f in rec["figures"].values())
     assert set(rec["ratios"]) >= {"offload_over_stock", "offload_of_roofline", "fp32_over_torch_fused",
                                   "thread_speedup"}
@@ -142,7 +148,9 @@ def test_adam_suite_ratios_pair_the_candidates_within_each_round(monkeypatch):
 
     rounds = {"zkern offload": [1.0, 1.0, 2.0], "in-place bandwidth": [0.5, 2.0, 2.0],
               "stock offload": [3.0, 3.0, 3.0], "zkern fp32": [1.0, 1.0, 1.0],
-              "torch fused fp32": [1.0, 1.0, 1.0], "zkern offload 1t": [1.0, 3.0, 2.0]}
+              "torch fused fp32": [1.0, 1.0, 1.0], "zkern offload 1t": [1.0, 3.0, 2.0],
+              "zkern bf16 states": [0.5, 1.0, 1.0], "zkern bf16 states sr": [1.0, 1.0, 1.0],
+              "zkern bf16 master": [1.0, 1.0, 1.0]}
 
     def fake_rounds(candidates, reps, progress):
         assert list(candidates)[:2] == ["zkern offload", "in-place bandwidth"]  # adjacent in every round
@@ -154,6 +162,7 @@ def test_adam_suite_ratios_pair_the_candidates_within_each_round(monkeypatch):
     assert r["offload_of_roofline"] == pytest.approx(1.0)  # pairs 0.5, 2, 1
     assert r["offload_over_stock"] == pytest.approx(3.0)  # pairs 3, 3, 1.5
     assert r["thread_speedup"] == pytest.approx(1.0)  # pairs 1, 3, 1
+    assert r["bf16_states_over_offload"] == pytest.approx(2.0)  # pairs 2, 1, 2
 
 
 def test_kernels_suite_runs_end_to_end_under_the_interpreter(monkeypatch):
@@ -271,10 +280,11 @@ import json, sys
 sys.path.insert(0, {root!r})
 from bench import gpu_static_suite as s
 adam = {{"module": "zkern.triton.adam", "kernel": "_adam_kernel", "constexprs": {{"BLOCK_SIZE": 2048, "ADAMW": True,
-        "OUT_CODE": 2, "HAS_OUT": True}}, "signature": {{"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": "*fp32",
+        "OUT_CODE": 2, "HAS_OUT": True, "MASTER_BF16": False, "STATE_BF16": False, "STOCHASTIC": False}},
+        "signature": {{"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": "*fp32",
         "v_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32", "grad_scale": "fp32", "lr_decay": "fp32", "l2": "fp32",
         "beta2": "fp32", "one_minus_beta1": "fp32", "one_minus_beta2": "fp32", "neg_step_size": "fp32",
-        "inv_bc2_sqrt": "fp32", "eps": "fp32"}}}}
+        "inv_bc2_sqrt": "fp32", "eps": "fp32", "sr_seed": "i32", "sr_base": "i32"}}}}
 aligned = {{**adam, "aligned_args": ["p_ptr", "g_ptr", "m_ptr", "v_ptr", "out_ptr", "n"], "unaligned_args": []}}
 ragged = {{**adam, "aligned_args": ["p_ptr", "g_ptr", "m_ptr", "v_ptr", "out_ptr"], "unaligned_args": ["n"]}}
 print(json.dumps({{"aligned": s._compile(aligned, 90), "ragged": s._compile(ragged, 80),

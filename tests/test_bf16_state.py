@@ -211,6 +211,9 @@ def test_deepspeeds_keys_parse_and_deepspeed_accepts_the_same_file():
     cfg = base_config(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     ours = zkern.Config.load(cfg)
     assert ours.bf16.bf16_optimizer_states and ours.bf16.bf16_master_weights_and_grads
+    from zkern.config.report import summary
+
+    assert "optimizer state in bf16: master and moments, rounded to nearest even" in summary(ours)  # start-up block
     theirs = DeepSpeedConfig(dict(cfg, train_batch_size=4, train_micro_batch_size_per_gpu=4,
                                   gradient_accumulation_steps=1), mpu=None)
     assert theirs.bfloat16_config.bf16_optimizer_states and theirs.bfloat16_config.bf16_master_weights_and_grads

@@ -33,6 +33,11 @@ def summary(cfg: Config) -> list[str]:
               if on]
     if zeropp:
         lines.append("ZeRO++: " + ", ".join(zeropp))
+    bf16_state = [name for name, on in (("master", cfg.bf16.bf16_master_weights_and_grads),
+                                        ("moments", cfg.bf16.bf16_optimizer_states)) if on and cfg.bf16.enabled]
+    if bf16_state:
+        rounding = "stochastic rounding" if cfg.bf16_stochastic_rounding else "rounded to nearest even"
+        lines.append(f"optimizer state in bf16: {' and '.join(bf16_state)}, {rounding}")
     if cfg.optimizer is not None:
         lines.append(f"optimizer: {cfg.optimizer.type} {cfg.optimizer.params}")
     if cfg.scheduler is not None:

@@ -14,6 +14,7 @@
     python bench/run.py --suite gpu-static           # every Triton kernel compiled for sm_80/sm_90 and checked
     python bench/run.py --suite gpu                  # on a GPU machine: the whole first-run record (bench/gpu_suite.py)
     python bench/run.py --suite bf16-state           # where training ends with bf16 optimizer state, small GPT
+    python bench/run.py --suite paired --stage 0,1   # stage 0/1 and DDP/ZeroRedundancyOptimizer stepping in turn
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
@@ -46,15 +47,16 @@ from bench import (  # noqa: E402
     hf_suite,
     kernels_suite,
     nvme_suite,
+    paired_suite,
     peers,
     scale_suite,
 )
 
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
           "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite, "gpu-static": gpu_static_suite,
-          "gpu": gpu_suite, "bf16-state": bf16_state_suite}
+          "gpu": gpu_suite, "bf16-state": bf16_state_suite, "paired": paired_suite}
 # --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name
-MEASURED = [name for name in SUITES if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state")]
+MEASURED = [name for name in SUITES if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state", "paired")]
 
 
 def _stages(text: str) -> list[int]:
@@ -143,6 +145,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             record = checkpoint_suite.run(args.model or "25m", args.world or 2)
         elif suite == "hf":
             record = hf_suite.run(args.model or "25m")
+        elif suite == "paired":
+            record = paired_suite.run(args.stage, args.world, args.model or "small", args.steps)
         elif suite == "bf16-state":
             record = bf16_state_suite.run(args.model or "small", args.steps)
         elif suite == "gpu-static":

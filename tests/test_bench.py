@@ -360,3 +360,20 @@ def test_gpu_suite_plans_the_first_gpu_run_and_refuses_a_machine_without_one(tmp
     assert record["suite"] == "gpu" and record["dry_run"] and record["failures"] == []
     assert [s["name"] for s in record["steps"]] == [s.name for s in steps]
     assert all(s["rc"] is None and s["written"] == [] for s in record["steps"])
+
+
+def test_paired_suite_steps_zkern_and_its_peer_in_turn_on_the_same_training():
+    """Stage 0 against DDP and stage 1 against ZeroRedundancyOptimizer in the same ranks: a per-step ratio for each
+    rank, phase medians, and loss curves that agree (the same model and data: only float32 rounding apart)."""
+    from bench import paired_suite
+
+    rec = paired_suite.run([0, 1], world=2, model="tiny", steps=7)
+    assert [st["stage"] for st in rec["stages"]] == [0, 1] and [st["peer"] for st in rec["stages"]] == ["ddp", "zero1"]
+    for st in rec["stages"]:
+        assert len(st["ranks"]) == 2
+        for r in st["ranks"]:
+            assert r["step_time_paired_ratio"] > 0 and r["zkern_step_s"] > 0 and r["peer_optimizer_s"] > 0
+            assert r["max_loss_gap"] < 1e-4, r["max_loss_gap"]
+    assert "| 1 | zero1 | 1 |" in paired_suite.table(rec)
+    with pytest.raises(SystemExit, match="stages 0 and 1"):
+        paired_suite.run([2], world=2, model="tiny", steps=7)

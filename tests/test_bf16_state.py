@@ -21,6 +21,7 @@ import torch
 
 import zkern
 import zkern.checkpoint
+import zkern.cpu
 from zkern import reference
 from zkern.cpu import _ext
 from zkern.errors import ConfigError
@@ -197,6 +198,30 @@ def test_bad_state_dtypes_are_refused():
     with pytest.raises(TypeError, match="share one dtype"):
         reference.adam_step_(p, g, m, v.bfloat16(), step=1, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                              adamw=True)
+
+
+@pytest.mark.parametrize("fp32_states", [True, False], ids=["fp32-moments", "bf16-moments"])
+def test_cpu_adam_steps_bf16_parameters_with_deepspeeds_fp32_optimizer_states(fp32_states):
+    """zkern.cpu.CPUAdam as DeepSpeedCPUAdam: bf16 parameters, moments in fp32 or (fp32_optimizer_states=False) in
+    the parameter's dtype; one step stores the rounding of the exact step (weight decay as AdamW's)."""
+    p, g, m, v = start_state(1000, torch.bfloat16, torch.float32, seed=4)
+    param = torch.nn.Parameter(p.clone())
+    param.grad = g.bfloat16()
+    opt = zkern.cpu.CPUAdam([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fp32_optimizer_states=fp32_states)
+    opt.step()
+    state = opt.state[param]
+    want = torch.float32 if fp32_states else torch.bfloat16
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == want and param.dtype == torch.bfloat16
+    zeros = torch.zeros(1000)
+    ep, em, ev = exact_step(p, g.bfloat16(), zeros, zeros, step=1)
+    check_rounded(param.detach(), ep, fp32_slack(ep, torch.full_like(ep, LR * 2)), "CPUAdam bf16 param",
+                  stochastic=False)
+    if not fp32_states:
+        check_rounded(state["exp_avg"], em, fp32_slack(em, g.abs().double()), "exp_avg", stochastic=False)
+    with pytest.raises(TypeError, match="fp32 or bf16 CPU parameters"):
+        bad = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+        bad.grad = torch.zeros(4, dtype=torch.float16)
+        zkern.cpu.CPUAdam([bad]).step()
 
 
 # -- the config ----------------------------------------------------------------------------------------------------

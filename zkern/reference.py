@@ -115,6 +115,17 @@ def stochastic_bits(seed: int, offset: int, n: int, device=None) -> tuple[torch.
     return first, _mix32(first ^ SECOND_STREAM)
 
 
+def call_seed(seed: int, group: int, step: int) -> int:
+    """A 32-bit seed for one (group, step) of a run seeded `seed` (an adam_step_ call's sr_seed): splitmix64's
+    finaliser over the three."""
+    x = (seed * 0x9E3779B97F4A7C15 + group * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) & 0xFFFFFFFF
+
+
 def round_bf16(x: torch.Tensor, random16: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 x rounded to bfloat16: to nearest even (torch's cast) when random16 is None, else stochastically by
     adding random16 (uniform in [0, 2**16)) to the bits and truncating, so the expected value is x. NaN stays NaN."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from zkern import ops
+from zkern.reference import call_seed
 
 
 @dataclass
@@ -191,16 +192,6 @@ class ShardAdam(torch.optim.Optimizer):
                 if is_on:
                     steps[i] += 1
         return None
-
-
-def call_seed(seed: int, group: int, step: int) -> int:
-    """A 32-bit seed for one (group, step) of a run seeded `seed`: splitmix64's finaliser over the three."""
-    x = (seed * 0x9E3779B97F4A7C15 + group * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) & (2**64 - 1)
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & (2**64 - 1)
-    return (x ^ (x >> 31)) & 0xFFFFFFFF
 
 
 def _compact_starts(group: ShardGroup) -> list[int]:

@@ -189,11 +189,12 @@ def _other_optimizer(cfg: Config, shard_groups: list[ShardGroup], requested: lis
 
 def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_groups: list[ShardGroup],
                     requested: list[dict] | None = None, nvme=None, *, rank: int = 0,
-                    state_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+                    spec: RuntimeSpec | None = None) -> torch.optim.Optimizer:
     """zkern's fused ShardAdam from the config (one group per requested group, its options over the config's), or
     the client's torch optimizer re-pointed at the shard pieces. nvme: the NvmeShard holding the master and moments
     (offload_optimizer.device "nvme"): zkern's Adam steps them there (nvme.NvmeAdam). rank: seeds this rank's
-    stochastic rounding (bf16_stochastic_rounding). state_dtype: the Adam moments' (RuntimeSpec.state_dtype)."""
+    stochastic rounding. spec: the Adam moments' dtype and rounding (RuntimeSpec.state_dtype, .stochastic_rounding;
+    fp32 without it)."""
     _check_bf16_state_optimizer(cfg, client)
     if nvme is not None and (client is not None or (cfg.optimizer is not None and cfg.optimizer.torch_adam)):
         raise ConfigError("zero_optimization.offload_optimizer.device \"nvme\" steps zkern's own Adam/AdamW over the "
@@ -216,7 +217,8 @@ def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_gro
         if cfg.optimizer.torch_adam:
             cls = torch.optim.AdamW if options[0]["adamw"] else torch.optim.Adam
             return cls([{"params": g.pieces, **{k: o[k] for k in GROUP_KEYS}} for g, o in zip(shard_groups, options)])
-        seed = rank if cfg.bf16_stochastic_rounding else None
+        state_dtype = spec.state_dtype if spec is not None else torch.float32
+        seed = rank if spec is not None and spec.stochastic_rounding else None
         if state_dtype == torch.bfloat16 and seed is None and rank == 0:
             _warn_stuck_second_moment(options)
         if nvme is not None:

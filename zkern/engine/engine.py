@@ -99,7 +99,7 @@ class Engine(torch.nn.Module):
                                       out_on_host=zero.offload_param_device != "none", store=self.store)
             shard_groups = self.host_step.host_groups
         self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups, requested, nvme=self.nvme, rank=rank,
-                                               state_dtype=spec.state_dtype)
+                                               spec=spec)
         build.attach_layout(self.optimizer, self.runtime, self.comm, zero.stage)
         reporting.log_offload(self)
         self.lr_scheduler = build.build_scheduler_for(cfg, lr_scheduler, self.optimizer)

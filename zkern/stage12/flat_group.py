@@ -67,8 +67,7 @@ class FlatGroup:
                 real = max(0, min(size, b.numel - start))  # the rest of the chunk is padding
                 mine = self.master[b.shard_offset:b.shard_offset + size]
                 if store.in_files(mine):
-                    store.write(mine, torch.cat([values[start:start + real].cpu(), torch.zeros(size - real)]).to(
-                        spec.master_dtype))
+                    store.write(mine, torch.cat([values[start:start + real].cpu(), torch.zeros(size - real)]))
                 else:
                     mine[:real].copy_(values[start:start + real])
                     mine[real:].zero_()

@@ -25,7 +25,7 @@ def whole(g: FlatGroup, what: str, keep: bool) -> dict[int, torch.Tensor]:
     match what:
         case "fp32" if g.master is not None:
             return gather_whole(g.comm, g.shard_world, whole_buckets(g, False),
-                                lambda i: master_chunk(g, i).float(), torch.float32, device,
+                                lambda i: master_chunk(g, i), torch.float32, device,
                                 "fp32 weights", keep)
         case "fp32" | "working":
             dtype = torch.float32 if what == "fp32" else g.dtype

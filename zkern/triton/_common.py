@@ -35,16 +35,6 @@ def check_tensor(op: str, name: str, t: torch.Tensor, dtypes=tuple(CODE), *, row
 
 
 @triton.jit
-def to_bf16_rne(x):
-    """fp32 -> bf16 rounding to nearest even, every NaN written as 0xFFFF: torch's cast bit for bit. Spelled out
-    in integer ops because the interpreter's own cast truncates."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, 0xFFFF, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def mix32(x):
     """lowbias32 over uint32 lanes: the hash behind stochastic rounding (zkern.reference._mix32)."""
     x = x ^ (x >> 16)
@@ -66,6 +56,14 @@ def round_bf16_value(x, random16, STOCHASTIC: tl.constexpr):
     rounded = (bits + add) & tl.full((), 0xFFFF0000, tl.uint32)
     rounded = tl.where(x != x, tl.full((), 0xFFFF0000, tl.uint32), rounded)
     return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_bf16_rne(x):
+    """fp32 -> bf16 rounding to nearest even, every NaN written as 0xFFFF: torch's cast bit for bit. Spelled out
+    in integer ops (round_bf16_value) because the interpreter's own cast truncates."""
+    bits = round_bf16_value(x, 0, False).to(tl.uint32, bitcast=True) >> 16
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

@@ -32,11 +32,15 @@ inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
 inline float bf16_to_f32(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
 
-inline uint16_t f32_to_bf16(float f) {
+// The bf16 rounding of f is the top half of bf16_add_bits(f, add): f's bits plus 0x7fff and the kept lsb (to
+// nearest even, rne_add) or 16 random bits (stochastically); a NaN is 0xffff0000 (the bf16 NaN torch writes).
+inline uint32_t bf16_add_bits(float f, uint32_t add) {
   uint32_t x = bits_of(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return 0xffff;  // NaN, as torch writes it
-  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+  return (x & 0x7fffffffu) > 0x7f800000u ? 0xffff0000u : x + add;
 }
+inline uint32_t rne_add(float f) { return 0x7fffu + ((bits_of(f) >> 16) & 1u); }
+
+inline uint16_t f32_to_bf16(float f) { return static_cast<uint16_t>(bf16_add_bits(f, rne_add(f)) >> 16); }
 
 inline float f16_to_f32(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -77,13 +81,8 @@ inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
-// The fp32 value of x rounded to bf16 by adding `add` to its bits and truncating: 0x7fff plus the kept lsb rounds
-// to nearest even, a uniform 16-bit number rounds stochastically. NaN becomes the bf16 NaN torch writes.
-inline float round_bf16_bits(float x, uint32_t add) {
-  uint32_t b = bits_of(x);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return float_of(0xffff0000u);
-  return float_of((b + add) & 0xffff0000u);
-}
+// The fp32 value of x rounded to bf16 (bf16_add_bits' top half, the low half zero).
+inline float round_bf16_bits(float x, uint32_t add) { return float_of(bf16_add_bits(x, add) & 0xffff0000u); }
 
 }  // namespace zk_scalar_bits
 
@@ -110,13 +109,18 @@ inline Vec vload_bf16(const uint16_t* p) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
 }
 inline __m256i to_f16(Vec a) { return _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT); }
-inline __m256i to_bf16(Vec a) {
-  __m512i x = _mm512_castps_si512(a.v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+// zk_scalar_bits::bf16_add_bits and rne_add, per lane: the bf16 rounding is the top half of the result.
+inline __m512i bf16_add_bits(Vec a, __m512i add) {
+  __m512i r = _mm512_add_epi32(_mm512_castps_si512(a.v), add);
   __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff)));
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
 }
+inline __m512i rne_add(Vec a) {
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(a.v), 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+}
+inline __m256i top_halves_of(__m512i r) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)); }
+inline __m256i to_bf16(Vec a) { return top_halves_of(bf16_add_bits(a, rne_add(a))); }
 inline void vstore_f16(uint16_t* p, Vec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_f16(a)); }
 inline void vstore_bf16(uint16_t* p, Vec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(a)); }
 // Non-temporal stores for the write-only output: its lines are not read for ownership first. The address
@@ -126,7 +130,7 @@ inline void vstream(float* p, Vec a) { _mm512_stream_ps(p, a.v); }
 inline void vstream_f16(uint16_t* p, Vec a) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_f16(a)); }
 inline void vstream_bf16(uint16_t* p, Vec a) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(a)); }
 // A value vround_bf16 / vround_bf16_sr returned is a bf16 already: its top 16 bits are the bf16.
-inline __m256i top_halves(Vec a) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a.v), 16)); }
+inline __m256i top_halves(Vec a) { return top_halves_of(_mm512_castps_si512(a.v)); }
 inline void vstore_bf16_exact(uint16_t* p, Vec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), top_halves(a)); }
 inline void vstream_bf16_exact(uint16_t* p, Vec a) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), top_halves(a)); }
 inline void vstream_fence() { _mm_sfence(); }
@@ -160,14 +164,9 @@ inline VecI vrehash(VecI h) { return vmix32({_mm512_xor_si512(h.v, _mm512_set1_e
 inline VecI vlow16(VecI h) { return {_mm512_and_si512(h.v, _mm512_set1_epi32(0xffff))}; }
 inline VecI vhigh16(VecI h) { return {_mm512_srli_epi32(h.v, 16)}; }
 inline Vec round_bf16_add(Vec a, __m512i add) {
-  __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(a.v), add), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
-  return {_mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+  return {_mm512_castsi512_ps(_mm512_and_si512(bf16_add_bits(a, add), _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
 }
-inline Vec vround_bf16(Vec a) {
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(a.v), 16), _mm512_set1_epi32(1));
-  return round_bf16_add(a, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-}
+inline Vec vround_bf16(Vec a) { return round_bf16_add(a, rne_add(a)); }
 inline Vec vround_bf16_sr(Vec a, VecI r) { return round_bf16_add(a, r.v); }
 
 #elif defined(ZK_ISA_AVX2)
@@ -187,25 +186,29 @@ inline Vec vload_bf16(const uint16_t* p) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
 }
 inline __m128i to_f16(Vec a) { return _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT); }
-inline __m128i to_bf16(Vec a) {
-  __m256i x = _mm256_castps_si256(a.v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+// zk_scalar_bits::bf16_add_bits and rne_add, per lane: the bf16 rounding is the top half of the result.
+inline __m256i bf16_add_bits(Vec a, __m256i add) {
+  __m256i r = _mm256_add_epi32(_mm256_castps_si256(a.v), add);
   __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), nan);
-  // Every lane is <= 0xffff, so the unsigned-saturating pack is exact; it packs within 128-bit halves.
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u)), nan);
+}
+inline __m256i rne_add(Vec a) {
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(a.v), 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
+}
+// Every lane is <= 0xffff after the shift, so the unsigned-saturating pack is exact; it packs within 128-bit halves.
+inline __m128i top_halves_of(__m256i r) {
+  r = _mm256_srli_epi32(r, 16);
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
 }
+inline __m128i to_bf16(Vec a) { return top_halves_of(bf16_add_bits(a, rne_add(a))); }
 inline void vstore_f16(uint16_t* p, Vec a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_f16(a)); }
 inline void vstore_bf16(uint16_t* p, Vec a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(a)); }
 constexpr bool kHasStream = true;
 inline void vstream(float* p, Vec a) { _mm256_stream_ps(p, a.v); }
 inline void vstream_f16(uint16_t* p, Vec a) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(a)); }
 inline void vstream_bf16(uint16_t* p, Vec a) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(a)); }
-inline __m128i top_halves(Vec a) {
-  __m256i r = _mm256_srli_epi32(_mm256_castps_si256(a.v), 16);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
-}
+inline __m128i top_halves(Vec a) { return top_halves_of(_mm256_castps_si256(a.v)); }
 inline void vstore_bf16_exact(uint16_t* p, Vec a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), top_halves(a)); }
 inline void vstream_bf16_exact(uint16_t* p, Vec a) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), top_halves(a)); }
 inline void vstream_fence() { _mm_sfence(); }
@@ -238,14 +241,9 @@ inline VecI vrehash(VecI h) { return vmix32({_mm256_xor_si256(h.v, _mm256_set1_e
 inline VecI vlow16(VecI h) { return {_mm256_and_si256(h.v, _mm256_set1_epi32(0xffff))}; }
 inline VecI vhigh16(VecI h) { return {_mm256_srli_epi32(h.v, 16)}; }
 inline Vec round_bf16_add(Vec a, __m256i add) {
-  __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(a.v), add), _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
-  return {_mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u)), nan))};
+  return {_mm256_castsi256_ps(_mm256_and_si256(bf16_add_bits(a, add), _mm256_set1_epi32(static_cast<int>(0xffff0000u))))};
 }
-inline Vec vround_bf16(Vec a) {
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(a.v), 16), _mm256_set1_epi32(1));
-  return round_bf16_add(a, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-}
+inline Vec vround_bf16(Vec a) { return round_bf16_add(a, rne_add(a)); }
 inline Vec vround_bf16_sr(Vec a, VecI r) { return round_bf16_add(a, r.v); }
 
 #elif defined(ZK_ISA_SCALAR)
@@ -287,9 +285,7 @@ inline VecI vhash(uint32_t seed, uint32_t index) { return {zk_scalar_bits::mix32
 inline VecI vrehash(VecI h) { return {zk_scalar_bits::mix32(h.v ^ kSecondStream)}; }
 inline VecI vlow16(VecI h) { return {h.v & 0xffffu}; }
 inline VecI vhigh16(VecI h) { return {h.v >> 16}; }
-inline Vec vround_bf16(Vec a) {
-  return {zk_scalar_bits::round_bf16_bits(a.v, 0x7fffu + ((zk_scalar_bits::bits_of(a.v) >> 16) & 1u))};
-}
+inline Vec vround_bf16(Vec a) { return {zk_scalar_bits::round_bf16_bits(a.v, zk_scalar_bits::rne_add(a.v))}; }
 inline Vec vround_bf16_sr(Vec a, VecI r) { return {zk_scalar_bits::round_bf16_bits(a.v, r.v)}; }
 
 #else

@@ -144,7 +144,8 @@ def consolidate(ckpt_dir, out_dir, tag=None, dtype: str = "fp32", max_shard_size
         for file_name, shard in zip(names, shards):
             final = os.path.join(out_dir, file_name)
             tmp = final + ".partial"
-            writer = StreamWriter(tmp, [(t[0], t[5], tuple(t[3])) for t in shard], {"format": "pt"})
+            writer = StreamWriter(tmp, [(t[0], t[5], tuple(t[3])) for t in shard], {"format": "pt"},
+                                  hashed=False)  # the input's checksums are checked; the output needs none
             try:
                 for t in shard:
                     writer.begin(t[0])
@@ -293,13 +294,52 @@ def inspect(ckpt_dir, verify: bool = True) -> list[str]:
                     bad.append(f"{name} missing")
                 elif os.path.getsize(file) != info["bytes"]:
                     bad.append(f"{name} is {os.path.getsize(file)} bytes, manifest {info['bytes']}")
-                elif file_sha256(file) != info["sha256"]:
-                    bad.append(f"{name} sha256 differs")
+                elif "sha256" in info:  # format version 1: the whole file's
+                    if file_sha256(file) != info["sha256"]:
+                        bad.append(f"{name} sha256 differs")
+                else:
+                    bad.extend(_verify_by_parts(file, name, info, [e for e in m["tensors"] if e["file"] == name]))
             lines.append(f"    checksums: {'all hold' if not bad else 'FAILED: ' + '; '.join(bad)}")
     for name in sorted(os.listdir(ckpt_dir)):
         if name.startswith(".tmp-"):
             lines.append(f"  {name}: an interrupted save (removed by the next save; never loaded)")
     return lines
+
+
+def _verify_by_parts(file: str, name: str, info: dict, entries: list[dict]) -> list[str]:
+    """A version-2 file's checksums: its header's sha256, then every tensor's over its bytes, which must tile the
+    rest of the file (so every byte is covered by one checksum). Returns what failed."""
+    try:
+        header, _ = read_header(file)
+    except CheckpointError as e:
+        return [f"{name}: {e}"]
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")  # read_header has checked it against the file's size
+        f.seek(0)
+        if hashlib.sha256(f.read(8 + length)).hexdigest() != info["header_sha256"]:  # as the writer hashed it
+            return [f"{name} header sha256 differs"]
+    by_key = {entry_key(e["kind"], e["name"], e["start"]): e for e in entries}
+    if set(by_key) != set(header):
+        return [f"{name} holds tensors {sorted(set(header) ^ set(by_key))[:5]} the manifest does not list, or the "
+                f"other way round"]
+    spans = sorted((t.begin, t.end, key) for key, t in header.items())
+    at, bad = 8 + length, []
+    with open(file, "rb") as f:
+        for begin, end, key in spans:
+            if begin != at:
+                return [f"{name} has bytes no tensor covers at offset {at}"]
+            f.seek(begin)
+            digest, left = hashlib.sha256(), end - begin
+            while left:
+                block = f.read(min(COPY_BLOCK, left))
+                digest.update(block)
+                left -= len(block)
+            if digest.hexdigest() != by_key[key]["sha256"]:
+                bad.append(f"{name} tensor {key!r} sha256 differs")
+            at = end
+    if at != info["bytes"]:
+        bad.append(f"{name} has {info['bytes'] - at} bytes after its last tensor")
+    return bad
 
 
 def _numel(shape) -> int:

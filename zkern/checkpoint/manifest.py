@@ -3,7 +3,7 @@
     python -m zkern.checkpoint inspect CKPT_DIR
 
     CKPT_DIR/latest                       the newest complete tag (text), replaced by rename
-    CKPT_DIR/<tag>/manifest.json          everything but tensors, plus each file's and each tensor's sha256
+    CKPT_DIR/<tag>/manifest.json          everything but tensors, plus each file's header's and each tensor's sha256
     CKPT_DIR/<tag>/rank00000.safetensors  what rank 0 held: ranges of parameters and optimizer states, RNG
     CKPT_DIR/.tmp-<tag>-<nonce>/          a save in progress (renamed to <tag> when complete; never read)
 
@@ -12,6 +12,9 @@ in the manifest, stored under the key "kind:name:start" in a rank's file. kinds:
 trained parameter), "optim.<state>" (an optimizer state shaped like its parameter, e.g. optim.exp_avg), "module"
 (frozen parameters and buffers, in their own dtype), "rng.cpu" / "rng.cuda" (a rank's generator states, name
 "rank<r>"). Nothing here depends on the world size or stage that wrote it.
+
+Version 2 checksums a file as its header's sha256 plus its tensors' (which tile the rest): a save hashes every byte
+once. Version 1 (still read) also held the whole file's sha256, which cost a second hash of every byte.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from zkern.errors import CheckpointError
 from zkern.safe_io import parse_json, read_capped
 
 FORMAT = "zkern-checkpoint"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
@@ -132,8 +136,9 @@ def _validate(body: dict, path: str) -> None:
 
     if body.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {body.get('format')!r}, expected {FORMAT!r}")
-    if body.get("version") != VERSION:
-        raise CheckpointError(f"{path}: format version {body.get('version')!r}; this zkern reads version {VERSION}")
+    if body.get("version") not in READ_VERSIONS:
+        raise CheckpointError(f"{path}: format version {body.get('version')!r}; this zkern reads versions "
+                              f"{', '.join(map(str, READ_VERSIONS))} (a newer zkern wrote it: upgrade zkern)")
     for key in ("world_size", "stage", "global_steps", "skipped_steps", "micro_steps"):
         need(body, key, int, "")
     need(body, "precision", str, "")
@@ -164,7 +169,7 @@ def _validate(body: dict, path: str) -> None:
             raise CheckpointError(f"{path}: lists the file {name!r}, which is not a rank file name; refusing to "
                                   f"read outside the checkpoint")
         need(info, "bytes", int, f"files[{name!r}].")
-        need(info, "sha256", str, f"files[{name!r}].")
+        need(info, "sha256" if body["version"] == 1 else "header_sha256", str, f"files[{name!r}].")
     for key in ("params", "module"):
         for name, info in need(body, key, dict, "").items():
             shape = need(info, "shape", list, f"{key}[{name!r}].")

@@ -44,7 +44,8 @@ class RangeReader:
     """Collect requests "fill dest with elements [start, start + dest.numel()) of (kind, name)", then run() reads
     each entry that overlaps a request once, checks it against the manifest (file size, header, sha256) and copies
     the overlaps (casting to dest's dtype). Nothing outside the requested dests is written, so a failed read leaves
-    the caller's state untouched when dests are staging buffers."""
+    the caller's state untouched when dests are staging buffers (a dest that is a whole entry is read into, and
+    holds the file's bytes when its checksum fails)."""
 
     def __init__(self, tag_dir: str, manifest: dict):
         self.tag_dir, self.manifest = tag_dir, manifest
@@ -108,15 +109,23 @@ class RangeReader:
         total = 0
         for eid, overlaps in self._work.items():
             e = self._by_id[eid]
-            data = self.read_entry(e)
+            whole = overlaps[0][2] if len(overlaps) == 1 and self._fits_whole(e, *overlaps[0]) else None
+            data = self.read_entry(e, into=whole)  # a dest that is the whole entry is read into directly
             total += data.numel() * data.element_size()
-            for src, _, dest in overlaps:
-                dest.copy_(data[src:src + dest.numel()])
+            if whole is None:
+                for src, _, dest in overlaps:
+                    dest.copy_(data[src:src + dest.numel()])
             del data
         return total
 
-    def read_entry(self, e: dict) -> torch.Tensor:
-        """One entry whole, as a 1-D host tensor of its dtype, its sha256 checked."""
+    @staticmethod
+    def _fits_whole(e: dict, src: int, _: int, dest: torch.Tensor) -> bool:
+        return src == 0 and dest.numel() == e["numel"] and dest.dtype == TORCH_DTYPES[e["dtype"]] \
+            and dest.device.type == "cpu" and dest.is_contiguous()
+
+    def read_entry(self, e: dict, into: torch.Tensor | None = None) -> torch.Tensor:
+        """One entry whole, as a 1-D host tensor of its dtype (into: that tensor, contiguous, of the entry's dtype
+        and size), its sha256 checked."""
         key = entry_key(e["kind"], e["name"], e["start"])
         path = os.path.join(self.tag_dir, e["file"])
         info = self._header(e["file"]).get(key)
@@ -125,11 +134,10 @@ class RangeReader:
         if info.dtype != e["dtype"] or info.numel != e["numel"]:
             raise CheckpointError(f"{path}: tensor {key!r} is {info.dtype} x {info.numel} in the file, "
                                   f"{e['dtype']} x {e['numel']} in the manifest")
-        out = torch.empty(e["numel"], dtype=TORCH_DTYPES[e["dtype"]])
+        out = torch.empty(e["numel"], dtype=TORCH_DTYPES[e["dtype"]]) if into is None else into
         view = byte_view(out)
-        with open(path, "rb") as f:
-            f.seek(info.begin)
-            got = f.readinto(view) if len(view) else 0
+        with open(path, "rb", buffering=0) as f:  # one read: the disk serves it in large requests
+            got = _pread(f.fileno(), view, info.begin) if len(view) else 0
         if got != info.end - info.begin:
             raise CheckpointError(f"{path}: tensor {key!r}: read {got} of {info.end - info.begin} bytes (truncated)")
         digest = hashlib.sha256(view).hexdigest()
@@ -138,3 +146,14 @@ class RangeReader:
                                   f"{info.begin}-{info.end}): sha256 {digest} differs from the manifest's "
                                   f"{e['sha256']}: the file was altered or damaged")
         return out
+
+
+def _pread(fd: int, into: memoryview, offset: int) -> int:
+    """Fill `into` from the file at offset (fewer bytes only at the end of the file); returns the bytes read."""
+    got = 0
+    while got < len(into):
+        n = os.preadv(fd, [into[got:]], offset + got)
+        if not n:
+            break
+        got += n
+    return got

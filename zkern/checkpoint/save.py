@@ -6,7 +6,7 @@ The protocol (every rank calls it; the checkpoint group's messages keep ranks in
   1. ranks agree on the tag; rank 0 removes what killed saves left (.tmp-* directories) and names a fresh
      temporary directory .tmp-<tag>-<nonce> beside the tags;
   2. each rank writes rank<r>.safetensors there (its master and optimizer ranges, frozen-parameter shards, buffers
-     on rank 0, its generator states), hashing as it writes, and fsyncs it;
+     on rank 0, its generator states), hashing each tensor as it writes, and fsyncs it;
   3. rank 0 gathers every rank's index, checks each file is visible and whole, writes manifest.json, fsyncs the
      directory, renames it to <tag> (a tag saved before is moved aside first and removed after), fsyncs the parent,
      then points `latest` at the tag by writing a temporary file and renaming it;
@@ -252,13 +252,13 @@ def _write_rank_file(directory: str, rank: int, snap: Snapshot) -> dict:
             host = snap.values(kind, t)
             writer.begin(key)
             writer.write(byte_view(host.contiguous()))
-        sha = writer.close(fsync=True)
+        writer.close(fsync=True)
     except BaseException:
         writer.abort()
         raise
     tensors = [{"file": name, "kind": k, "name": n, "start": s, "numel": t.numel(), "dtype": dtype_name(t.dtype),
                 "sha256": writer.hashes[key]} for key, (k, n, s, t) in zip(keys, snap.entries)]
-    return {"file": name, "bytes": writer.nbytes, "sha256": sha, "tensors": tensors}
+    return {"file": name, "bytes": writer.nbytes, "header_sha256": writer.header_sha256, "tensors": tensors}
 
 
 def write(ctrl, snap: Snapshot, save_dir: str, tag: str, save_latest: bool, tag_validation: str = "FAIL",
@@ -350,7 +350,7 @@ def _manifest(tag: str, body: dict, statuses: list[dict]) -> dict:
     files, tensors, scalars, scalar_types = {}, [], {}, {}
     for r, s in enumerate(statuses):
         index = s["index"]
-        files[index["file"]] = {"bytes": index["bytes"], "sha256": index["sha256"], "rank": r}
+        files[index["file"]] = {"bytes": index["bytes"], "header_sha256": index["header_sha256"], "rank": r}
         tensors.extend(index["tensors"])
         for name, values in s["scalars"].items():
             if scalars.setdefault(name, values) != values:

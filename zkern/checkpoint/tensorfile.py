@@ -28,7 +28,9 @@ from zkern.safe_io import parse_json
 # safetensors dtype name -> bytes per element
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 MAX_HEADER = 256 << 20  # a header larger than this is not a checkpoint zkern wrote
-COPY_BLOCK = 8 << 20  # bytes moved per read/write when streaming
+COPY_BLOCK = 1 << 20  # bytes moved per read when streaming: a reader's whole working memory, and hashed while cached
+WRITE_SLICE = 1 << 20  # bytes per write call: each is hashed just before, while it is in the cache
+WRITEBACK_EVERY = 8 << 20  # bytes after which the kernel is told to start writing back (see StreamWriter)
 
 
 @dataclass(frozen=True)
@@ -67,17 +69,25 @@ def header_bytes(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict
 class StreamWriter:
     """Write one safetensors file as a stream: the header at once, then each tensor's bytes in order.
 
-    Hashes the whole file and each tensor (sha256) on the way, so a checksum costs no second read. The caller
-    closes it (close(fsync=True) makes the data durable before the file is renamed into place)."""
+    With hashed=True each tensor's sha256 is taken on the way (self.hashes), so a checksum costs no second read; the
+    header's own sha256 is self.header_sha256, so header and tensors together cover every byte of the file. Bytes go
+    out in WRITE_SLICE pieces, each hashed just before it is written (it is still in the cache), and every
+    WRITEBACK_EVERY bytes the kernel is told to start writing back what came before (posix_fadvise DONTNEED starts
+    the write-back of dirty pages and does not wait), so the disk works while the rest is hashed and the final fsync
+    waits for the tail only. The caller closes it (close(fsync=True) makes the data durable before the file is
+    renamed into place)."""
 
-    def __init__(self, path: str, tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
+    def __init__(self, path: str, tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str],
+                 hashed: bool = True):
         self.path = path
         head, self.sizes = header_bytes(tensors, metadata)
         self.names = [t[0] for t in tensors]
-        self.file = open(path, "wb")  # noqa: SIM115 - closed by close()
-        self.file_hash = hashlib.sha256(head)
-        self.file.write(head)
-        self.nbytes = len(head)
+        self.hashed = hashed
+        self.file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()
+        self.header_sha256 = hashlib.sha256(head).hexdigest()
+        self.nbytes = 0
+        self._written_back = 0  # bytes the kernel was told to write back
+        self._put(memoryview(head))
         self.hashes: dict[str, str] = {}
         self._index = 0
         self._tensor_hash = None
@@ -86,7 +96,7 @@ class StreamWriter:
     def begin(self, name: str) -> None:
         if self._left or self._index >= len(self.names) or self.names[self._index] != name:
             raise CheckpointError(f"{self.path}: tensor {name!r} written out of the header's order")
-        self._tensor_hash = hashlib.sha256()
+        self._tensor_hash = hashlib.sha256() if self.hashed else None
         self._left = self.sizes[self._index]
         if self._left == 0:
             self._finish()
@@ -99,28 +109,38 @@ class StreamWriter:
         if len(view) > self._left:
             raise CheckpointError(f"{self.path}: {len(view)} bytes written to tensor {self.names[self._index]!r}, "
                                   f"{self._left} left in it")
-        self.file.write(view)
-        self.file_hash.update(view)
-        self._tensor_hash.update(view)
-        self.nbytes += len(view)
+        for at in range(0, len(view), WRITE_SLICE):
+            piece = view[at:at + WRITE_SLICE]
+            if self._tensor_hash is not None:
+                self._tensor_hash.update(piece)
+            self._put(piece)
         self._left -= len(view)
         if self._left == 0:
             self._finish()
 
+    def _put(self, piece: memoryview) -> None:
+        while piece:
+            n = self.file.write(piece)
+            piece = piece[n:]
+            self.nbytes += n
+        if self.nbytes - self._written_back >= WRITEBACK_EVERY and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.file.fileno(), self._written_back, self.nbytes - self._written_back,
+                             os.POSIX_FADV_DONTNEED)
+            self._written_back = self.nbytes
+
     def _finish(self) -> None:
-        self.hashes[self.names[self._index]] = self._tensor_hash.hexdigest()
+        if self._tensor_hash is not None:
+            self.hashes[self.names[self._index]] = self._tensor_hash.hexdigest()
         self._index += 1
 
-    def close(self, fsync: bool = True) -> str:
-        """Finish the file; returns its sha256."""
+    def close(self, fsync: bool = True) -> None:
+        """Finish the file (fsync: durable on return)."""
         if self._index != len(self.names):
             self.file.close()
             raise CheckpointError(f"{self.path}: closed after {self._index} of {len(self.names)} tensors")
-        self.file.flush()
         if fsync:
             os.fsync(self.file.fileno())
         self.file.close()
-        return self.file_hash.hexdigest()
 
     def abort(self) -> None:
         self.file.close()

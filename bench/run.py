@@ -5,7 +5,7 @@
     python bench/run.py --stage 0,1,2,3 --model tiny --json out.json --plot out.png --gate bench/gates.toml
 
     python bench/run.py --suite adam                 # the CPU Adam at 50M parameters vs torch (and DeepSpeed)
-    python bench/run.py --suite checkpoint           # save, load, async save and consolidation of the 25m model
+    python bench/run.py --suite checkpoint           # save, load, async save, consolidation: zkern, DCP, DeepSpeed
     python bench/run.py --suite hf                   # stage-3 generate() and sharded from_pretrained, 25m as GPT-2
     python bench/run.py --stage 3 --world 4 --zeropp # + ZeRO++ rows (2 "nodes" of 2 ranks): qwZ+hpZ+qgZ together
     python bench/run.py --stage 3 --world 4 --zeropp qwz,hpz,qgz   # each alone
@@ -127,9 +127,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             or args.adam_numel < 1:
         parser.error("--world and --adam-numel must be >= 1 and --steps >= 2")
     wanted = args.peers.split(",") if args.peers else None
-    unknown = sorted(set(wanted or ()) - set(peers.NAMES))
+    unknown = sorted(set(wanted or ()) - set(peers.NAMES) - {"dcp"})
     if unknown:
-        parser.error(f"--peers: unknown {unknown}; the peers are {', '.join(peers.NAMES)}")
+        parser.error(f"--peers: unknown {unknown}; the peers are {', '.join(peers.NAMES)} (and dcp for --suite "
+                     f"checkpoint)")
     on_gpu = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
     model = args.model or ("1b" if on_gpu else "25m")
     records = []
@@ -142,7 +143,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         elif suite == "adam":
             record = adam_suite.run(args.adam_numel, deepspeed=wanted is None or "deepspeed" in wanted)
         elif suite == "checkpoint":
-            record = checkpoint_suite.run(args.model or "25m", args.world or 2)
+            if len(args.stage) > 1:
+                parser.error("--suite checkpoint measures one stage at a time")
+            record = checkpoint_suite.run(args.model or "25m", args.world or 2, args.stage[0], peers=wanted)
         elif suite == "hf":
             record = hf_suite.run(args.model or "25m")
         elif suite == "paired":

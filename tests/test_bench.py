@@ -377,3 +377,22 @@ def test_paired_suite_steps_zkern_and_its_peer_in_turn_on_the_same_training():
     assert "| 1 | zero1 | 1 |" in paired_suite.table(rec)
     with pytest.raises(SystemExit, match="stages 0 and 1"):
         paired_suite.run([2], world=2, model="tiny", steps=7)
+
+
+def test_the_checkpoint_suite_judges_its_goals_from_the_measured_figures(tmp_path):
+    """The checkpoint suite's goals against figures made up here: each met or not by its own bound; the disk probe
+    writes and reads a real file (evicted in between) and leaves nothing behind."""
+    from bench import checkpoint_suite
+
+    disk = checkpoint_suite.disk_bandwidth(str(tmp_path), 8 << 20, trials=1)
+    assert disk["write_bps"] > 0 and disk["read_bps"] > 0 and not list(tmp_path.iterdir())
+    mib = 2 ** 20
+    disk = {"write_bps": 1000 * mib, "read_bps": 2000 * mib}
+    zkern = {"bytes": 800 * mib, "durable_s": 1.0, "load_s": 0.45, "async_blocked_s": 0.05}  # 80% / 89% / 5%
+    dcp = {"bytes": 800 * mib, "durable_s": 2.0, "load_s": 0.4}
+    cons = {"zkern": {"seconds": 1.0, "peak_rss": 41 * mib}, "dcp": {"seconds": 3.0, "peak_rss": 900 * mib}}
+    g = checkpoint_suite.goals({"zkern": zkern, "dcp": dcp}, cons, disk)
+    assert g["met"] == {"save_of_disk_write": True, "load_of_disk_read": True, "async_blocked_of_sync": True,
+                        "consolidate_peak_of_checkpoint": False, "save_over_dcp": True, "load_over_dcp": False,
+                        "consolidate_over_dcp": True}
+    assert g["figures"]["save_over_dcp"] == pytest.approx(0.5) and g["figures"]["load_over_dcp"] == pytest.approx(1.125)

@@ -1,7 +1,9 @@
 """zkern's build: `pip install -e ".[test]"` (what `make test` runs).
 
-Builds one extension, zkern.cpu._adam_ext: the fused CPU Adam (pybind11, OpenMP, no libtorch) and the NVMe
-path's I/O thread pool (aio.cpp: pread/pwrite, no system library beyond libc). Each kernel
+Builds one extension, zkern.cpu._adam_ext: the fused CPU Adam (pybind11, OpenMP, no libtorch), the NVMe
+path's I/O thread pool (aio.cpp: pread/pwrite, no system library beyond libc) and a host run of the CUDA kernels'
+per-element math (zkern/csrc, shared_host.h) for the tests. The CUDA kernels themselves (zkern/cuda) are built on
+first use, where torch has CUDA. Each kernel
 file gets its own instruction-set flags (never the build host's native set: the wheel must run on any x86-64 CPU, which
 picks its path at run time), so the build works on a machine without AVX-512 and the AVX-512 path still
 exists for the machine that has it. On a CPU other than x86-64 only the scalar path is compiled.
@@ -14,6 +16,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 CSRC = "zkern/cpu/csrc"
+SHARED = "zkern/csrc"  # the per-element math the CUDA kernels (zkern/cuda/csrc) compile too
 TRITON = "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"
 HF = ["transformers>=5.23,<6", "accelerate>=1.1"]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -47,7 +50,9 @@ class BuildWithIsaFlags(build_ext):
 adam_ext = Pybind11Extension(
     "zkern.cpu._adam_ext",
     sources=[f"{CSRC}/module.cpp", f"{CSRC}/adam_scalar.cpp", f"{CSRC}/aio.cpp"] + [f"{CSRC}/{k}" for k in KERNELS],
-    depends=[f"{CSRC}/{h}" for h in ("adam.h", "adam_kernel.h", "simd.h", "aio.h")],
+    depends=[f"{CSRC}/{h}" for h in ("adam.h", "adam_kernel.h", "simd.h", "aio.h", "shared_host.h")]
+    + [f"{SHARED}/{h}" for h in ("zk_math.h", "zk_adam.h", "zk_quant.h")],
+    include_dirs=[SHARED],
     define_macros=[("ZK_HAVE_X86_KERNELS", "1" if X86 else "0")],
     cxx_std=17,
     extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
@@ -59,6 +64,8 @@ setup(
     version="0.1.0",
     description="ZeRO training on torch.distributed with DeepSpeed-compatible configs",
     packages=find_packages(include=["zkern", "zkern.*"]),
+    # the CUDA kernels' sources and the math they share with the CPU extension: built on the user's machine
+    package_data={"zkern": ["csrc/*.h"], "zkern.cuda": ["csrc/*.cu", "csrc/*.h", "csrc/*.cpp"]},
     python_requires=">=3.10",
     # A range, not a pin: with torch 2.13.0 (CPU) already installed, pip adds nothing. The Makefile installs
     # torch==2.13.0 first where none is present, because an unpinned torch pulls gigabytes of CUDA packages.

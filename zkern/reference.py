@@ -289,3 +289,11 @@ def dequant_sum(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: in
     for r in range(q.shape[0]):
         total += dequantize(q[r], scales[r], bits, group_size, numel)
     return total
+
+
+def dequant_sum_requant(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
+                        out_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qgZ's hop: the fp32 sum over ranks of quantized chunks (dequant_sum), and that sum quantized again with
+    out_bits for the next hop: (sum, codes, scales). The CUDA kernel does it in one pass."""
+    total = dequant_sum(q, scales, bits, group_size, numel)
+    return (total, *quantize(total, out_bits, group_size))

@@ -114,7 +114,8 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     """zkern.reference.adam_step_'s semantics in one fused pass (to float32 rounding; see csrc/adam_kernel.h).
 
     param (the master) and the moments may be bfloat16 (rounded to nearest even, or stochastically with sr_seed).
-    isa: a path to use instead of active_isa() (tests step every path); threads: default cpu_threads().
+    isa: a path to use instead of active_isa() (tests step every path; "shared" runs the CUDA kernel's per-element
+    code, zkern/csrc/zk_adam.h, on the host, one element at a time); threads: default cpu_threads().
     """
     n = param.numel()
     _check("param", param, n, STATE_DTYPES)
@@ -126,7 +127,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     if step < 1:
         raise ValueError(f"CPU Adam: step counts from 1, got {step}")
     chosen = active_isa() if isa is None else isa
-    if chosen not in SUPPORTED:
+    if chosen not in SUPPORTED and chosen != "shared":
         raise ValueError(f"CPU Adam: path {chosen!r} is not available here (paths: {', '.join(SUPPORTED)})")
     EXT.adam_step(chosen, param.data_ptr(), DTYPE_CODES[param.dtype], grad.data_ptr(), DTYPE_CODES[grad.dtype],
                   exp_avg.data_ptr(), exp_avg_sq.data_ptr(), DTYPE_CODES[exp_avg.dtype],
@@ -135,3 +136,45 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                   float(betas[0]), float(betas[1]), float(eps), float(weight_decay), bool(adamw),
                   float(grad_scale), sr_seed is not None, (sr_seed or 0) & 0xFFFFFFFF, int(sr_offset),
                   threads or cpu_threads())
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """zkern.reference.quantize's (codes, scales) from the shared per-element rules (zkern/csrc/zk_quant.h, the CUDA
+    kernels' own), on host tensors."""
+    from zkern import reference
+
+    reference._check_quant(bits, group_size)
+    if x.dim() != 1:
+        raise ValueError(f"quantize takes a 1-D tensor (flatten it first), got shape {tuple(x.shape)}")
+    _check("x", x, x.numel(), tuple(DTYPE_CODES))
+    n = x.numel()
+    codes = torch.empty(n if bits == 8 else (n + 1) // 2, dtype=torch.int8 if bits == 8 else torch.uint8)
+    scales = torch.empty((n + group_size - 1) // group_size, dtype=torch.float32)
+    EXT.quantize(x.data_ptr(), DTYPE_CODES[x.dtype], n, bits, group_size, codes.data_ptr(), scales.data_ptr())
+    return codes, scales
+
+
+def dequant_sum_requant(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
+                        out_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qgZ's hop in one pass from the shared rules: (the fp32 sum over ranks that reference.dequant_sum gives, and
+    that sum's reference.quantize(out_bits) codes and scales). q: (world, codes per chunk), scales: (world, groups)."""
+    from zkern import reference
+
+    reference._check_quant(bits, group_size)
+    reference._check_quant(out_bits, group_size)
+    if q.dim() != 2 or scales.dim() != 2 or q.shape[0] != scales.shape[0]:
+        raise ValueError(f"dequant_sum_requant takes q (world, codes) and scales (world, groups), got "
+                         f"{tuple(q.shape)} and {tuple(scales.shape)}")
+    need_codes, need_groups = numel if bits == 8 else (numel + 1) // 2, (numel + group_size - 1) // group_size
+    if q.shape[1] < need_codes or scales.shape[1] < need_groups:
+        raise ValueError(f"dequant_sum_requant: {numel} elements need {need_codes} codes and {need_groups} scales "
+                         f"a chunk, got {q.shape[1]} and {scales.shape[1]}")
+    _check("q", q, q.numel(), (torch.int8, torch.uint8))
+    _check("scales", scales, scales.numel(), (torch.float32,))
+    total = torch.empty(numel, dtype=torch.float32)
+    codes = torch.empty(numel if out_bits == 8 else (numel + 1) // 2,
+                        dtype=torch.int8 if out_bits == 8 else torch.uint8)
+    out_scales = torch.empty(need_groups, dtype=torch.float32)
+    EXT.dequant_sum_requant(q.data_ptr(), scales.data_ptr(), q.shape[0], q.shape[1], scales.shape[1], bits,
+                            group_size, numel, total.data_ptr(), out_bits, codes.data_ptr(), out_scales.data_ptr())
+    return total, codes, out_scales

@@ -64,16 +64,16 @@ inline void store_state(void* s, int64_t i, Vec x) {
 
 // The call's scalars as vectors, made once per range and held in registers across the loop.
 struct Coeffs {
-  Vec grad_scale, lr_decay, l2, one_minus_beta1, one_minus_beta2, beta2, inv_bc2_sqrt, eps, neg_step_size;
+  zk_math::AdamCoeffs<Vec> k;
   bool stochastic;
   uint32_t sr_seed;
   int64_t sr_base;
 };
 
 inline Coeffs coeffs_of(const AdamArgs& a) {
-  return {vset(a.grad_scale), vset(a.lr_decay), vset(a.l2), vset(a.one_minus_beta1), vset(a.one_minus_beta2),
-          vset(a.beta2), vset(a.inv_bc2_sqrt), vset(a.eps), vset(a.neg_step_size), a.stochastic, a.sr_seed,
-          a.sr_base};
+  return {{vset(a.grad_scale), vset(a.lr_decay), vset(a.l2), vset(a.one_minus_beta1), vset(a.one_minus_beta2),
+           vset(a.beta2), vset(a.inv_bc2_sqrt), vset(a.eps), vset(a.neg_step_size)},
+          a.stochastic, a.sr_seed, a.sr_base};
 }
 
 // A moment's store: nothing reads the rounded value back in this step, so rounding to nearest is the fused
@@ -90,16 +90,11 @@ inline void store_moment(void* s, int64_t i, Vec x, bool stochastic, VecI r) {
 template <int GradDtype, int OutDtype, bool AdamW, int MasterDtype, int StateDtype, bool Stream = false>
 inline void step_vec(void* param, const void* grad, void* m, void* v, void* out, int64_t i, int64_t at,
                      const Coeffs& c) {
-  Vec g = vmul(load_grad<GradDtype>(grad, i), c.grad_scale);
   Vec p = load_state<MasterDtype>(param, i);
-  if constexpr (AdamW) p = vmul(p, c.lr_decay);
-  else g = vfma(c.l2, p, g);
   Vec mv = load_state<StateDtype>(m, i);
-  mv = vfma(c.one_minus_beta1, vsub(g, mv), mv);  // lerp(m, g, 1 - beta1), as torch writes it
-  Vec vv = vfma(vmul(c.one_minus_beta2, g), g, vmul(load_state<StateDtype>(v, i), c.beta2));
-  // The update reads the moments as computed here, before their storage rounding (as the fp32 path does).
-  Vec denom = vfma(vsqrt(vv), c.inv_bc2_sqrt, c.eps);
-  p = vfma(c.neg_step_size, vdiv(mv, denom), p);
+  Vec vv = load_state<StateDtype>(v, i);
+  // zkern/csrc/zk_math.h, the CUDA kernel's arithmetic too; the moments are stored rounded after it.
+  zk_math::adam_update<AdamW>(load_grad<GradDtype>(grad, i), p, mv, vv, c.k);
   // Stochastic rounding's bits: one hash gives exp_avg and exp_avg_sq 16 each; a bf16 master takes a second.
   constexpr bool kAnyBf16 = MasterDtype == ZK_BF16 || StateDtype == ZK_BF16;
   VecI r1{}, r2{};

@@ -12,6 +12,7 @@
 
 #include "adam.h"
 #include "aio.h"
+#include "shared_host.h"
 
 namespace py = pybind11;
 
@@ -45,7 +46,8 @@ void adam_step(const std::string& isa, uintptr_t param, int param_dtype, uintptr
                uintptr_t exp_avg, uintptr_t exp_avg_sq, int state_dtype, uintptr_t out, int out_dtype, int64_t n,
                int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                double grad_scale, bool stochastic, uint32_t sr_seed, int64_t sr_base, int threads) {
-  Kernel kernel = kernel_for(isa);
+  // "shared": the CUDA kernel's per-element code (zkern/csrc/zk_adam.h) on the host, for the tests.
+  Kernel kernel = isa == "shared" ? nullptr : kernel_for(isa);
   if (step < 1) throw std::invalid_argument("step counts from 1");
   for (int dtype : {param_dtype, state_dtype})
     if (dtype != ZK_F32 && dtype != ZK_BF16)
@@ -77,7 +79,8 @@ void adam_step(const std::string& isa, uintptr_t param, int param_dtype, uintptr
   a.threads = threads < 1 ? 1 : threads;
   if (n > 0) {
     py::gil_scoped_release release;
-    kernel(a);
+    if (kernel) kernel(a);
+    else zk_adam_host::adam_step(a, a.l2 == 0.0f);  // AdamW, or Adam without weight decay, as the kernels decide
   }
 }
 
@@ -100,6 +103,30 @@ PYBIND11_MODULE(_adam_ext, m) {
         py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"), py::arg("stochastic"), py::arg("sr_seed"),
         py::arg("sr_base"), py::arg("threads"));
+  // ZeRO++'s quantization over zkern/csrc/zk_quant.h, the CUDA kernels' per-element rules (see shared_host.h).
+  m.def(
+      "quantize",
+      [](uintptr_t x, int x_dtype, int64_t n, int bits, int64_t group, uintptr_t codes, uintptr_t scales) {
+        py::gil_scoped_release release;
+        zk_quant_host::quantize(reinterpret_cast<const void*>(x), x_dtype, n, bits, group,
+                                reinterpret_cast<uint8_t*>(codes), reinterpret_cast<float*>(scales));
+      },
+      "blockwise symmetric quantization over raw buffers (see zkern/cpu/_ext.py)", py::arg("x"), py::arg("x_dtype"),
+      py::arg("n"), py::arg("bits"), py::arg("group"), py::arg("codes"), py::arg("scales"));
+  m.def(
+      "dequant_sum_requant",
+      [](uintptr_t q, uintptr_t scales, int world, int64_t codes_per_chunk, int64_t groups_per_chunk, int in_bits,
+         int64_t group, int64_t n, uintptr_t sum, int out_bits, uintptr_t codes, uintptr_t out_scales) {
+        py::gil_scoped_release release;
+        zk_quant_host::dequant_sum_requant(reinterpret_cast<const uint8_t*>(q), reinterpret_cast<const float*>(scales),
+                                           world, codes_per_chunk, groups_per_chunk, in_bits, group, n,
+                                           reinterpret_cast<float*>(sum), out_bits,
+                                           reinterpret_cast<uint8_t*>(codes), reinterpret_cast<float*>(out_scales));
+      },
+      "qgZ's hop: dequantize, sum over ranks, requantize, over raw buffers (see zkern/cpu/_ext.py)", py::arg("q"),
+      py::arg("scales"), py::arg("world"), py::arg("codes_per_chunk"), py::arg("groups_per_chunk"),
+      py::arg("in_bits"), py::arg("group"), py::arg("n"), py::arg("sum"), py::arg("out_bits"), py::arg("codes"),
+      py::arg("out_scales"));
   // The NVMe path's I/O pool (aio.h). submit and wait release the GIL: the Python side overlaps reads and
   // writes with the CPU Adam, which releases it too.
   py::class_<zk_aio::Pool>(m, "AioPool", "a pool of I/O threads over pread/pwrite (see zkern/cpu/aio.py)")

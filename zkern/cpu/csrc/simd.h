@@ -20,77 +20,16 @@
 #include <cstring>
 
 #include "adam.h"
+#include "zk_math.h"
 
 #if defined(ZK_ISA_AVX512) || defined(ZK_ISA_AVX2)
 #include <immintrin.h>
 #endif
 
-namespace zk_scalar_bits {
-
-inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-
-inline float bf16_to_f32(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
-
-// The bf16 rounding of f is the top half of bf16_add_bits(f, add): f's bits plus 0x7fff and the kept lsb (to
-// nearest even, rne_add) or 16 random bits (stochastically); a NaN is 0xffff0000 (the bf16 NaN torch writes).
-inline uint32_t bf16_add_bits(float f, uint32_t add) {
-  uint32_t x = bits_of(f);
-  return (x & 0x7fffffffu) > 0x7f800000u ? 0xffff0000u : x + add;
-}
-inline uint32_t rne_add(float f) { return 0x7fffu + ((bits_of(f) >> 16) & 1u); }
-
-inline uint16_t f32_to_bf16(float f) { return static_cast<uint16_t>(bf16_add_bits(f, rne_add(f)) >> 16); }
-
-inline float f16_to_f32(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0x1f) return float_of(sign | 0x7f800000u | (m << 13));
-  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
-    float v = static_cast<float>(m) * 5.9604644775390625e-8f;
-    return sign ? -v : v;
-  }
-  return float_of(sign | ((e + 112u) << 23) | (m << 13));
-}
-
-inline uint16_t f32_to_f16(float f) {
-  uint32_t x = bits_of(f);
-  uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  uint32_t a = x & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00u | ((a >> 13) & 0x3ffu);  // NaN: quiet, payload truncated
-  if (a >= 0x477ff000u) return sign | 0x7c00u;                       // 65520 and up (ties to even) -> inf
-  if (a >= 0x38800000u) {                                           // normal in fp16
-    uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u;       // round at bit 13, rebias 127 -> 15
-    return sign | static_cast<uint16_t>(r >> 13);
-  }
-  uint32_t e = a >> 23;
-  if (e < 102) return sign;  // below 2^-25 (or exactly it: a tie, to even) -> signed zero
-  uint32_t mant = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;  // subnormal: units of 2^-24
-  uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1);
-  if (rem > half || (rem == half && (q & 1u))) ++q;
-  return sign | static_cast<uint16_t>(q);
-}
-
-// lowbias32 (a 32-bit integer finaliser with full avalanche): the random bits of stochastic rounding.
-inline uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-
-// The fp32 value of x rounded to bf16 (bf16_add_bits' top half, the low half zero).
-inline float round_bf16_bits(float x, uint32_t add) { return float_of(bf16_add_bits(x, add) & 0xffff0000u); }
-
-}  // namespace zk_scalar_bits
-
-// The golden-ratio step between consecutive element indices before hashing, and the constant that derives the
-// second 32 random bits of an element (one hash gives exp_avg and exp_avg_sq 16 bits each, the second a bf16
-// master's).
-constexpr uint32_t kIndexStep = 0x9e3779b1u;
-constexpr uint32_t kSecondStream = 0x68e31da4u;
+// The scalar bit-level helpers (conversions, bf16 rounding, the hash) are zkern/csrc/zk_math.h's, shared with the
+// CUDA kernels; the vector versions below compute the same bits lane by lane.
+using zk_math::kIndexStep;
+using zk_math::kSecondStream;
 
 #if defined(ZK_ISA_AVX512)
 
@@ -109,7 +48,7 @@ inline Vec vload_bf16(const uint16_t* p) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
 }
 inline __m256i to_f16(Vec a) { return _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT); }
-// zk_scalar_bits::bf16_add_bits and rne_add, per lane: the bf16 rounding is the top half of the result.
+// zk_math::bf16_add_bits and rne_add, per lane: the bf16 rounding is the top half of the result.
 inline __m512i bf16_add_bits(Vec a, __m512i add) {
   __m512i r = _mm512_add_epi32(_mm512_castps_si512(a.v), add);
   __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
@@ -186,7 +125,7 @@ inline Vec vload_bf16(const uint16_t* p) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
 }
 inline __m128i to_f16(Vec a) { return _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT); }
-// zk_scalar_bits::bf16_add_bits and rne_add, per lane: the bf16 rounding is the top half of the result.
+// zk_math::bf16_add_bits and rne_add, per lane: the bf16 rounding is the top half of the result.
 inline __m256i bf16_add_bits(Vec a, __m256i add) {
   __m256i r = _mm256_add_epi32(_mm256_castps_si256(a.v), add);
   __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
@@ -255,38 +194,34 @@ struct Vec {
 inline Vec vset(float x) { return {x}; }
 inline Vec vload(const float* p) { return {*p}; }
 inline void vstore(float* p, Vec a) { *p = a.v; }
-inline Vec vload_f16(const uint16_t* p) { return {zk_scalar_bits::f16_to_f32(*p)}; }
-inline Vec vload_bf16(const uint16_t* p) { return {zk_scalar_bits::bf16_to_f32(*p)}; }
-inline void vstore_f16(uint16_t* p, Vec a) { *p = zk_scalar_bits::f32_to_f16(a.v); }
-inline void vstore_bf16(uint16_t* p, Vec a) { *p = zk_scalar_bits::f32_to_bf16(a.v); }
+inline Vec vload_f16(const uint16_t* p) { return {zk_math::f16_to_f32(*p)}; }
+inline Vec vload_bf16(const uint16_t* p) { return {zk_math::bf16_to_f32(*p)}; }
+inline void vstore_f16(uint16_t* p, Vec a) { *p = zk_math::f32_to_f16(a.v); }
+inline void vstore_bf16(uint16_t* p, Vec a) { *p = zk_math::f32_to_bf16(a.v); }
 constexpr bool kHasStream = false;  // plain stores only on this path
 inline void vstream(float* p, Vec a) { vstore(p, a); }
 inline void vstream_f16(uint16_t* p, Vec a) { vstore_f16(p, a); }
 inline void vstream_bf16(uint16_t* p, Vec a) { vstore_bf16(p, a); }
-inline void vstore_bf16_exact(uint16_t* p, Vec a) { *p = static_cast<uint16_t>(zk_scalar_bits::bits_of(a.v) >> 16); }
+inline void vstore_bf16_exact(uint16_t* p, Vec a) { *p = static_cast<uint16_t>(zk_math::bits_of(a.v) >> 16); }
 inline void vstream_bf16_exact(uint16_t* p, Vec a) { vstore_bf16_exact(p, a); }
 inline void vstream_fence() {}
 inline Vec vadd(Vec a, Vec b) { return {a.v + b.v}; }
 inline Vec vsub(Vec a, Vec b) { return {a.v - b.v}; }
 inline Vec vmul(Vec a, Vec b) { return {a.v * b.v}; }
 inline Vec vdiv(Vec a, Vec b) { return {a.v / b.v}; }
-// No FMA instruction is assumed on this path. The product of two floats is exact in double, so one double
-// sum rounded to float is within an ulp of a true fused multiply-add, where a float product and sum would lose
-// the low bits that a cancelling sum (grad + weight_decay * param, the lerp) exposes.
-inline Vec vfma(Vec a, Vec b, Vec c) {
-  return {static_cast<float>(static_cast<double>(a.v) * static_cast<double>(b.v) + static_cast<double>(c.v))};
-}
-inline Vec vsqrt(Vec a) { return {std::sqrt(a.v)}; }
+// No FMA instruction is assumed on this path: zk_math's host fma (see there).
+inline Vec vfma(Vec a, Vec b, Vec c) { return {zk_math::vfma(a.v, b.v, c.v)}; }
+inline Vec vsqrt(Vec a) { return {zk_math::vsqrt(a.v)}; }
 
 struct VecI {
   uint32_t v;
 };
-inline VecI vhash(uint32_t seed, uint32_t index) { return {zk_scalar_bits::mix32(seed ^ (index * kIndexStep))}; }
-inline VecI vrehash(VecI h) { return {zk_scalar_bits::mix32(h.v ^ kSecondStream)}; }
+inline VecI vhash(uint32_t seed, uint32_t index) { return {zk_math::hash_of(seed, index)}; }
+inline VecI vrehash(VecI h) { return {zk_math::rehash(h.v)}; }
 inline VecI vlow16(VecI h) { return {h.v & 0xffffu}; }
 inline VecI vhigh16(VecI h) { return {h.v >> 16}; }
-inline Vec vround_bf16(Vec a) { return {zk_scalar_bits::round_bf16_bits(a.v, zk_scalar_bits::rne_add(a.v))}; }
-inline Vec vround_bf16_sr(Vec a, VecI r) { return {zk_scalar_bits::round_bf16_bits(a.v, r.v)}; }
+inline Vec vround_bf16(Vec a) { return {zk_math::round_bf16_bits(a.v, zk_math::rne_add(a.v))}; }
+inline Vec vround_bf16_sr(Vec a, VecI r) { return {zk_math::round_bf16_bits(a.v, r.v)}; }
 
 #else
 #error "define one of ZK_ISA_AVX512, ZK_ISA_AVX2, ZK_ISA_SCALAR before including simd.h"

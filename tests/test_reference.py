@@ -87,8 +87,13 @@ def test_adam_rejects_bad_input():
 
 
 def test_forcing_a_missing_backend_is_an_error(monkeypatch):
-    monkeypatch.setenv("ZKERN_BACKEND", "cuda")  # reserved for CUDA C++ kernels; none exist
-    with pytest.raises(RuntimeError, match="no cuda kernels here in this build yet"):
+    from zkern import cuda
+
+    # as on a machine whose torch has CUDA but no nvcc: the CUDA C++ kernels cannot be built, and the error says why
+    monkeypatch.delitem(ops.AVAILABLE, "cuda", raising=False)
+    monkeypatch.setattr(cuda, "why_unavailable", lambda: "nvcc is not installed (pip install nvidia-cuda-nvcc)")
+    monkeypatch.setenv("ZKERN_BACKEND", "cuda")
+    with pytest.raises(RuntimeError, match=r"no cuda kernels here \(nvcc is not installed"):
         ops.flatten([torch.ones(2)])
     monkeypatch.delitem(ops.AVAILABLE, "triton", raising=False)  # as on a machine without Triton or a GPU
     monkeypatch.setenv("ZKERN_BACKEND", "triton")

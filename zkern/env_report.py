@@ -48,6 +48,30 @@ def _cpu_adam_threads() -> int | str:
         return f"invalid: {e}"
 
 
+def _cuda_backends() -> dict[str, str] | str:
+    """Each op's backend on a CUDA tensor, by the dispatch rule (zkern.ops)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        probe = torch.empty(0, device="cuda")
+        return {op: ops.backend_for(probe, op) for op in ("adam_step_", "flatten", "unscale_and_check_",
+                                                           "quantize", "dequant_sum", "dequant_sum_requant")}
+    except (RuntimeError, ValueError) as e:
+        return f"error: {e}"
+
+
+def _cuda_why() -> str:
+    from zkern import cuda
+
+    return cuda.why_unavailable() or "?"
+
+
+def _nvcc() -> str:
+    from zkern import cuda
+
+    return cuda.nvcc() or "not found"
+
+
 def _backend_or_error(op: str) -> str:
     try:
         return ops.backend_for(torch.empty(0), op)
@@ -105,8 +129,10 @@ def report() -> dict:
             "forced": forced,
             "adam_step_ on CPU tensors": _backend_or_error("adam_step_"),
             "flatten / unscale_and_check_ / quantize on CPU tensors": _backend_or_error("flatten"),
-            "on CUDA tensors": "triton" if "triton" in ops.AVAILABLE and torch.cuda.is_available() else
-                               "reference (no CUDA device or no Triton)",
+            "on CUDA tensors": _cuda_backends(),
+            "cuda_kernels": "available (built on first use)" if "cuda" in ops.AVAILABLE else
+                            f"not available: {_cuda_why()}",
+            "nvcc": _nvcc(),
         },
         "cpu_adam": zkern.cpu.status(),
         "nvme_io": _nvme_io(),

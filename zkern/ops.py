@@ -4,11 +4,16 @@
 
 Backends: "reference" (zkern.reference, pure torch, always there); "cpu" (zkern.cpu, the fused CPU Adam
 extension: adam_step_ on host tensors when the extension is built); "triton" (zkern.triton: CUDA tensors when
-Triton imports, or any tensors under TRITON_INTERPRET=1 when forced); "cuda" is reserved for CUDA C++ kernels.
-Every op keeps the signature and semantics documented in zkern.reference. A backend that lacks an op (the CPU
-backend has only adam_step_; flatten and the overflow check on host tensors are torch's own vectorised loops)
-serves it from zkern.reference. ZKERN_BACKEND=reference|cpu|triton|cuda forces one; forcing one that is not
-available is an error, never a silent fallback.
+Triton imports, or any tensors under TRITON_INTERPRET=1 when forced); "cuda" (zkern.cuda, CUDA C++: adam_step_
+and the quantization ops, where torch has CUDA and nvcc and ninja are installed; built on first use).
+Every op keeps the signature and semantics documented in zkern.reference.
+
+The rule, per op and tensor: ZKERN_BACKEND=reference|cpu|triton|cuda forces one backend for every op it has
+(the others take the reference); forcing one that is not available is an error, never a silent fallback.
+Otherwise a host tensor takes "cpu" where it has the op, and a CUDA tensor takes the first of ON_CUDA that is
+available and has the op; anything else takes "reference". Triton comes before CUDA C++ on a GPU: the Triton
+kernels have run (under the interpreter, in CI, on the engine's own views), the CUDA kernels only compiled
+(their per-element code runs on the host in the tests, their launchers have not met a GPU yet).
 """
 
 from __future__ import annotations
@@ -52,12 +57,22 @@ def _triton_usable() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The ops zkern.cuda has.
+CUDA_OPS = ("adam_step_", "quantize", "dequantize", "dequant_sum", "dequant_sum_requant")
+# The order a CUDA tensor's op looks for a backend in (see the module's docstring).
+ON_CUDA = ("triton", "cuda")
+
 # Backends that exist in this build and on this machine.
 AVAILABLE: dict[str, object] = {"reference": reference}
 if cpu_ext.available():
     AVAILABLE["cpu"] = _CpuBackend
 if _triton_usable():
     AVAILABLE["triton"] = _LazyTriton()
+if torch.cuda.is_available():
+    from zkern import cuda as _cuda
+
+    if _cuda.why_unavailable() is None:
+        AVAILABLE["cuda"] = _cuda
 
 
 def _why_missing(name: str) -> str:
@@ -67,7 +82,9 @@ def _why_missing(name: str) -> str:
         if importlib.util.find_spec("triton") is None:
             return " (Triton is not installed: pip install triton)"
         return " (no CUDA device; on a CPU the kernels run only under TRITON_INTERPRET=1)"
-    return " in this build yet"
+    from zkern import cuda
+
+    return f" ({cuda.why_unavailable()})"
 
 
 def forced_backend() -> str | None:
@@ -86,6 +103,8 @@ def forced_backend() -> str | None:
 def _has(backend: str, op: str) -> bool:
     if backend == "triton":
         return op in TRITON_OPS
+    if backend == "cuda":
+        return op in CUDA_OPS
     return hasattr(AVAILABLE[backend], op)
 
 
@@ -97,10 +116,9 @@ def backend_for(t: torch.Tensor | None = None, op: str = "adam_step_") -> str:
             raise RuntimeError(f"ZKERN_BACKEND=cpu: the CPU kernels take host tensors, got one on {t.device}")
         return forced if _has(forced, op) else "reference"
     on_cpu = t is None or t.device.type == "cpu"
-    if not on_cpu and "triton" in AVAILABLE and _has("triton", op):
-        return "triton"
-    if on_cpu and "cpu" in AVAILABLE and _has("cpu", op):
-        return "cpu"
+    for backend in ("cpu",) if on_cpu else ON_CUDA if t.device.type == "cuda" else ():
+        if backend in AVAILABLE and _has(backend, op):
+            return backend
     return "reference"
 
 
@@ -151,6 +169,11 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
 
 def dequant_sum(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
     return _impl(q, "dequant_sum")(q, scales, bits, group_size, numel)
+
+
+def dequant_sum_requant(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
+                        out_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _impl(q, "dequant_sum_requant")(q, scales, bits, group_size, numel, out_bits)
 
 
 # -- NVMe I/O (ZeRO-Infinity): one implementation, the extension's thread pool over pread/pwrite ---------------

@@ -14,6 +14,11 @@
    declares below (table entries, a block's partial sum). Known failures are listed in KNOWN_NARROW with the
    reason; the gate fails on any other narrow access, so a regression shows, and the list shrinks as they are fixed.
 
+4. The CUDA C++ kernels (zkern/cuda/csrc/*.cu) compiled by nvcc for the same archs with zkern.cuda's flags (a spill
+   is an error), each kernel read the same way: registers, spills, and its 128-bit loads and stores (each has an
+   element-by-element path for unaligned data beside its vector path, so narrow accesses are not counted: a kernel
+   fails when it has no 128-bit load or store at all); and csrc/bindings.cpp compiled against torch's headers.
+
 Not measured here yet: bytes moved per element (sector counting under the interpreter).
 """
 
@@ -218,6 +223,19 @@ def _is_aligned(spec: dict) -> bool:
 
 # -- the suite -----------------------------------------------------------------------------------------------------
 def run() -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    # The CUDA C++ checks are nvcc and g++ processes: they run beside the Triton work, which holds one core.
+    with ThreadPoolExecutor(1) as pool:
+        cuda = pool.submit(cuda_kernels)
+        record = _triton_kernels()
+        cuda_entries, cuda_failures = cuda.result()
+    record["cuda_kernels"] = cuda_entries
+    record["failures"] += cuda_failures
+    return record
+
+
+def _triton_kernels() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "launches.json")
         env = {**os.environ, "TRITON_INTERPRET": "1", "ZKERN_BACKEND": "triton"}
@@ -272,5 +290,116 @@ def table(record: dict) -> str:
             flag = "" if not k["aligned"] else (" known" if "known_narrow" in k and got["narrow"] else "")
             out.append(f"{k['label'][:96]:<96} {arch:>6} {got['registers']!s:>5} {got['spill_bytes']:>6} "
                        f"{got['ld128'] + got['st128']:>5} {got['narrow']:>6}{flag}")
+    if record.get("cuda_kernels"):
+        out.append(f"\n{'CUDA C++ kernel (zkern/cuda/csrc)':<96} {'arch':>6} {'regs':>5} {'spill':>6} {'ld128':>5} "
+                   f"{'st128':>6}")
+        for k in record["cuda_kernels"]:
+            label = f"{k['source']}: {k['kernel']}"
+            out.append(f"{label[:96]:<96} {k['arch']:>6} {k['registers']!s:>5} {k['spill_bytes']:>6} "
+                       f"{k.get('ld128', 0):>5} {k.get('st128', 0):>6}")
     out += [f"FAIL: {line}" for line in record["failures"]] or ["gpu-static: every check holds"]
     return "\n".join(out)
+
+
+# -- the CUDA C++ kernels (zkern/cuda/csrc) --------------------------------------------------------------------------
+def _cuda_compile(source: str, arch: int) -> dict:
+    """nvcc one kernel file for one arch with zkern.cuda's flags (a spill is an error); per kernel: registers,
+    spills and the 128-bit loads and stores in its SASS."""
+    from zkern import cuda
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        done = subprocess.run([cuda.nvcc(), *cuda.NVCC_FLAGS, "-Xptxas=-v", "-cubin", f"-arch=sm_{arch}",
+                               os.path.join(cuda.CSRC, source), "-o", cubin], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(done.stderr.strip()[-600:])
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    kernels: dict[str, dict] = {}
+    current = None
+    for line in (done.stdout + done.stderr).splitlines():  # ptxas -v: per entry function, in order
+        if m := re.search(r"Compiling entry function '([^']+)'", line):
+            current = kernels.setdefault(m.group(1), {"registers": None, "spill_bytes": 0})
+        elif current is not None and (m := re.search(r"Used (\d+) registers", line)):
+            current["registers"] = int(m.group(1))
+        elif current is not None:
+            current["spill_bytes"] += sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", line))
+    for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, flags=re.S):
+        entry = kernels.setdefault(name, {"registers": None, "spill_bytes": 0})
+        entry.update(ld128=len(re.findall(r"\bLDG\.E\.128\b", body)), st128=len(re.findall(r"\bSTG\.E\.128\b", body)),
+                     ld=len(re.findall(r"\bLDG\b", body)), st=len(re.findall(r"\bSTG\b", body)))
+    return kernels
+
+
+def _demangle(names: list[str]) -> dict[str, str]:
+    try:
+        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+        return dict(zip(names, out.splitlines()))
+    except (OSError, subprocess.CalledProcessError):
+        return {n: n for n in names}
+
+
+def _bindings_check() -> str | None:
+    """csrc/bindings.cpp compiled (syntax and types) against this torch's headers, whose CPU build lacks only the
+    build-generated c10/cuda/impl/cuda_cmake_macros.h (a stub stands in). None: it compiles; else the error."""
+    import sysconfig
+
+    import torch.utils.cpp_extension as ext
+
+    from zkern import cuda
+
+    # nvcc names its own include directories (it may be a wrapper script far from the toolkit)
+    dry = subprocess.run([cuda.nvcc(), "--dryrun", "-x", "cu", "-c", os.devnull], capture_output=True, text=True)
+    cuda_includes = re.findall(r'-I"?([^"\s]+)', " ".join(line for line in dry.stderr.splitlines()
+                                                        if "INCLUDES=" in line))
+    with tempfile.TemporaryDirectory() as tmp:
+        stub = os.path.join(tmp, "c10", "cuda", "impl")
+        os.makedirs(stub)
+        with open(os.path.join(stub, "cuda_cmake_macros.h"), "w") as f:
+            f.write("#pragma once\n")
+        includes = [cuda.CSRC, cuda.SHARED, tmp, *cuda_includes, *ext.include_paths(),
+                    sysconfig.get_paths()["include"]]
+        done = subprocess.run(["g++", "-fsyntax-only", "-std=c++20", "-DTORCH_EXTENSION_NAME=zkern_cuda_ext",
+                               *[f"-I{i}" for i in includes], os.path.join(cuda.CSRC, "bindings.cpp")],
+                              capture_output=True, text=True)
+    return None if done.returncode == 0 else done.stderr.strip()[-600:]
+
+
+def cuda_kernels() -> tuple[list[dict], list[str]]:
+    """Every CUDA C++ kernel for every arch: (entries, failures). A kernel fails on a compile error, a spill, or a
+    missing 128-bit load or store (each kernel moves its data in 16-byte vectors when its pointers are aligned,
+    with an element-by-element path beside for the rest, so narrow accesses are expected and not counted)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from zkern import cuda
+
+    if cuda.nvcc() is None:
+        return [], ["nvcc not found: the CUDA C++ kernels cannot be checked (pip install nvidia-cuda-nvcc, or set "
+                    "CUDA_HOME)"]
+    jobs = [(source, arch) for source in cuda.KERNEL_SOURCES for arch in cuda.ARCHS]
+    with ThreadPoolExecutor(2) as pool:
+        bindings = pool.submit(_bindings_check)
+        results = list(pool.map(lambda job: _try(_cuda_compile, *job), jobs))
+        bindings_error = bindings.result()
+    entries, failures = [], []
+    if bindings_error:
+        failures.append(f"zkern/cuda/csrc/bindings.cpp does not compile against torch's headers: {bindings_error}")
+    for (source, arch), (kernels, error) in zip(jobs, results):
+        if error:
+            failures.append(f"{source} sm_{arch}: compile error (spills are errors): {error}")
+            continue
+        names = _demangle(list(kernels))
+        for name, got in kernels.items():
+            label = f"{source}: {names[name]}"
+            entries.append({"kernel": names[name], "source": source, "arch": f"sm_{arch}", **got})
+            if got["spill_bytes"]:
+                failures.append(f"{label} sm_{arch}: spills {got['spill_bytes']} bytes")
+            if not got.get("ld128") or not got.get("st128"):
+                failures.append(f"{label} sm_{arch}: no 128-bit global {'load' if not got.get('ld128') else 'store'}")
+    return entries, failures
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args), None
+    except Exception as e:  # noqa: BLE001 - a compile error is a finding, with its message
+        return None, str(e)

@@ -19,7 +19,9 @@
    element-by-element path for unaligned data beside its vector path, so narrow accesses are not counted: a kernel
    fails when it has no 128-bit load or store at all); and csrc/bindings.cpp compiled against torch's headers.
 
-Not measured here yet: bytes moved per element (sector counting under the interpreter).
+5. Traffic (bench/gpu_traffic.py): each op's launcher run under the interpreter at the engine's sizes, every load
+   and store counted in the 32-byte sectors it touches; fails above TRAFFIC_LIMIT times the bytes the operation
+   must move.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import sys
 import tempfile
 
 ARCHS = (80, 90)
+TRAFFIC_LIMIT = 1.05  # bytes moved (32-byte sectors) over the bytes the operation must move
 # Narrow (non-128-bit) global accesses a kernel makes by design, per program, whatever the data's alignment.
 SCALAR_ACCESSES = {
     "_unscale_and_check_kernel": 2,  # the block's overflow flag and sum of squares
@@ -225,14 +228,30 @@ def _is_aligned(spec: dict) -> bool:
 def run() -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    # The CUDA C++ checks are nvcc and g++ processes: they run beside the Triton work, which holds one core.
-    with ThreadPoolExecutor(1) as pool:
+    # The CUDA C++ checks (nvcc and g++) and the traffic count (an interpreter subprocess) run beside the Triton
+    # compiles, which hold one core.
+    with ThreadPoolExecutor(2) as pool:
         cuda = pool.submit(cuda_kernels)
+        traffic = pool.submit(_traffic)
         record = _triton_kernels()
         cuda_entries, cuda_failures = cuda.result()
+        record["traffic"] = traffic.result()
     record["cuda_kernels"] = cuda_entries
-    record["failures"] += cuda_failures
+    record["failures"] += cuda_failures + [
+        f"{t['case']}: {t['bytes_per_element']:.3f} bytes per element moved, {t['ratio']:.3f}x the "
+        f"{t['minimum_per_element']:.3f} it must move (at most {TRAFFIC_LIMIT}x)"
+        for t in record["traffic"] if t["ratio"] > TRAFFIC_LIMIT]
     return record
+
+
+def _traffic() -> list[dict]:
+    """bench/gpu_traffic.py's count, in an interpreter subprocess of its own."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "ZKERN_BACKEND": "triton",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", "import json, bench.gpu_traffic as t; print(json.dumps(t.measure()))"],
+                          env=env, cwd=root, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _triton_kernels() -> dict:
@@ -290,6 +309,11 @@ def table(record: dict) -> str:
             flag = "" if not k["aligned"] else (" known" if "known_narrow" in k and got["narrow"] else "")
             out.append(f"{k['label'][:96]:<96} {arch:>6} {got['registers']!s:>5} {got['spill_bytes']:>6} "
                        f"{got['ld128'] + got['st128']:>5} {got['narrow']:>6}{flag}")
+    if record.get("traffic"):
+        out.append(f"\n{'traffic (32-byte sectors, interpreter)':<60} {'B/elem':>8} {'minimum':>8} {'ratio':>7}")
+        for t in record["traffic"]:
+            out.append(f"{t['case']:<60} {t['bytes_per_element']:>8.3f} {t['minimum_per_element']:>8.3f} "
+                       f"{t['ratio']:>7.3f}")
     if record.get("cuda_kernels"):
         out.append(f"\n{'CUDA C++ kernel (zkern/cuda/csrc)':<96} {'arch':>6} {'regs':>5} {'spill':>6} {'ld128':>5} "
                    f"{'st128':>6}")

@@ -396,3 +396,35 @@ def test_the_checkpoint_suite_judges_its_goals_from_the_measured_figures(tmp_pat
                         "consolidate_peak_of_checkpoint": False, "save_over_dcp": True, "load_over_dcp": False,
                         "consolidate_over_dcp": True}
     assert g["figures"]["save_over_dcp"] == pytest.approx(0.5) and g["figures"]["load_over_dcp"] == pytest.approx(1.125)
+
+
+def test_the_traffic_count_charges_whole_sectors_per_access():
+    """bench/gpu_traffic.py on two copies of the same bytes: one contiguous load per block costs what it must move;
+    reading even and odd elements with two stride-2 loads touches every sector twice, and the count says 2x."""
+    import triton
+    import triton.language as tl
+
+    from bench import gpu_traffic
+
+    @triton.jit
+    def contiguous(src, dst, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + i, tl.load(src + i, mask=i < n), mask=i < n)
+
+    @triton.jit
+    def even_then_odd(src, dst, n, BLOCK: tl.constexpr):
+        j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        even = tl.load(src + 2 * j, mask=2 * j < n)
+        odd = tl.load(src + 2 * j + 1, mask=2 * j + 1 < n)
+        tl.store(dst + 2 * j, even, mask=2 * j < n)
+        tl.store(dst + 2 * j + 1, odd, mask=2 * j + 1 < n)
+
+    src, dst = torch.randn(4096), torch.empty(4096)
+    ratios = {}
+    for name, kernel, programs in (("contiguous", contiguous, 16), ("even_then_odd", even_then_odd, 8)):
+        with gpu_traffic._counting() as count:
+            kernel[(programs,)](src, dst, 4096, BLOCK=256)
+        assert torch.equal(dst, src)
+        assert count.minimum() == 2 * 4096 * 4  # every byte read once and written once
+        ratios[name] = count.traffic / count.minimum()
+    assert ratios["contiguous"] == 1.0 and ratios["even_then_odd"] == 2.0

@@ -143,9 +143,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         elif suite == "adam":
             record = adam_suite.run(args.adam_numel, deepspeed=wanted is None or "deepspeed" in wanted)
         elif suite == "checkpoint":
-            if len(args.stage) > 1:
+            if len(args.stage) > 1 and args.suite == "checkpoint":
                 parser.error("--suite checkpoint measures one stage at a time")
-            record = checkpoint_suite.run(args.model or "25m", args.world or 2, args.stage[0], peers=wanted)
+            stage = args.stage[0] if len(args.stage) == 1 else 2  # --suite all with several stages: stage 2
+            record = checkpoint_suite.run(args.model or "25m", args.world or 2, stage, peers=wanted)
         elif suite == "hf":
             record = hf_suite.run(args.model or "25m")
         elif suite == "paired":

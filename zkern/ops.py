@@ -39,7 +39,7 @@ class _CpuBackend:
 # Each Triton op and the file (zkern/triton/<file>.py) that holds it.
 TRITON_OPS = {"flatten": "flatten", "unflatten": "flatten", "unflatten_into_": "flatten",
               "unscale_and_check_": "overflow", "adam_step_": "adam", "quantize": "quant", "dequantize": "quant",
-              "dequant_sum": "quant"}
+              "dequant_sum": "quant", "dequant_sum_requant": "quant"}
 
 
 class _LazyTriton:

@@ -16,7 +16,8 @@ hpZ   after a unit's gather from the primary partition, each rank keeps slice j 
 qgZ   a reduce-scatter of a rank-major buffer (world sections of S elements, section r for rank r) becomes two
       all-to-alls of int4 codes (one fp32 scale per GRAD_GROUP elements, each section padded to a whole number
       of groups): inside the node, rank (n, j) sends local rank j' the sections of every rank (m, j'); each rank
-      dequantizes and sums what it got (ops.dequant_sum), re-quantizes, and across nodes sends node m's peer
+      dequantizes and sums what it got and re-quantizes it (ops.dequant_sum_requant, one op: one pass in the CUDA
+      kernel; with LoCo the sum takes its error first), and across nodes sends node m's peer
       the section of rank (m, j); the second dequantize-and-sum is this rank's reduced section.
 LoCo  zeropp_loco_param {err_beta, reset_T}: before each quantization the kept error is added back, and the
       error is then updated as a moving average, e <- err_beta * e + (1 - err_beta) * (h - dequantize(h)), h the
@@ -366,8 +367,12 @@ class QuantizedReduce:
 
         def second_hop() -> Deferred:
             codes, scales = _split(recv1, nodes * padded // 2)
-            partial = ops.dequant_sum(codes, scales, 4, self.group, nodes * padded)  # the node's sum, by node m
-            msg2 = _pack(*self._quantize(partial, err2), nodes)  # (nodes, grad_message_bytes(S'))
+            if err2 is None:  # the node's sum, by node m, and its int4 codes for the next hop, in one op
+                _, codes2, scales2 = ops.dequant_sum_requant(codes, scales, 4, self.group, nodes * padded, 4)
+            else:  # LoCo adds its error to the sum before quantizing it again
+                partial = ops.dequant_sum(codes, scales, 4, self.group, nodes * padded)
+                codes2, scales2 = self._quantize(partial, err2)
+            msg2 = _pack(codes2, scales2, nodes)  # (nodes, grad_message_bytes(S'))
             recv2 = torch.empty_like(msg2)
             work2 = self.peers.all_to_all(recv2.view(-1), msg2.view(-1), f"{purpose}, int4 across nodes",
                                           async_op=async_op)

@@ -177,3 +177,11 @@ def dequant_sum(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: in
                                                        numel, groups, GROUP=group_size,
                                                        GROUPS=_groups_per_program(group_size), BITS=bits)
     return out
+
+
+def dequant_sum_requant(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
+                        out_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """zkern.reference.dequant_sum_requant: qgZ's hop as the two kernels back to back (the sum, then its codes);
+    zkern/cuda fuses them in one pass."""
+    total = dequant_sum(q, scales, bits, group_size, numel)
+    return (total, *quantize(total, out_bits, group_size))

@@ -48,8 +48,6 @@ SCALAR_ACCESSES = {
 }
 # Aligned launches that are not yet fully 128-bit, and why (issue 27's findings; each entry is a defect to fix).
 KNOWN_NARROW = {
-    "_flatten_kernel": "each tensor's address comes from a table, so the compiler cannot prove 16-byte alignment",
-    "_unflatten_kernel": "each tensor's address comes from a table, so the compiler cannot prove 16-byte alignment",
     # int4 reads and writes its elements 128-bit; the packed bytes (a ninth of the traffic) move one byte per
     # instruction, contiguous across the warp (coalesced: no extra bytes, more instructions)
     "_quantize_kernel/BITS=4": "packed int4 bytes stored one per instruction (coalesced)",
@@ -143,10 +141,12 @@ def _drive_launchers(torch) -> None:
             q, s = ops.quantize(x, bits, group)
             ops.dequantize(q, s, bits, group, n, torch.bfloat16)
             ops.dequant_sum(torch.stack([q, q]), torch.stack([s, s]), bits, group, n)
-    tensors = [torch.randn(k, generator=g) for k in (4096, 67, 1024)]
-    for dtype in (torch.float32, torch.bfloat16):
-        flat = ops.flatten(tensors, dtype, align=16)
-        ops.unflatten_into_(flat, [t.clone() for t in tensors], align=16)
+    # a ragged set (one length not a multiple of 16: the element path) and an aligned one (the 128-bit path)
+    for sizes in ((4096, 67, 1024), (4096, 64, 1024)):
+        tensors = [torch.randn(k, generator=g) for k in sizes]
+        for dtype in (torch.float32, torch.bfloat16):
+            flat = ops.flatten(tensors, dtype, align=16)
+            ops.unflatten_into_(flat, [t.clone() for t in tensors], align=16)
 
 
 def _drive_engine(torch) -> None:
@@ -213,13 +213,18 @@ def _compile(spec: dict, arch: int) -> dict:
 
 def _known(spec: dict) -> str | None:
     name = spec["kernel"]
-    bits = spec["constexprs"].get("BITS")
-    return KNOWN_NARROW.get(f"{name}/BITS={bits}") if bits is not None else KNOWN_NARROW.get(name)
+    for key in ("BITS", "ALIGNED"):  # an entry may name the specialisation it covers
+        if key in spec["constexprs"] and f"{name}/{key}={spec['constexprs'][key]}" in KNOWN_NARROW:
+            return KNOWN_NARROW[f"{name}/{key}={spec['constexprs'][key]}"]
+    return KNOWN_NARROW.get(name)
 
 
 def _is_aligned(spec: dict) -> bool:
     """Every pointer 16-byte aligned, and the length and row strides multiples of 16 elements (counts of groups
-    and ranks say nothing about addresses)."""
+    and ranks say nothing about addresses). A kernel that reads its tensors' addresses from a table (flatten)
+    says so itself: its ALIGNED constexpr is the launcher's check of every address and length."""
+    if "ALIGNED" in spec["constexprs"]:
+        return bool(spec["constexprs"]["ALIGNED"])
     return not [a for a in spec["unaligned_args"]
                 if spec["signature"][a].startswith("*") or a == "n" or a.endswith("_stride")]
 

@@ -84,6 +84,24 @@ def test_flatten_of_many_tensors_with_alignment_and_padding():
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back, back_ref))
 
 
+@pytest.mark.parametrize("shift", [0, 3], ids=["aligned", "one-tensor-off-16-bytes"])
+def test_flatten_takes_its_aligned_path_exactly_when_every_address_and_length_allows_it(shift):
+    """The ALIGNED specialisation (128-bit vectors, tensors addressed from the flat buffer's pointer) is chosen when
+    every address is 16-byte aligned and every length and slot a multiple of 16, and both paths give the
+    reference's bits in both directions, over mixed dtypes."""
+    storage = randn(1024 + 16, torch.float32, seed=5)
+    tensors = [storage[shift:shift + 1024].view(32, 32), randn(64, torch.float16, seed=6),
+               randn(48, torch.bfloat16, seed=7)]
+    expected = reference.flatten(tensors, torch.float32, align=16)
+    out = poisoned(expected.numel(), torch.float32)
+    assert tflat._aligned(tensors, out, 16) == (shift == 0)
+    assert tflat._aligned(tensors, out, 24) is False  # a slot of 1032 elements is not a multiple of 16
+    assert same_bits_or_nan(tflat.flatten(tensors, torch.float32, align=16, out=out).cpu(), expected.cpu())
+    back = [torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEVICE) for t in tensors]
+    tflat.unflatten_into_(out, back, align=16)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back, tensors))
+
+
 def test_flatten_edges_empty_list_shapes_and_bad_input():
     assert tflat.flatten([]).numel() == 0
     mats = [randn(12).view(3, 4), randn(5)]

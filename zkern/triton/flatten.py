@@ -19,43 +19,84 @@ from zkern.triton._common import CODE, cast_from_fp32, check_tensor
 BLOCK_SIZE = 4096
 
 
+# ALIGNED (a constexpr the launcher sets when every tensor's address and the flat buffer's are 16-byte aligned and
+# every tensor's length and flat offset a multiple of 16 elements) lets the body move 128-bit vectors. The compiler
+# cannot see alignment in values loaded from the table, nor through an integer-to-pointer cast, so under ALIGNED:
+# lengths and offsets are rounded down to a multiple of 16 (unchanged values it can now prove), and a tensor is
+# addressed from the flat buffer's pointer (an argument, 16-byte aligned) plus its byte distance from it, also a
+# multiple of 16: anchor_addr is that pointer's address as an integer argument, which Triton specialises as a
+# multiple of 16.
 @triton.jit
-def _load_as_fp32(addr, offs, mask, code):
-    if code == 0:
-        x = tl.load(addr.to(tl.pointer_type(tl.float32), bitcast=True) + offs, mask=mask).to(tl.float32)
-    elif code == 1:
-        x = tl.load(addr.to(tl.pointer_type(tl.float16), bitcast=True) + offs, mask=mask).to(tl.float32)
+def _typed(addr, code: tl.constexpr, anchor, anchor_addr, ALIGNED: tl.constexpr):
+    if ALIGNED:
+        delta = addr // 16 * 16 - anchor_addr  # bytes from the anchor: the same value, provably a multiple of 16
+        if code == 0:
+            ptr = anchor.to(tl.pointer_type(tl.float32), bitcast=True) + delta // 4
+        elif code == 1:
+            ptr = anchor.to(tl.pointer_type(tl.float16), bitcast=True) + delta // 2
+        else:
+            ptr = anchor.to(tl.pointer_type(tl.bfloat16), bitcast=True) + delta // 2
     else:
-        x = tl.load(addr.to(tl.pointer_type(tl.bfloat16), bitcast=True) + offs, mask=mask).to(tl.float32)
+        if code == 0:
+            ptr = addr.to(tl.pointer_type(tl.float32), bitcast=True)
+        elif code == 1:
+            ptr = addr.to(tl.pointer_type(tl.float16), bitcast=True)
+        else:
+            ptr = addr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    return ptr
+
+
+@triton.jit
+def _hint(x, ALIGNED: tl.constexpr):
+    if ALIGNED:
+        x = x // 16 * 16  # the same value (the launcher checked), now provably a multiple of 16
     return x
 
 
 @triton.jit
-def _flatten_kernel(src_ptrs, src_codes, numels, flat_offsets, block_tensor, block_start, out_ptr,
-                    BLOCK_SIZE: tl.constexpr, OUT_CODE: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(block_tensor + pid).to(tl.int64)
-    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK_SIZE)
-    mask = offs < tl.load(numels + t)
-    x = _load_as_fp32(tl.load(src_ptrs + t), offs, mask, tl.load(src_codes + t))
-    tl.store(out_ptr + tl.load(flat_offsets + t) + offs, cast_from_fp32(x, OUT_CODE), mask=mask)
+def _load_as_fp32(addr, offs, mask, code, anchor, anchor_addr, ALIGNED: tl.constexpr):
+    if code == 0:
+        x = tl.load(_typed(addr, 0, anchor, anchor_addr, ALIGNED) + offs, mask=mask).to(tl.float32)
+    elif code == 1:
+        x = tl.load(_typed(addr, 1, anchor, anchor_addr, ALIGNED) + offs, mask=mask).to(tl.float32)
+    else:
+        x = tl.load(_typed(addr, 2, anchor, anchor_addr, ALIGNED) + offs, mask=mask).to(tl.float32)
+    return x
 
 
 @triton.jit
-def _unflatten_kernel(flat_ptr, dst_ptrs, dst_codes, numels, flat_offsets, block_tensor, block_start,
-                      BLOCK_SIZE: tl.constexpr):
+def _flatten_kernel(src_ptrs, src_codes, numels, flat_offsets, block_tensor, block_start, out_ptr, out_addr,
+                    BLOCK_SIZE: tl.constexpr, OUT_CODE: tl.constexpr, ALIGNED: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(block_tensor + pid).to(tl.int64)
-    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK_SIZE)
-    mask = offs < tl.load(numels + t)
-    x = tl.load(flat_ptr + tl.load(flat_offsets + t) + offs, mask=mask).to(tl.float32)
+    offs = _hint(tl.load(block_start + pid), ALIGNED) + tl.arange(0, BLOCK_SIZE)
+    mask = offs < _hint(tl.load(numels + t), ALIGNED)
+    x = _load_as_fp32(tl.load(src_ptrs + t), offs, mask, tl.load(src_codes + t), out_ptr, out_addr, ALIGNED)
+    tl.store(out_ptr + _hint(tl.load(flat_offsets + t), ALIGNED) + offs, cast_from_fp32(x, OUT_CODE), mask=mask)
+
+
+@triton.jit
+def _unflatten_kernel(flat_ptr, flat_addr, dst_ptrs, dst_codes, numels, flat_offsets, block_tensor, block_start,
+                      BLOCK_SIZE: tl.constexpr, ALIGNED: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(block_tensor + pid).to(tl.int64)
+    offs = _hint(tl.load(block_start + pid), ALIGNED) + tl.arange(0, BLOCK_SIZE)
+    mask = offs < _hint(tl.load(numels + t), ALIGNED)
+    x = tl.load(flat_ptr + _hint(tl.load(flat_offsets + t), ALIGNED) + offs, mask=mask).to(tl.float32)
     addr, code = tl.load(dst_ptrs + t), tl.load(dst_codes + t)
     if code == 0:
-        tl.store(addr.to(tl.pointer_type(tl.float32), bitcast=True) + offs, cast_from_fp32(x, 0), mask=mask)
+        tl.store(_typed(addr, 0, flat_ptr, flat_addr, ALIGNED) + offs, cast_from_fp32(x, 0), mask=mask)
     elif code == 1:
-        tl.store(addr.to(tl.pointer_type(tl.float16), bitcast=True) + offs, cast_from_fp32(x, 1), mask=mask)
+        tl.store(_typed(addr, 1, flat_ptr, flat_addr, ALIGNED) + offs, cast_from_fp32(x, 1), mask=mask)
     else:
-        tl.store(addr.to(tl.pointer_type(tl.bfloat16), bitcast=True) + offs, cast_from_fp32(x, 2), mask=mask)
+        tl.store(_typed(addr, 2, flat_ptr, flat_addr, ALIGNED) + offs, cast_from_fp32(x, 2), mask=mask)
+
+
+def _aligned(tensors: list[torch.Tensor], flat: torch.Tensor, align: int) -> bool:
+    """Whether the ALIGNED specialisation holds: every address 16-byte aligned, every length and (so) every flat
+    offset a multiple of 16 elements."""
+    return flat.data_ptr() % 16 == 0 and all(t.data_ptr() % 16 == 0 and t.numel() % 16 == 0
+                                             and -(-t.numel() // align) * align % 16 == 0 for t in tensors)
 
 
 def _tables(tensors: list[torch.Tensor], align: int, device: torch.device):
@@ -105,8 +146,9 @@ def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None, *, al
     if total != sum(t.numel() for t in tensors):
         out.zero_()  # alignment gaps and padding: one memset, only when there are any
     if blocks:
-        _flatten_kernel[(blocks,)](ptrs, codes, numels, offsets, block_tensor, block_start, out,
-                                   BLOCK_SIZE=BLOCK_SIZE, OUT_CODE=CODE[out_dtype])
+        _flatten_kernel[(blocks,)](ptrs, codes, numels, offsets, block_tensor, block_start, out, out.data_ptr(),
+                                   BLOCK_SIZE=BLOCK_SIZE, OUT_CODE=CODE[out_dtype],
+                                   ALIGNED=_aligned(tensors, out, align))
     return out
 
 
@@ -121,8 +163,8 @@ def unflatten_into_(flat: torch.Tensor, tensors: list[torch.Tensor], *, align: i
     if flat.dim() != 1 or flat.numel() < used:
         raise ValueError(f"unflatten_into_ needs a 1-D buffer of at least {used} elements, got {tuple(flat.shape)}")
     if blocks:
-        _unflatten_kernel[(blocks,)](flat, ptrs, codes, numels, offsets, block_tensor, block_start,
-                                     BLOCK_SIZE=BLOCK_SIZE)
+        _unflatten_kernel[(blocks,)](flat, flat.data_ptr(), ptrs, codes, numels, offsets, block_tensor, block_start,
+                                     BLOCK_SIZE=BLOCK_SIZE, ALIGNED=_aligned(tensors, flat, align))
 
 
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

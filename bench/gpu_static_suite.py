@@ -43,17 +43,13 @@ SCALAR_ACCESSES = {
     "_unscale_and_check_kernel": 2,  # the block's overflow flag and sum of squares
     "_flatten_kernel": 6,  # its table entry: tensor index, start, numel, address, dtype code, flat offset
     "_unflatten_kernel": 6,
-    # int8 (de)quantization: a program's two group scales (GROUPS = 4096 // 2048)
-    "_quantize_kernel": 2, "_dequantize_kernel": 2, "_dequant_sum_kernel": 2,
+    # (de)quantization: a program's group scales, one per group of its tile (GROUPS = 4096 // group: 2 for qwZ's
+    # groups of 2048, 64 for qgZ's groups of 64, which dequantize loads in four instructions)
+    "_quantize_kernel": 2, "_dequantize_kernel": 4, "_dequant_sum_kernel": 2,
 }
-# Aligned launches that are not yet fully 128-bit, and why (issue 27's findings; each entry is a defect to fix).
-KNOWN_NARROW = {
-    # int4 reads and writes its elements 128-bit; the packed bytes (a ninth of the traffic) move one byte per
-    # instruction, contiguous across the warp (coalesced: no extra bytes, more instructions)
-    "_quantize_kernel/BITS=4": "packed int4 bytes stored one per instruction (coalesced)",
-    "_dequantize_kernel/BITS=4": "packed int4 bytes loaded one per instruction (coalesced)",
-    "_dequant_sum_kernel/BITS=4": "packed int4 bytes loaded one per instruction (coalesced)",
-}
+# Aligned launches that are not yet fully 128-bit, and why (each entry is a defect to fix). Empty: int4's packed
+# bytes were the last (masked with 2 * byte < n, whose constancy the compiler could not prove; now byte < n_bytes).
+KNOWN_NARROW: dict[str, str] = {}
 
 
 # -- 1. recording (runs in a subprocess under TRITON_INTERPRET=1) ---------------------------------------------------

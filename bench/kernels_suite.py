@@ -11,6 +11,8 @@ physical limit (bytes it must move at the measured device copy bandwidth).
   quantize    int8, groups of 128: ops.quantize vs zkern.reference.quantize (the torch composition)
   adam        fp32 master, bf16 gradient, bf16 copy out: ops.adam_step_ vs torch.optim.AdamW(fused=True) on the
               upcast gradient + the bf16 cast
+  *_cuda      where zkern/cuda's kernels can be built: the CUDA C++ quantize and Adam against the Triton ones (the
+              rows that decide whether CUDA C++ goes before Triton in zkern.ops.ON_CUDA)
 
 Times: median and p20/p80 from triton.testing.do_bench. Under the interpreter (--interpret, tiny sizes) the
 numbers mean nothing and the record says so; only the plumbing is exercised.
@@ -131,7 +133,25 @@ def run(numel: int | None = None, interpret: bool = False, progress=None) -> dic
                                                          eps=1e-8, weight_decay=0.01, adamw=True, param_out=out),
                stock, "AdamW(fused=True) + bf16 copy", n * 28)
 
-    for case in (flatten_case, unscale_case, quantize_case, adam_case):
+    def cuda_case():  # zkern/cuda's kernels against the Triton ones they would replace (DESIGN.md: only where faster)
+        from zkern import cuda as cuda_kernels
+        from zkern.triton import adam as triton_adam
+        from zkern.triton import quant as triton_quant
+
+        x = torch.randn(n, generator=gen).to(device)
+        record("quantize_int8_cuda", lambda: cuda_kernels.quantize(x, 8, 128), lambda: triton_quant.quantize(x, 8, 128),
+               "the Triton kernel", n * 4 + n + (n // 128) * 4)
+        p, m, v = torch.randn(n, generator=gen).to(device), torch.zeros(n, device=device), torch.zeros(n, device=device)
+        g16 = torch.randn(n, generator=gen).to(device, torch.bfloat16)
+        out = torch.empty(n, dtype=torch.bfloat16, device=device)
+        hyper = dict(step=10, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, adamw=True, param_out=out)
+        record("adam_bf16_copy_cuda", lambda: cuda_kernels.adam_step_(p, g16, m, v, **hyper),
+               lambda: triton_adam.adam_step_(p, g16, m, v, **hyper), "the Triton kernel", n * 28)
+
+    cases = [flatten_case, unscale_case, quantize_case, adam_case]
+    if "cuda" in ops.AVAILABLE:  # the CUDA C++ kernels can be built here (torch with CUDA, nvcc, ninja)
+        cases.append(cuda_case)
+    for case in cases:
         case()
 
     ratios = {f"{k}_speedup": r["speedup_over_stock"] for k, r in results.items()}

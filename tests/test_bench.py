@@ -228,7 +228,8 @@ def test_bad_engine_suite_requests_are_refused_with_the_reason(capsys):
 def test_engine_suite_runs_bf16_against_autocast_peers():
     """The GPU presets' precision path on the CPU: zkern bf16 against DDP / ZeroRedundancyOptimizer under
     autocast and FSDP2 with a bf16 MixedPrecisionPolicy; every system trains, in fresh processes."""
-    rec = engine_suite.run([1, 3], None, "tiny", steps=4, device="cpu", precision="bf16", progress=lambda line: None)
+    rec = engine_suite.run([1, 3], None, "tiny", steps=4, wanted_peers=["zero1", "fsdp2"], device="cpu",
+                           precision="bf16", progress=lambda line: None)
     assert rec["precision"] == "bf16" and rec["world"] == 2
     for st in rec["stages"]:
         names = [s["system"] for s in st["systems"]]

@@ -35,11 +35,10 @@ void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch
   for (size_t k = 0; k < params.size(); ++k)
     list[k] = {params[k].data_ptr(), grads[k].data_ptr(), exp_avgs[k].data_ptr(), exp_avg_sqs[k].data_ptr(),
                outs.empty() ? nullptr : outs[k].data_ptr(), params[k].numel(), sr_bases[k]};
-  zk_cuda::AdamScalars s{};
-  float* f = &s.grad_scale;  // the nine floats, in the struct's order
-  for (int k = 0; k < 9; ++k) f[k] = static_cast<float>(scalars[k]);
-  s.stochastic = stochastic;
-  s.sr_seed = static_cast<uint32_t>(sr_seed);
+  // zkern.cuda.adam_scalars' order; each computed in double there, rounded once here
+  const auto f = [&](int k) { return static_cast<float>(scalars[k]); };
+  const zk_cuda::AdamScalars s{f(0), f(1), f(2), f(3), f(4), f(5), f(6), f(7), f(8), stochastic,
+                                static_cast<uint32_t>(sr_seed)};
   check(zk_cuda::adam_step(list.data(), static_cast<int>(list.size()), code_of(grads[0]), code_of(params[0]),
                            code_of(exp_avgs[0]), outs.empty() ? zk_cuda::NONE : code_of(outs[0]), adamw, s,
                            c10::cuda::getCurrentCUDAStream()),

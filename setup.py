@@ -65,7 +65,7 @@ setup(
     description="ZeRO training on torch.distributed with DeepSpeed-compatible configs",
     packages=find_packages(include=["zkern", "zkern.*"]),
     # the CUDA kernels' sources and the math they share with the CPU extension: built on the user's machine
-    package_data={"zkern": ["csrc/*.h"], "zkern.cuda": ["csrc/*.cu", "csrc/*.h", "csrc/*.cpp"]},
+    package_data={"zkern": ["csrc/*.h"], "zkern.cuda": ["csrc/*.cu", "csrc/*.cuh", "csrc/*.h", "csrc/*.cpp"]},
     python_requires=">=3.10",
     # A range, not a pin: with torch 2.13.0 (CPU) already installed, pip adds nothing. The Makefile installs
     # torch==2.13.0 first where none is present, because an unpinned torch pulls gigabytes of CUDA packages.

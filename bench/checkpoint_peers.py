@@ -48,21 +48,26 @@ def _stepper(spec: TrainSpec, world: int, rank: int, run_step: Callable[[torch.T
     return step
 
 
-def zkern_contender(rank: int, world: int, spec: TrainSpec) -> Contender:
-    import zkern
-
-    engine = zkern.Engine(spec.make_model(), spec.config(world))
-
+def _engine_contender(engine, rank: int, world: int, spec: TrainSpec, **saving) -> Contender:
+    """A DeepSpeed-style engine (zkern's or DeepSpeed's): backward and step per batch, tag "ckpt"; saving: the
+    asynchronous-save calls and whether save() fsyncs."""
     def run_step(idx, tgt, s):
         engine.backward(spec.loss(engine, idx, tgt, s, rank))
         engine.step()
 
     return Contender(step=_stepper(spec, world, rank, run_step),
                      save=lambda d: engine.save_checkpoint(d, tag="ckpt"),
-                     load=lambda d: engine.load_checkpoint(d, tag="ckpt"),
-                     start_async=lambda d: engine.save_checkpoint(d, tag="ckpt", async_save=True),
-                     in_flight=lambda: engine.checkpoint_in_flight,  # agrees across ranks
-                     wait=engine.wait_checkpoint, fsyncs=True)
+                     load=lambda d: engine.load_checkpoint(d, tag="ckpt"), **saving)
+
+
+def zkern_contender(rank: int, world: int, spec: TrainSpec) -> Contender:
+    import zkern
+
+    engine = zkern.Engine(spec.make_model(), spec.config(world))
+    return _engine_contender(engine, rank, world, spec,
+                             start_async=lambda d: engine.save_checkpoint(d, tag="ckpt", async_save=True),
+                             in_flight=lambda: engine.checkpoint_in_flight,  # agrees across ranks
+                             wait=engine.wait_checkpoint, fsyncs=True)
 
 
 def dcp_contender(rank: int, world: int, spec: TrainSpec) -> Contender:
@@ -112,22 +117,13 @@ def dcp_contender(rank: int, world: int, spec: TrainSpec) -> Contender:
 def deepspeed_contender(rank: int, world: int, spec: TrainSpec) -> Contender:
     import deepspeed
 
-    cfg = spec.config(world)
-    for key in ("device", "comm_timeout_s"):  # zkern's own keys
-        cfg.pop(key)
-    cfg["zero_optimization"].pop("stage3_fetch_units", None)
-    cfg["steps_per_print"] = 10**9  # DeepSpeed takes it modulo; zkern's 0 ("never") would divide by zero
+    from bench.peers import deepspeed_config
+
     model = spec.make_model()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-
-    def run_step(idx, tgt, s):
-        engine.backward(spec.loss(engine, idx, tgt, s, rank))
-        engine.step()
-
-    return Contender(step=_stepper(spec, world, rank, run_step),
-                     save=lambda d: engine.save_checkpoint(d, tag="ckpt"),
-                     load=lambda d: engine.load_checkpoint(d, tag="ckpt"),
-                     start_async=None, in_flight=lambda: False, wait=lambda: None, fsyncs=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=deepspeed_config(spec, world))
+    return _engine_contender(engine, rank, world, spec, start_async=None, in_flight=lambda: False,
+                             wait=lambda: None, fsyncs=False)
 
 
 CONTENDERS = {"zkern": zkern_contender, "dcp": dcp_contender, "deepspeed": deepspeed_contender}

@@ -32,6 +32,7 @@ import torch
 
 from bench.checkpoint_peers import CONTENDERS
 from bench.engine_suite import MODELS, make_spec
+from bench.peers import installed
 from zkern.testing.ranks import spawn
 from zkern.testing.runs import TrainSpec
 
@@ -182,7 +183,7 @@ def _summary(ranks: list[dict], nbytes: int) -> dict:
 def run(model: str = "25m", world: int = 2, stage: int = 2, steps: int = 6, peers: list[str] | None = None,
         root: str | None = None) -> dict:
     names = ["zkern"] + [p for p in (peers if peers is not None else ["dcp", "deepspeed"]) if p in CONTENDERS]
-    if "deepspeed" in names and not _importable("deepspeed"):
+    if "deepspeed" in names and not installed("deepspeed"):
         names.remove("deepspeed")
     spec = make_spec(stage, model, steps=max(steps, 8))
     own = root is None
@@ -210,12 +211,6 @@ def run(model: str = "25m", world: int = 2, stage: int = 2, steps: int = 6, peer
     return {"suite": "checkpoint", "model": model, "world": world, "stage": stage, "threads": torch.get_num_threads(),
             "params": spec.num_params(), "disk": disk, "contenders": contenders, "consolidation": consolidation,
             "goals": judged, "ratios": judged["figures"], "preset": MODELS[model]}
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 def goals(contenders: dict, consolidation: dict, disk: dict) -> dict:

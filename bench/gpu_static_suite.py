@@ -209,10 +209,8 @@ def _compile(spec: dict, arch: int) -> dict:
 
 def _known(spec: dict) -> str | None:
     name = spec["kernel"]
-    for key in ("BITS", "ALIGNED"):  # an entry may name the specialisation it covers
-        if key in spec["constexprs"] and f"{name}/{key}={spec['constexprs'][key]}" in KNOWN_NARROW:
-            return KNOWN_NARROW[f"{name}/{key}={spec['constexprs'][key]}"]
-    return KNOWN_NARROW.get(name)
+    bits = spec["constexprs"].get("BITS")
+    return KNOWN_NARROW.get(f"{name}/BITS={bits}") if bits is not None else KNOWN_NARROW.get(name)
 
 
 def _is_aligned(spec: dict) -> bool:

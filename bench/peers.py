@@ -91,20 +91,26 @@ def deepspeed_peer(rank: int, world: int, spec: TrainSpec) -> dict:
     """DeepSpeed at the same stage (optional: runs only where the deepspeed package is installed)."""
     import deepspeed
 
-    cfg = spec.config(world)
-    for key in ("device", "comm_timeout_s"):  # zkern's own keys
-        cfg.pop(key)
-    cfg["zero_optimization"].pop("stage3_fetch_units", None)
-    if not cfg.get("steps_per_print"):
-        cfg["steps_per_print"] = 10**9  # DeepSpeed takes steps_per_print modulo; 0 ("never" in zkern) divides by 0
     model = spec.make_model()
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=deepspeed_config(spec, world))
     losses, times = engine_training_loop(spec, rank, world, engine)
     peak = peaks(engine.device)
     # Model states: not measured. DeepSpeed keeps its flat fp32 partitions and gradient buffers inside its
     # optimizer wrapper, where counting p.grad and the inner optimizer's state (as for the stock peers) misses them.
     return {"losses": losses, "step_times": times, **peak, "model_state_bytes": None,
             "comm_bytes_per_step": None}
+
+
+def deepspeed_config(spec: TrainSpec, world: int) -> dict:
+    """The spec's config as DeepSpeed takes it: without zkern's own keys."""
+    cfg = spec.config(world)
+    for key in ("device", "comm_timeout_s"):
+        cfg.pop(key)
+    cfg["zero_optimization"].pop("stage3_fetch_units", None)
+    if not cfg.get("steps_per_print"):
+        cfg["steps_per_print"] = 10**9  # DeepSpeed takes steps_per_print modulo; 0 ("never" in zkern) divides by 0
+    return cfg
 
 
 def _width(spec: TrainSpec, fsdp: bool = False) -> int:

@@ -116,7 +116,7 @@ def backend_for(t: torch.Tensor | None = None, op: str = "adam_step_") -> str:
             raise RuntimeError(f"ZKERN_BACKEND=cpu: the CPU kernels take host tensors, got one on {t.device}")
         return forced if _has(forced, op) else "reference"
     on_cpu = t is None or t.device.type == "cpu"
-    for backend in ("cpu",) if on_cpu else ON_CUDA if t.device.type == "cuda" else ():
+    for backend in ("cpu",) if on_cpu else ON_CUDA:
         if backend in AVAILABLE and _has(backend, op):
             return backend
     return "reference"

@@ -241,6 +241,35 @@ def _check_quant(bits: int, group_size: int) -> None:
         raise ValueError(f"group_size must be a power of two >= 2 (kernel tiles are), got {group_size}")
 
 
+def check_quantize_args(x: torch.Tensor, bits: int, group_size: int) -> None:
+    """quantize's argument rules, which every backend applies."""
+    _check_quant(bits, group_size)
+    if x.dim() != 1:
+        raise ValueError(f"quantize takes a 1-D tensor (flatten it first), got shape {tuple(x.shape)}")
+
+
+def quant_outputs(numel: int, bits: int, group_size: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (codes, scales) for numel values: int8 codes, or packed uint8 (two a byte); one fp32 scale a group."""
+    codes = torch.empty(numel if bits == 8 else (numel + 1) // 2, dtype=torch.int8 if bits == 8 else torch.uint8,
+                        device=device)
+    return codes, torch.empty((numel + group_size - 1) // group_size, dtype=torch.float32, device=device)
+
+
+def check_hop_args(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
+                   out_bits: int) -> None:
+    """dequant_sum_requant's argument rules, which every backend applies (out_bits 0: the sum alone)."""
+    _check_quant(bits, group_size)
+    if out_bits:
+        _check_quant(out_bits, group_size)
+    if q.dim() != 2 or scales.dim() != 2 or q.shape[0] != scales.shape[0]:
+        raise ValueError(f"dequant_sum_requant takes q (world, codes) and scales (world, groups), got "
+                         f"{tuple(q.shape)} and {tuple(scales.shape)}")
+    need_codes, need_groups = numel if bits == 8 else (numel + 1) // 2, (numel + group_size - 1) // group_size
+    if q.shape[1] < need_codes or scales.shape[1] < need_groups:
+        raise ValueError(f"dequant_sum_requant: {numel} elements need {need_codes} codes and {need_groups} scales "
+                         f"a chunk, got {q.shape[1]} and {scales.shape[1]}")
+
+
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a 1-D float tensor; see the block comment above for the exact rules."""
     _check_float("x", x)

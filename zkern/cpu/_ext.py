@@ -143,14 +143,11 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     kernels' own), on host tensors."""
     from zkern import reference
 
-    reference._check_quant(bits, group_size)
-    if x.dim() != 1:
-        raise ValueError(f"quantize takes a 1-D tensor (flatten it first), got shape {tuple(x.shape)}")
+    reference.check_quantize_args(x, bits, group_size)
     _check("x", x, x.numel(), tuple(DTYPE_CODES))
-    n = x.numel()
-    codes = torch.empty(n if bits == 8 else (n + 1) // 2, dtype=torch.int8 if bits == 8 else torch.uint8)
-    scales = torch.empty((n + group_size - 1) // group_size, dtype=torch.float32)
-    EXT.quantize(x.data_ptr(), DTYPE_CODES[x.dtype], n, bits, group_size, codes.data_ptr(), scales.data_ptr())
+    codes, scales = reference.quant_outputs(x.numel(), bits, group_size)
+    EXT.quantize(x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), bits, group_size, codes.data_ptr(),
+                 scales.data_ptr())
     return codes, scales
 
 
@@ -160,21 +157,13 @@ def dequant_sum_requant(q: torch.Tensor, scales: torch.Tensor, bits: int, group_
     that sum's reference.quantize(out_bits) codes and scales). q: (world, codes per chunk), scales: (world, groups)."""
     from zkern import reference
 
-    reference._check_quant(bits, group_size)
-    reference._check_quant(out_bits, group_size)
-    if q.dim() != 2 or scales.dim() != 2 or q.shape[0] != scales.shape[0]:
-        raise ValueError(f"dequant_sum_requant takes q (world, codes) and scales (world, groups), got "
-                         f"{tuple(q.shape)} and {tuple(scales.shape)}")
-    need_codes, need_groups = numel if bits == 8 else (numel + 1) // 2, (numel + group_size - 1) // group_size
-    if q.shape[1] < need_codes or scales.shape[1] < need_groups:
-        raise ValueError(f"dequant_sum_requant: {numel} elements need {need_codes} codes and {need_groups} scales "
-                         f"a chunk, got {q.shape[1]} and {scales.shape[1]}")
+    if not out_bits:
+        raise ValueError("dequant_sum_requant on the host requantizes: out_bits must be 4 or 8")
+    reference.check_hop_args(q, scales, bits, group_size, numel, out_bits)
     _check("q", q, q.numel(), (torch.int8, torch.uint8))
     _check("scales", scales, scales.numel(), (torch.float32,))
     total = torch.empty(numel, dtype=torch.float32)
-    codes = torch.empty(numel if out_bits == 8 else (numel + 1) // 2,
-                        dtype=torch.int8 if out_bits == 8 else torch.uint8)
-    out_scales = torch.empty(need_groups, dtype=torch.float32)
+    codes, out_scales = reference.quant_outputs(numel, out_bits, group_size)
     EXT.dequant_sum_requant(q.data_ptr(), scales.data_ptr(), q.shape[0], q.shape[1], scales.shape[1], bits,
                             group_size, numel, total.data_ptr(), out_bits, codes.data_ptr(), out_scales.data_ptr())
     return total, codes, out_scales

@@ -113,43 +113,26 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     from zkern import reference
 
-    reference._check_quant(bits, group_size)
-    if x.dim() != 1:
-        raise ValueError(f"quantize takes a 1-D tensor (flatten it first), got shape {tuple(x.shape)}")
+    reference.check_quantize_args(x, bits, group_size)
     _check("x", x, x.numel(), tuple(_DTYPES))
-    n = x.numel()
-    codes = torch.empty(n if bits == 8 else (n + 1) // 2, dtype=torch.int8 if bits == 8 else torch.uint8,
-                        device=x.device)
-    scales = torch.empty((n + group_size - 1) // group_size, dtype=torch.float32, device=x.device)
-    if n:
+    codes, scales = reference.quant_outputs(x.numel(), bits, group_size, x.device)
+    if x.numel():
         _ext().quantize(x, bits, group_size, codes, scales)
     return codes, scales
 
 
 def dequant_sum_requant(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
                         out_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reference.dequant_sum_requant in one pass. out_bits 0: the sum only (no codes)."""
+    """reference.dequant_sum_requant in one pass. out_bits 0: the sum only (empty codes and scales)."""
     from zkern import reference
 
-    reference._check_quant(bits, group_size)
-    if out_bits:
-        reference._check_quant(out_bits, group_size)
-    if q.dim() != 2 or scales.dim() != 2 or q.shape[0] != scales.shape[0]:
-        raise ValueError(f"dequant_sum_requant takes q (world, codes) and scales (world, groups), got "
-                         f"{tuple(q.shape)} and {tuple(scales.shape)}")
-    groups = (numel + group_size - 1) // group_size
-    if q.shape[1] < (numel if bits == 8 else (numel + 1) // 2) or scales.shape[1] < groups:
-        raise ValueError(f"dequant_sum_requant: {numel} elements need more codes or scales than q "
-                         f"{tuple(q.shape)} / scales {tuple(scales.shape)} hold")
+    reference.check_hop_args(q, scales, bits, group_size, numel, out_bits)
     for name, t, dtypes in (("q", q, (torch.int8, torch.uint8)), ("scales", scales, (torch.float32,))):
         if t.device.type != "cuda" or t.dtype not in dtypes or t.stride(1) != 1:
             raise ValueError(f"zkern.cuda dequant_sum_requant: {name} must be a CUDA {dtypes} tensor with "
                              f"contiguous rows, got {t.dtype} on {t.device}, strides {t.stride()}")
-    device = q.device
-    total = torch.empty(numel, dtype=torch.float32, device=device)
-    codes = torch.empty(numel if out_bits == 8 else (numel + 1) // 2 if out_bits else 0,
-                        dtype=torch.int8 if out_bits == 8 else torch.uint8, device=device)
-    out_scales = torch.empty(groups if out_bits else 0, dtype=torch.float32, device=device)
+    total = torch.empty(numel, dtype=torch.float32, device=q.device)
+    codes, out_scales = reference.quant_outputs(numel if out_bits else 0, out_bits or 8, group_size, q.device)
     if numel:
         _ext().dequant_sum_requant(q, scales, bits, group_size, numel, total, out_bits, codes, out_scales)
     return total, codes, out_scales

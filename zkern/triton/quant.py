@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zkern.reference import QMAX, _check_quant
+from zkern.reference import QMAX, _check_quant, check_quantize_args, quant_outputs
 from zkern.triton._common import CODE, cast_from_fp32, check_tensor
 
 TILE_ELEMENTS = 4096  # each program quantizes this many elements: max(1, 4096 // group_size) whole groups
@@ -116,15 +116,11 @@ def _grid(n_groups: int, group_size: int) -> tuple[int]:
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """zkern.reference.quantize in one pass: (codes int8 (n,) or packed uint8 (ceil(n/2),), fp32 scales)."""
-    _check_quant(bits, group_size)
+    check_quantize_args(x, bits, group_size)
     check_tensor("quantize", "x", x)
-    if x.dim() != 1:
-        raise ValueError(f"quantize takes a 1-D tensor (flatten it first), got shape {tuple(x.shape)}")
     n = x.numel()
     groups = triton.cdiv(n, group_size)
-    q = torch.empty(n if bits == 8 else (n + 1) // 2, dtype=torch.int8 if bits == 8 else torch.uint8,
-                    device=x.device)
-    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+    q, scales = quant_outputs(n, bits, group_size, x.device)
     if n:
         _quantize_kernel[_grid(groups, group_size)](x, q, scales, n, (n + 1) // 2, groups, GROUP=group_size,
                                                     GROUPS=_groups_per_program(group_size),

@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "zk_cuda.h"
+#include "zk_access.cuh"
 #include "zk_adam.h"
 
 namespace zk_cuda {
@@ -35,32 +36,6 @@ struct AdamList {
   uint8_t tensor_of[kMaxBlocks];
   uint8_t aligned[kMaxTensors];
 };
-
-// kVec values of a stream from element i (16-byte aligned): fp32 as two float4, 16-bit as one uint4.
-template <int D>
-__device__ __forceinline__ void load_vec(const void* base, int64_t i, float (&x)[kVec]) {
-  if constexpr (D == F32) {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-    float4 a = p[0], b = p[1];
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-  } else {
-    uint4 u = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i);
-    uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      uint16_t lo = static_cast<uint16_t>(w[k] & 0xffffu), hi = static_cast<uint16_t>(w[k] >> 16);
-      x[2 * k] = D == F16 ? zk_math::f16_to_f32(lo) : zk_math::bf16_to_f32(lo);
-      x[2 * k + 1] = D == F16 ? zk_math::f16_to_f32(hi) : zk_math::bf16_to_f32(hi);
-    }
-  }
-}
-
-template <int D>
-__device__ __forceinline__ float load_one(const void* base, int64_t i) {
-  if constexpr (D == F32) return static_cast<const float*>(base)[i];
-  uint16_t h = static_cast<const uint16_t*>(base)[i];
-  return D == F16 ? zk_math::f16_to_f32(h) : zk_math::bf16_to_f32(h);
-}
 
 // Stores take each value's stored bits: fp32 bits, or a 16-bit pattern in the low half.
 template <int D>
@@ -103,10 +78,10 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(AdamList L, AdamScalars 
     const int64_t vec_hi = lo + (hi - lo) / kVec * kVec;
     for (int64_t i = lo + threadIdx.x * kVec; i < vec_hi; i += kThreads * kVec) {
       float g[kVec], p[kVec], mm[kVec], vv[kVec];
-      load_vec<G>(grad, i, g);
-      load_vec<M>(param, i, p);
-      load_vec<S>(m, i, mm);
-      load_vec<S>(v, i, vv);
+      load_vec<G, kVec>(grad, i, g);
+      load_vec<M, kVec>(param, i, p);
+      load_vec<S, kVec>(m, i, mm);
+      load_vec<S, kVec>(v, i, vv);
       uint32_t pb[kVec], mb[kVec], vb[kVec], ob[kVec];
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
@@ -136,8 +111,6 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(AdamList L, AdamScalars 
     if constexpr (O != NONE) store_one<O>(out, i, ob);
   }
 }
-
-bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <int G, int O, int M, int S>
 cudaError_t launch_all(const AdamTensor* tensors, int count, bool adamw, const AdamScalars& s, cudaStream_t stream) {

@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 
 #include "zk_cuda.h"
+#include "zk_access.cuh"
 #include "zk_quant.h"
 
 namespace zk_cuda {
@@ -17,39 +18,6 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr unsigned kAll = 0xffffffffu;
-
-template <int D>
-__device__ __forceinline__ float load_one(const void* x, int64_t i) {
-  if constexpr (D == F32) return static_cast<const float*>(x)[i];
-  uint16_t h = static_cast<const uint16_t*>(x)[i];
-  return D == F16 ? zk_math::f16_to_f32(h) : zk_math::bf16_to_f32(h);
-}
-
-// E values from element i (16-byte aligned): fp32 in float4s, 16-bit in uint4s.
-template <int D, int E>
-__device__ __forceinline__ void load_vec(const void* x, int64_t i, float (&v)[E]) {
-  if constexpr (D == F32) {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + i);
-#pragma unroll
-    for (int k = 0; k < E / 4; ++k) {
-      float4 a = p[k];
-      v[4 * k] = a.x, v[4 * k + 1] = a.y, v[4 * k + 2] = a.z, v[4 * k + 3] = a.w;
-    }
-  } else {
-    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + i);
-#pragma unroll
-    for (int k = 0; k < E / 8; ++k) {
-      uint4 u = p[k];
-      uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint16_t lo = static_cast<uint16_t>(w[j] & 0xffffu), hi = static_cast<uint16_t>(w[j] >> 16);
-        v[8 * k + 2 * j] = D == F16 ? zk_math::f16_to_f32(lo) : zk_math::bf16_to_f32(lo);
-        v[8 * k + 2 * j + 1] = D == F16 ? zk_math::f16_to_f32(hi) : zk_math::bf16_to_f32(hi);
-      }
-    }
-  }
-}
 
 // E codes (int8: E bytes; int4: E / 2 bytes) from element i, as 16-byte loads.
 template <int Bits, int E>
@@ -220,8 +188,6 @@ __global__ void __launch_bounds__(32 * kWarps) dequant_sum_requant_kernel(
     }
   }
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int blocks_for(int64_t n, int64_t group) { return static_cast<int>(((n + group - 1) / group + kWarps - 1) / kWarps); }
 

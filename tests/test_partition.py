@@ -1,7 +1,7 @@
 import pytest
 
 import zkern
-from zkern.core.partition import padded_numel, plan_layout, shard_range
+from zkern.core.partition import ALIGN, bucket_multiple, padded_numel, plan_layout, plan_unit_layout, shard_range
 
 
 def test_shard_range_and_padding():
@@ -17,7 +17,7 @@ def test_shard_range_and_padding():
 def test_layout_pieces_cover_every_element_exactly_once(numels, world, bucket):
     layout = plan_layout(numels, world, bucket)
     assert layout.total == sum(b.padded for b in layout.buckets)
-    assert all(b.padded % world == 0 and b.numel <= b.padded for b in layout.buckets)
+    assert all(b.padded % bucket_multiple(world) == 0 and b.numel <= b.padded for b in layout.buckets)
     assert all(b.numel <= bucket or b.last - b.first == 1 for b in layout.buckets)  # only a lone big param overflows
     assert layout.shard_numel * world == layout.total
     seen = {p: [0] * n for p, n in enumerate(numels)}
@@ -35,6 +35,21 @@ def test_layout_pieces_cover_every_element_exactly_once(numels, world, bucket):
             shard_used += piece.numel
         assert shard_used <= layout.shard_numel
     assert all(count == 1 for counts in seen.values() for count in counts)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_every_chunk_and_shard_offset_is_16_byte_aligned(world):
+    """Chunks start at multiples of ALIGN elements in the flat buffer, the shard and the optimizer's compact
+    moments, so a whole-chunk kernel call on a 16-byte aligned buffer is 16-byte aligned in any dtype down to int4;
+    and the padding that buys it stays under one ALIGN per chunk."""
+    assert ALIGN * 4 % 16 == 0 and ALIGN // 2 % 16 == 0  # fp32 and int4 bytes of one ALIGN are whole 16-byte lines
+    for layout in (plan_layout([10, 7, 3, 1000, 1, 129], world, 200),
+                   plan_unit_layout([[3], [64, 1], [5, 5, 5], [4096]], world)):
+        for b in layout.buckets:
+            assert b.offset % ALIGN == 0 and b.shard_offset % ALIGN == 0 and b.chunk % ALIGN == 0
+            assert all(layout.chunk_range(b, r)[0] % ALIGN == 0 for r in range(world))
+            assert b.padded - b.numel < bucket_multiple(world)
+        assert layout.shard_numel % ALIGN == 0
 
 
 def test_estimate_memory_matches_the_zero_paper():

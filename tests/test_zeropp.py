@@ -7,9 +7,12 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import zkern
 from zkern import ops, reference
+from zkern.comm.collectives import Comm
+from zkern.comm.zeropp import Loco, QuantizedReduce
 from zkern.config import ConfigError
 from zkern.testing import TrainSpec, assert_params_close, engine_run, reference_run, spawn
 from zkern.testing.runs import engine_training_loop
@@ -247,8 +250,11 @@ def _final_loss(res) -> float:
 
 @pytest.mark.dist
 def test_each_scheme_trains_as_well_as_plain_stage_3():
-    """300 steps of a learnable task (loss from ln(67) = 4.2 to about 0.66): every scheme's final loss is at most
-    2% above plain stage 3's, and LoCo's gap is no larger than qgZ's without it."""
+    """300 steps of a learnable task (loss from ln(67) = 4.2 to about 0.70): every scheme's final loss is within 6%
+    of plain stage 3's. The margin is the int4 noise of one run: moving the chunk boundaries (which elements share a
+    quantization group) moved the qgZ and LoCo runs' final losses over -5%..+4% of plain's, at one seed; a
+    gradient path that drops or doubles a term, or an error carried wrongly, lands far outside it. That LoCo
+    corrects what qgZ loses is checked without that noise, in test_loco_keeps_the_summed_gradient_on_course."""
     base = dict(steps=300, lr=3e-3, model={"dim": 32, "n_layer": 2})
     runs = {"plain": spec(**base), "qwz": spec(zero=QWZ, **base), "qgz": spec(zero=QGZ, **base),
             "loco": spec(zero=LOCO, **base), "all": spec(zero={**ALL, **LOCO}, **base),
@@ -257,8 +263,46 @@ def test_each_scheme_trains_as_well_as_plain_stage_3():
     final = {name: _final_loss([r[i] for r in per_rank]) for i, name in enumerate(runs)}
     assert final["plain"] < 0.3 * 4.2, final  # it learned
     for name, value in final.items():
-        assert value <= 1.02 * final["plain"], (name, final)
-    assert final["loco"] - final["plain"] <= max(final["qgz"] - final["plain"], 0.0), final
+        assert abs(value - final["plain"]) <= 0.06 * final["plain"], (name, final)
+
+
+def _summed_drift(rank: int, world: int, steps: int, loco: list[Loco | None]) -> list[float]:
+    """Per LoCo setting: the same gradients reduced `steps` times through qgZ's two int4 hops (two nodes of two
+    ranks); returns |sum over steps of (reduced - exact)| / |one step's exact sum|."""
+    dist.init_process_group("gloo")
+    comm = Comm(None, rank, world, 60.0, node_size=2)
+    section = 1000
+    out = []
+    for setting in loco:
+        reduce = QuantizedReduce(comm, 2, setting, group=64)
+        drift = torch.zeros(section)
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(1000 * step + rank)
+            # a steady gradient (the same each step on each rank) with a little noise: int4 rounds it the same way
+            # every step, so without feedback the rounding error adds up step after step
+            data = torch.linspace(-1, 1, world * section) * (rank + 1) + 1e-3 * torch.randn(world * section,
+                                                                                          generator=gen)
+            exact = data.clone()
+            dist.all_reduce(exact)
+            reduced = torch.empty(section)
+            reduce.reduce_scatter(reduced, data, "loco drift", key=0, async_op=False).wait()
+            drift += reduced - exact[rank * section:(rank + 1) * section]
+        out.append(float(drift.norm() / exact[rank * section:(rank + 1) * section].norm()))
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.dist
+def test_loco_keeps_the_summed_gradient_on_course():
+    """LoCo's error feedback bounds how far the sum of the reduced gradients strays from the exact sum: with
+    e <- b e + (1 - b) (h - Q(h)) and h = g + e, the sum over T steps of Q(h) - g telescopes to -e_T / (1 - b), one
+    step's rounding error times 1 / (1 - b) = 5 at most per hop, however large T. Without it the same rounding error
+    of a steady gradient adds up T times. At T = 100 LoCo's drift must be under a fifth of plain qgZ's (the rule
+    gives about 5 / 100)."""
+    steps = 100
+    for plain, loco in spawn(_summed_drift, 4, steps, [None, Loco(err_beta=0.8, reset_t=1024)]):
+        assert plain > 0.01, plain  # int4 does lose something each step here
+        assert loco < 0.2 * plain, (loco, plain)
 
 
 def _norms_after_overflow(rank: int, world: int, specs: list[TrainSpec], spike: int) -> list[dict]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import zkern
+from zkern.core.partition import ALIGN
 from zkern.testing import TrainSpec, assert_params_close, engine_run, reference_run, spawn
 from zkern.testing.runs import mean_losses
 
@@ -28,10 +29,10 @@ def frozen_units(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
 
 
 def round_trip(params: list[torch.Tensor], world: int, group: int) -> list[torch.Tensor]:
-    """The values a unit of these parameters holds once stored as int8: flattened in order, padded to a multiple of
-    the world size, each rank's chunk quantized in groups from its start."""
+    """The values a unit of these parameters holds once stored as int8: flattened in order, padded to `world`
+    chunks of a whole number of ALIGN elements, each rank's chunk quantized in groups from its start."""
     flat = torch.cat([p.detach().float().reshape(-1) for p in params])
-    chunk = -(-flat.numel() // world)
+    chunk = _chunk(flat.numel(), world)
     padded = torch.zeros(chunk * world)
     padded[:flat.numel()] = flat
     out = torch.empty_like(padded)
@@ -46,6 +47,11 @@ def round_trip(params: list[torch.Tensor], world: int, group: int) -> list[torch
         pieces.append(out[start:start + p.numel()].view(p.shape))
         start += p.numel()
     return pieces
+
+
+def _chunk(numel: int, world: int) -> int:
+    """Elements of one rank's chunk of a unit of numel elements (core/partition.py's rule)."""
+    return -(-numel // (ALIGN * world)) * ALIGN
 
 
 def quantize_frozen(model: torch.nn.Module, world: int = W, group: int = G) -> None:
@@ -115,7 +121,7 @@ def test_memory_report_shows_the_int8_shards_and_the_dense_ones_shrink(precision
     plain, int8 = spec(precision=precision), spec(precision=precision, zero=INT8)
     per_rank = spawn(memory_worker, W, [plain, int8])
     width = 4 if precision == "fp32" else 2
-    chunks = [-(-sum(p.numel() for p in params) // W) for params in frozen_units(plain.make_model()).values()]
+    chunks = [_chunk(sum(p.numel() for p in params), W) for params in frozen_units(plain.make_model()).values()]
     int8_bytes = sum(c + 4 * -(-c // G) for c in chunks)  # codes, then an fp32 scale per group
     for before, after in per_rank:
         assert after["frozen_int8"] == int8_bytes

@@ -326,3 +326,18 @@ def dequant_sum_requant(q: torch.Tensor, scales: torch.Tensor, bits: int, group_
     out_bits for the next hop: (sum, codes, scales). The CUDA kernel does it in one pass."""
     total = dequant_sum(q, scales, bits, group_size, numel)
     return (total, *quantize(total, out_bits, group_size))
+
+
+def aligned_segments(n: int, tensors: list[torch.Tensor]) -> list[tuple[int, int, bool]]:
+    """A GPU launcher's split (Triton and CUDA alike): [(start, stop, body)] covering range(n) for an element-wise
+    kernel over tensors of n elements each: a head of fewer than 16 elements until every tensor's address is
+    16-byte aligned, a body whose length is a multiple of 16 elements (so a kernel moves it with 128-bit loads and
+    stores, unmasked within a vector), and a tail of fewer than 16. Where no head aligns every tensor (two tensors
+    out of phase), the whole range is one unaligned launch. Empty segments are left out."""
+    head = next((h for h in range(16) if h <= n and all((t.data_ptr() + h * t.element_size()) % 16 == 0
+                                                        for t in tensors)), None)
+    if head is None:
+        return [(0, n, False)]
+    body = (n - head) // 16 * 16
+    segments = [(0, head, False), (head, head + body, True), (head + body, n, False)]
+    return [s for s in segments if s[1] > s[0]]

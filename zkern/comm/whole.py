@@ -3,7 +3,7 @@ weights (save_16bit_model) and the reduced gradients, for stages 0-2 (flat bucke
 
     python -m pytest tests/test_engine.py -q -k state_dict
 
-A bucket (a stage 0-2 flat bucket, or a stage 3 unit) is padded to a multiple of the world size, rank r holding
+A bucket (a stage 0-2 flat bucket, or a stage 3 unit) is padded to world equal chunks, rank r holding
 chunk r; gathering the chunks gives the bucket whole, and each tensor in it is a slice at a known offset. One
 bucket is whole at a time on the device, and what is kept is copied to host memory bucket by bucket, so gathering a
 model never holds more than the largest bucket on a GPU (rank 0 never builds the whole model there).

@@ -216,7 +216,7 @@ ZERO = {
     "log_trace_cache_warnings": Inert("zkern says once when a pass departs from its recorded order"),
     "enable_sanity_checks": Inert("zkern checks its stage-3 invariants at the end of every pass, always"),
     "save_muon_momentum_buffer_in_memory": Inert("zkern has no Muon optimizer"),
-    "parameter_alignment": Inert("zkern pads buckets and units to the world size itself"),
+    "parameter_alignment": Inert("zkern pads every chunk to 64 elements (16-byte aligned) itself"),
     "legacy_stage1": DefaultOnly(False, "DeepSpeed's legacy stage 1"),
     "mics_shard_size": DefaultOnly(-1, "MiCS"),
     "mics_hierarchical_params_gather": DefaultOnly(False, "MiCS"),

@@ -4,11 +4,16 @@
 
 The layout every stage uses: the trainable parameters of one group are packed, in order, into buckets of at
 most `bucket_numel` elements (a larger parameter gets a bucket to itself). Each bucket is padded to a multiple
-of the world size and split into `world` equal chunks; rank r owns chunk r of every bucket. So every collective
+of ALIGN * world and split into `world` equal chunks; rank r owns chunk r of every bucket. So every collective
 is an even reduce-scatter / all-gather over one contiguous bucket, every rank's shard has the same size, and a
 rank's shard is the concatenation of its chunks:
 
     flat buffer (world=2):  | b0: c0 c1 | b1: c0 c1 |        shard of rank 1:  | b0.c1 | b1.c1 |
+
+Every chunk is therefore a multiple of ALIGN (64) elements, so every bucket, chunk and shard offset is one too:
+with a buffer that starts 16-byte aligned (every allocator torch uses), each chunk starts on a 16-byte boundary
+in every dtype zkern keeps (int4 through fp32), and the whole-chunk optimizer calls, collectives and kernels on
+a GPU take their 128-bit paths. The price is at most ALIGN * world - 1 padding elements a bucket.
 
 Padding elements are zero, never belong to a parameter and never change the math. Depends on torch alone
 (and not even that, for the arithmetic).
@@ -17,6 +22,15 @@ Padding elements are zero, never belong to a parameter and never change the math
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+ALIGN = 64  # elements a chunk is a multiple of: 16 bytes of int4, 32 of int8, 128 of fp16, 256 of fp32
+
+
+def bucket_multiple(world: int) -> int:
+    """What a bucket's padded size is a multiple of: ALIGN elements for each of the world's chunks."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    return ALIGN * world
 
 
 def padded_numel(numel: int, world: int) -> int:
@@ -41,7 +55,7 @@ class Bucket:
     index: int
     offset: int  # flat offset of the bucket
     numel: int  # elements that belong to parameters
-    padded: int  # numel rounded up to a multiple of world
+    padded: int  # numel rounded up to a multiple of bucket_multiple(world)
     first: int  # first parameter index in the bucket
     last: int  # one past the last parameter index
     shard_offset: int  # where this bucket's chunk starts in every rank's shard
@@ -108,7 +122,8 @@ class Layout:
 
 
 def plan_layout(numels: list[int], world: int, bucket_numel: int) -> Layout:
-    """Pack parameters (in the given order) into buckets of at most bucket_numel elements, each padded to world."""
+    """Pack parameters (in the given order) into buckets of at most bucket_numel elements, each padded to a
+    multiple of bucket_multiple(world)."""
     if bucket_numel < 1:
         raise ValueError(f"bucket size must be >= 1 element, got {bucket_numel}")
     if any(n < 0 for n in numels):
@@ -142,7 +157,7 @@ def _layout(numels: list[int], world: int, groups: list[tuple[int, int]]) -> Lay
     flat, shard = 0, 0
     for index, (lo, hi) in enumerate(groups):
         numel = sum(numels[lo:hi])
-        padded = padded_numel(max(numel, 1), world)
+        padded = padded_numel(max(numel, 1), bucket_multiple(world))
         for p in range(lo, hi):
             offsets.append(flat + sum(numels[lo:p]))
         buckets.append(Bucket(index=index, offset=flat, numel=numel, padded=padded, first=lo, last=hi,

@@ -104,10 +104,18 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         raise ValueError(f"zkern.cuda adam_step_: step counts from 1, got {step}")
     if n == 0:
         return
+    from zkern.reference import aligned_segments
+
     scalars = adam_scalars(step, lr, betas, eps, weight_decay, adamw, grad_scale)
+    # One launch, the range as up to three of its tensors: a short head until every pointer is 16-byte aligned, an
+    # aligned body that the kernel moves in 16-byte vectors, and a tail (the kernel picks its path per tensor).
+    tensors = [param, grad, exp_avg, exp_avg_sq] + ([] if param_out is None else [param_out])
+    segments = aligned_segments(n, tensors)
+    lists = [[t[lo:hi] for lo, hi, _ in segments] for t in tensors]  # per argument, its parts
+    starts = [int(sr_offset) + lo for lo, _, _ in segments]  # stochastic rounding hashes the call's own indices
     # AdamW, or Adam without weight decay (whose lr_decay is then 1): the kernels' own rule (l2 == 0)
-    _ext().adam_step([param], [grad], [exp_avg], [exp_avg_sq], [] if param_out is None else [param_out],
-                     [int(sr_offset)], scalars, scalars[2] == 0.0, sr_seed is not None, (sr_seed or 0) & 0xFFFFFFFF)
+    _ext().adam_step(*lists[:4], lists[4] if param_out is not None else [], starts, scalars, scalars[2] == 0.0,
+                     sr_seed is not None, (sr_seed or 0) & 0xFFFFFFFF)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 
 from zkern import ops
 from zkern.comm.zeropp import FrozenStore
-from zkern.core.partition import plan_unit_layout
+from zkern.core.partition import bucket_multiple, plan_unit_layout
 from zkern.core.runtime import ShardMap
 from zkern.core.spec import RuntimeSpec
 from zkern.offload.store import ShardStore
@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 def plan(rt: Stage3Runtime, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], zero) -> dict:
     """The fetch units (units.py) with their parameters ordered by optimizer group, the layout of their chunks
-    (one bucket per unit, padded to the world size), and per parameter its full shape and offset in its unit (recorded
-    while parameters are still whole: at rest .data is empty; a model built under init_sharded arrives at rest).
+    (one bucket per unit, padded to whole 64-element chunks), and per parameter its full shape and offset in its
+    unit (recorded while parameters are still whole: at rest .data is empty; a model built under init_sharded
+    arrives at rest).
     Returns `needs`: module -> the units its forward gathers."""
     plans, needs = plan_units(model, tuple(zero.stage3_fetch_units), zero.stage3_param_persistence_threshold)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g}
@@ -118,7 +119,7 @@ def partition(rt: Stage3Runtime) -> None:
             built = [is_sharded(p) for p in u.plan.params]
             values = [gather_built(p, rt.comm, "a parameter built under init_sharded, for the stage-3 layout")
                       if sharded else p.detach() for p, sharded in zip(u.plan.params, built)]
-            full = ops.flatten(values, torch.float32, pad_to=rt.comm.world).to(device)  # (b.padded,)
+            full = ops.flatten(values, torch.float32, pad_to=bucket_multiple(rt.comm.world)).to(device)  # (b.padded,)
             del values
             if not all(built):
                 rt.comm.broadcast(full, f"initial values of unit '{u.plan.name}' from rank 0")

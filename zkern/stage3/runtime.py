@@ -6,7 +6,7 @@ At rest every parameter's .data is an empty tensor; each rank holds its chunk of
 in `param_shard` (working dtype; on the host with offload_param, in a file with offload_param "nvme"), `master`
 (fp32: mixed precision, or on the host with offload_optimizer, in files with its device "nvme") and
 `grad_shard`. A shard in files is a stand-in here: self.store (offload/store.py) reads and writes every range.
-The layout is partition.plan_unit_layout: one bucket per unit, padded to the world size, rank r owning chunk r.
+The layout is partition.plan_unit_layout: one bucket per unit, padded to whole 64-element chunks, rank r owning chunk r.
 With zero_quantized_nontrainable_weights the units with nothing to train are laid out last and rest as int8 in
 `frozen` (zeropp.FrozenStore): the three dense buffers stop before their chunks.
 

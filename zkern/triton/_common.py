@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zkern.reference import aligned_segments  # noqa: F401  (the launchers' split, shared with zkern.cuda)
+
 # Codes the kernels branch on (a tensor's dtype in a pointer table, or an output dtype as a constexpr).
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -78,18 +80,3 @@ def cast_from_fp32(x, OUT_CODE: tl.constexpr):
 
 
 EDGE_BLOCK = 128  # elements per program of a head or tail launch (few elements: small tiles keep registers low)
-
-
-def aligned_segments(n: int, tensors: list[torch.Tensor]) -> list[tuple[int, int, bool]]:
-    """[(start, stop, body)] covering range(n) for an element-wise kernel over tensors of n elements each: a head
-    of fewer than 16 elements until every tensor's address is 16-byte aligned, a body whose length is a multiple
-    of 16 elements (so Triton specialises it aligned and moves it with 128-bit loads and stores, unmasked within
-    a vector), and a tail of fewer than 16. Where no head aligns every tensor (two tensors out of phase), the
-    whole range is one unaligned launch. Empty segments are left out."""
-    head = next((h for h in range(16) if h <= n and all((t.data_ptr() + h * t.element_size()) % 16 == 0
-                                                        for t in tensors)), None)
-    if head is None:
-        return [(0, n, False)]
-    body = (n - head) // 16 * 16
-    segments = [(0, head, False), (head, head + body, True), (head + body, n, False)]
-    return [s for s in segments if s[1] > s[0]]

@@ -11,8 +11,9 @@ A shard (the fp32 master, the working copy, the gradient shard, an optimizer mom
              offsets of ranges of the file but no data, so a read by code that does not know about files fails
              loudly instead of returning stale memory. nvme.NvmeShard holds the master and moments of every runtime,
              nvme_params.NvmeParams stage 3's working shard.
-  int8       stage 3's units with nothing to train under zero_quantized_nontrainable_weights (comm/zeropp.FrozenStore,
-             reached per unit: a unit's codes and scales)
+  int8       stage 3's units with nothing to train under zero_quantized_nontrainable_weights: their resting chunks
+             are codes and scales (comm/zeropp.FrozenStore, kept here as `int8`), reached per unit: in_int8(unit),
+             read_unit(unit, ...); their dense slices do not exist
 
 Code that reads or writes a range of a shard (a step, a load, a checkpoint, GatheredParameters, full_state_dict)
 passes the tensor it holds to read()/write() and never asks which home it is; code that counts memory asks
@@ -23,11 +24,12 @@ from __future__ import annotations
 
 import torch
 
+from zkern.comm.zeropp import FrozenStore
 from zkern.offload.host import host_tensor
 from zkern.offload.nvme import NvmeShard
 from zkern.offload.nvme_params import NvmeParams
 
-HOMES = ("device", "host", "nvme")
+HOMES = ("device", "host", "nvme")  # what allocate() places; int8 chunks are made by keep_int8
 
 
 class ShardStore:
@@ -38,6 +40,7 @@ class ShardStore:
         self.device = device
         self.nvme = nvme
         self.params: NvmeParams | None = None  # stage 3's working shard in a file (offload_param.device "nvme")
+        self.int8: FrozenStore | None = None  # stage 3's units that rest as int8 codes
 
     # -- where ------------------------------------------------------------------------------------------------
     def allocate(self, numel: int, dtype: torch.dtype, home: str, *, pin: bool = False) -> torch.Tensor:
@@ -61,6 +64,14 @@ class ShardStore:
         """Stage 3's working shard moves to a file: returns the stand-in the runtime holds instead."""
         self.params = params
         return params.stand_in
+
+    def keep_int8(self, int8: FrozenStore) -> None:
+        """Stage 3's units with nothing to train rest as int8 codes in `int8` from now on, not in the dense shards."""
+        self.int8 = int8
+
+    def in_int8(self, unit: int) -> bool:
+        """Stage 3's unit `unit` rests as int8 codes."""
+        return self.int8 is not None and unit in self.int8
 
     @staticmethod
     def in_files(t: torch.Tensor) -> bool:
@@ -91,6 +102,13 @@ class ShardStore:
             self.params.write(t, values)
         else:
             self._optimizer_files().write(state, t, values)
+
+    def read_unit(self, unit: int, dense: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A stage-3 unit's resting chunk: its codes dequantized into dtype where it rests as int8, else the values
+        of `dense` (the caller's slice of the shard that holds it)."""
+        if self.in_int8(unit):
+            return self.int8.get(unit, dtype)
+        return self.read(dense)
 
     def _in_param_file(self, t: torch.Tensor) -> bool:
         return self.params is not None and self.params.owns(t)

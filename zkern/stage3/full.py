@@ -57,8 +57,6 @@ def whole(rt: Stage3Runtime, source: torch.Tensor, dtype: torch.dtype, purpose: 
 
     def chunk_of(i: int) -> torch.Tensor:
         u = units[i]
-        if rt.frozen is not None and u.index in rt.frozen:
-            return rt.frozen.get(u.index, dtype)
-        return rt.store.read(source[u.bucket.shard_offset:u.bucket.shard_offset + u.bucket.chunk])
+        return rt.store.read_unit(u.index, source[u.bucket.shard_offset:u.bucket.shard_offset + u.bucket.chunk], dtype)
 
     return gather_whole(rt.comm, rt.comm.world, buckets, chunk_of, dtype, rt._empty.device, purpose, keep)

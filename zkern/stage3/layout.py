@@ -99,11 +99,10 @@ def allocate(rt: Stage3Runtime, spec: RuntimeSpec, store: ShardStore, param_file
         rt.master = store.allocate(shard, spec.master_dtype, "device")
     rt.grad_shard = torch.zeros(shard, dtype=spec.accum_dtype, device=device)  # data_types.grad_accum_dtype
     rt._empty = torch.empty(0, dtype=dtype, device=device)
-    rt.frozen = None
     if frozen_units:
-        rt.frozen = FrozenStore({u.index: u.bucket.chunk for u in frozen_units}, zero.zeropp_weight_group_size,
-                                torch.device("cpu") if rt.param_store is not None else rt.param_shard.device,
-                                pin=rt.param_shard.is_pinned())
+        store.keep_int8(FrozenStore({u.index: u.bucket.chunk for u in frozen_units}, zero.zeropp_weight_group_size,
+                                    torch.device("cpu") if rt.param_store is not None else rt.param_shard.device,
+                                    pin=rt.param_shard.is_pinned()))
 
 
 def partition(rt: Stage3Runtime) -> None:
@@ -124,8 +123,8 @@ def partition(rt: Stage3Runtime) -> None:
             if not all(built):
                 rt.comm.broadcast(full, f"initial values of unit '{u.plan.name}' from rank 0")
             mine = full[rank * b.chunk:(rank + 1) * b.chunk]
-            if rt.frozen is not None and u.index in rt.frozen:
-                rt.frozen.put(u.index, mine)  # from the fp32 values, not a 16-bit rounding of them
+            if rt.store.in_int8(u.index):
+                rt.store.int8.put(u.index, mine)  # from the fp32 values, not a 16-bit rounding of them
             else:
                 rt.store.write(rt.param_shard[b.shard_offset:b.shard_offset + b.chunk], mine)
                 if rt.master is not None:
@@ -184,11 +183,11 @@ def shard_map(rt: Stage3Runtime) -> ShardMap:
         if p.requires_grad:
             continue
         u = rt.units[piece.bucket]
-        if rt.frozen is not None and u.index in rt.frozen:
+        if rt.store.in_int8(u.index):
             # fp32, code x scale exactly: quantizing these again gives the same codes and scales (a load into a
             # model initialised otherwise gets the saved weights bit for bit; a 16-bit copy would move them)
             if u.index not in staged:
-                staged[u.index] = rt.frozen.get(u.index, torch.float32)
+                staged[u.index] = rt.store.int8.get(u.index, torch.float32)
             lo = piece.shard_start - u.bucket.shard_offset
             view = staged[u.index][lo:lo + piece.numel]
         else:
@@ -204,7 +203,7 @@ def shard_map(rt: Stage3Runtime) -> ShardMap:
 
     def commit() -> None:  # a load wrote into the staged chunks: store what changed
         for ui, values in staged.items():
-            if rt.frozen.write(ui, values) and rt.secondary is not None:
+            if rt.store.int8.write(ui, values) and rt.secondary is not None:
                 rt.secondary.forget(ui)
 
     return ShardMap(pieces=pieces, shapes=[rt._full_shape[id(p)] for p in rt.params], resting=resting,

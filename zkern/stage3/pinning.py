@@ -89,8 +89,8 @@ def unpin(rt: Stage3Runtime, units: list[Unit], modifier_rank: int | None) -> No
                 mine = u.buffer[rt.comm.rank * b.chunk:(rt.comm.rank + 1) * b.chunk]
                 if rt.secondary is not None:  # every rank writes, so every rank forgets alike
                     rt.secondary.forget(u.index)
-                if rt.frozen is not None and u.index in rt.frozen:
-                    rt.frozen.write(u.index, mine)
+                if rt.store.in_int8(u.index):
+                    rt.store.int8.write(u.index, mine)
                     continue
                 resting = rt.param_shard[b.shard_offset:b.shard_offset + b.chunk]
                 working = rt.store.read(resting)

@@ -24,7 +24,7 @@ def state_components(rt: Stage3Runtime) -> list[Component]:
     def weights() -> dict:
         return host_copy({"param_shard": rt.store.read(rt.param_shard),
                           "master": None if rt.master is None else rt.store.read(rt.master),
-                          "frozen_int8": None if rt.frozen is None else rt.frozen.store})
+                          "frozen_int8": None if rt.store.int8 is None else rt.store.int8.store})
 
     def gradients() -> dict:
         r = rt.reducer
@@ -42,7 +42,7 @@ def state_components(rt: Stage3Runtime) -> list[Component]:
     out = [
         Component("stage3.weights", "weights", snapshot=weights,
                   tensors=lambda: [t for t in (rt.param_shard, rt.master, rt._empty,
-                                               rt.frozen.store if rt.frozen is not None else None)
+                                               rt.store.int8.store if rt.store.int8 is not None else None)
                                    if t is not None] + list(rt.all_params)),
         Component("stage3.gradients", "transient", reset=rt.zero_grad, snapshot=gradients,
                   tensors=lambda: [rt.grad_shard,
@@ -65,7 +65,7 @@ def memory(rt: Stage3Runtime) -> dict[str, int]:
     nbytes = ShardStore.resident_bytes
     persistent = sum(nbytes(u.buffer) for u in rt.units if u.persistent)
     live = sum(nbytes(u.buffer) for u in rt.units if not u.persistent)
-    frozen = rt.frozen.memory() if rt.frozen is not None else {}
+    frozen = rt.store.int8.memory() if rt.store.int8 is not None else {}
     if rt.params_on_host:  # the int8 shards rest where the others do
         frozen = {f"host_{k}": v for k, v in frozen.items()}
     shard, disk = nbytes(rt.param_shard), {}
@@ -81,11 +81,11 @@ def memory(rt: Stage3Runtime) -> dict[str, int]:
 def describe(rt: Stage3Runtime) -> list[str]:
     persistent = sum(u.plan.numel for u in rt.units if u.persistent)
     lines = []
-    if rt.frozen is not None:
-        int8 = sum(u.plan.numel for u in rt.units if u.index in rt.frozen)
+    if rt.store.int8 is not None:
+        int8 = sum(u.plan.numel for u in rt.units if u.index in rt.store.int8)
         mixed = sum(rt._full_shape[id(p)].numel() for p in rt.all_params if not p.requires_grad) - int8
-        lines.append(f"zero_quantized_nontrainable_weights: {int8} elements of {len(rt.frozen.chunks)} units "
-                     f"with nothing to train rest as int8 ({rt.frozen.memory()['frozen_int8']} bytes per rank)"
+        lines.append(f"zero_quantized_nontrainable_weights: {int8} elements of {len(rt.store.int8.chunks)} units "
+                     f"with nothing to train rest as int8 ({rt.store.int8.memory()['frozen_int8']} bytes per rank)"
                      + (f"; {mixed} frozen elements share a unit with trainable parameters or are in the "
                         f"persistent unit and stay in {rt.dtype}" if mixed else ""))
     return lines + [f"stage 3: {len(rt.units)} fetch units over {len(rt.all_params)} parameters "

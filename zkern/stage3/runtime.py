@@ -8,7 +8,7 @@ in `param_shard` (working dtype; on the host with offload_param, in a file with 
 `grad_shard`. A shard in files is a stand-in here: self.store (offload/store.py) reads and writes every range.
 The layout is partition.plan_unit_layout: one bucket per unit, padded to whole 64-element chunks, rank r owning chunk r.
 With zero_quantized_nontrainable_weights the units with nothing to train are laid out last and rest as int8 in
-`frozen` (zeropp.FrozenStore): the three dense buffers stop before their chunks.
+the store's `int8` (zeropp.FrozenStore): the three dense buffers stop before their chunks.
 
 The pieces, one job each:
   units.py          fetch units and reduce groups planned from the model
@@ -64,7 +64,7 @@ class Stage3Runtime:
         self.merge_divergent = zero.stage3_merge_divergent_modules
         self.root = model
         needs = layout.plan(self, model, groups, zero)  # units, their buckets, parameter shapes and offsets
-        layout.allocate(self, spec, store, param_files)  # param_shard, master, grad_shard, frozen
+        layout.allocate(self, spec, store, param_files)  # param_shard, master, grad_shard, the int8 units
         layout.partition(self)  # every rank's chunk of every unit written; parameters to rest
 
         where = {id(p): (self._full_shape[id(p)], self._offset[id(p)]) for p in self.all_params}
@@ -80,7 +80,7 @@ class Stage3Runtime:
                                  prefetch_numel=zero.stage3_prefetch_bucket_size,
                                  max_live=zero.stage3_max_live_parameters,
                                  quantize_weights=zero.zeropp_weight_group_size if zero.zero_quantized_weights else 0,
-                                 secondary=self.secondary, frozen=self.frozen)
+                                 secondary=self.secondary, frozen=self.store.int8)
         for u in self.units:
             if u.persistent:
                 self.gatherer.gather(u, async_op=False)

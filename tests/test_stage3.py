@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zkern
-from zkern.core.partition import bucket_multiple
+from zkern.core.partition import ALIGN, bucket_multiple
 from zkern.stage3.lifecycle import DataState
 from zkern.testing import TinyGPT, TrainSpec, assert_params_close, engine_run, reference_run, spawn
 
@@ -414,6 +414,10 @@ def test_adam_moments_cost_eight_bytes_per_trainable_element_whatever_the_groups
             trainable = [p for p in model.parameters() if p.requires_grad]
             groups = [{"params": [p for p in trainable if p.dim() >= 2]},
                       {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # world 1: no padding
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # each of a group's chunks (at most one per trainable parameter) may start up to ALIGN - 1 elements later in
+        # the moments, to keep its 16-byte phase (shard_adam._compact_starts); padding itself has no moments
+        gaps = (ALIGN - 1) * sum(1 for p in model.parameters() if p.requires_grad)
         engine = zkern.Engine(model, spec.config(1), model_parameters=groups)
-        assert engine.memory_report()["cpu"]["optimizer"] == 8 * trainable, (split, freeze_pos)
+        assert 8 * trainable <= engine.memory_report()["cpu"]["optimizer"] <= 8 * (trainable + gaps), (
+            split, freeze_pos)

@@ -265,7 +265,7 @@ def test_adam_matches_torch_over_5_steps_and_writes_the_copy(n, grad_dtype, adam
 def test_sub_ranges_are_split_into_head_aligned_body_and_tail_and_equal_the_reference(start, n):
     """An optimizer piece param[lo:hi] starts off a 16-byte boundary and has a ragged length: the launchers split it
     into a head, a 128-bit body and a tail (three launches); every element is updated once, as the reference."""
-    from zkern.triton._common import aligned_segments
+    from zkern.reference import aligned_segments
 
     p0, g = randn(start + n + 7, seed=1), randn(start + n + 7, torch.bfloat16, seed=2)
     got = [p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0), poisoned(start + n + 7, torch.bfloat16)]

@@ -22,6 +22,8 @@ import shutil
 
 import torch
 
+from zkern import reference
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
 SHARED = os.path.join(os.path.dirname(HERE), "csrc")  # zkern/csrc: the math the CPU extension compiles too
@@ -104,13 +106,11 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         raise ValueError(f"zkern.cuda adam_step_: step counts from 1, got {step}")
     if n == 0:
         return
-    from zkern.reference import aligned_segments
-
     scalars = adam_scalars(step, lr, betas, eps, weight_decay, adamw, grad_scale)
     # One launch, the range as up to three of its tensors: a short head until every pointer is 16-byte aligned, an
     # aligned body that the kernel moves in 16-byte vectors, and a tail (the kernel picks its path per tensor).
     tensors = [param, grad, exp_avg, exp_avg_sq] + ([] if param_out is None else [param_out])
-    segments = aligned_segments(n, tensors)
+    segments = reference.aligned_segments(n, tensors)
     lists = [[t[lo:hi] for lo, hi, _ in segments] for t in tensors]  # per argument, its parts
     starts = [int(sr_offset) + lo for lo, _, _ in segments]  # stochastic rounding hashes the call's own indices
     # AdamW, or Adam without weight decay (whose lr_decay is then 1): the kernels' own rule (l2 == 0)
@@ -119,8 +119,6 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from zkern import reference
-
     reference.check_quantize_args(x, bits, group_size)
     _check("x", x, x.numel(), tuple(_DTYPES))
     codes, scales = reference.quant_outputs(x.numel(), bits, group_size, x.device)
@@ -132,8 +130,6 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
 def dequant_sum_requant(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
                         out_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reference.dequant_sum_requant in one pass. out_bits 0: the sum only (empty codes and scales)."""
-    from zkern import reference
-
     reference.check_hop_args(q, scales, bits, group_size, numel, out_bits)
     for name, t, dtypes in (("q", q, (torch.int8, torch.uint8)), ("scales", scales, (torch.float32,))):
         if t.device.type != "cuda" or t.dtype not in dtypes or t.stride(1) != 1:

@@ -15,7 +15,7 @@ import torch
 
 from zkern import ops
 from zkern.comm.zeropp import FrozenStore
-from zkern.core.partition import bucket_multiple, plan_unit_layout
+from zkern.core.partition import plan_unit_layout
 from zkern.core.runtime import ShardMap
 from zkern.core.spec import RuntimeSpec
 from zkern.offload.store import ShardStore
@@ -118,7 +118,7 @@ def partition(rt: Stage3Runtime) -> None:
             built = [is_sharded(p) for p in u.plan.params]
             values = [gather_built(p, rt.comm, "a parameter built under init_sharded, for the stage-3 layout")
                       if sharded else p.detach() for p, sharded in zip(u.plan.params, built)]
-            full = ops.flatten(values, torch.float32, pad_to=bucket_multiple(rt.comm.world)).to(device)  # (b.padded,)
+            full = ops.flatten(values, torch.float32, pad_to=b.padded).to(device)  # (b.padded,)
             del values
             if not all(built):
                 rt.comm.broadcast(full, f"initial values of unit '{u.plan.name}' from rank 0")

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from zkern.reference import aligned_segments  # noqa: F401  (the launchers' split, shared with zkern.cuda)
-
 # Codes the kernels branch on (a tensor's dtype in a pointer table, or an output dtype as a constexpr).
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 

@@ -16,11 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from zkern.reference import INDEX_STEP, SECOND_STREAM
+from zkern.reference import INDEX_STEP, SECOND_STREAM, aligned_segments
 from zkern.triton._common import (
     CODE,
     EDGE_BLOCK,
-    aligned_segments,
     cast_from_fp32,
     check_tensor,
     mix32,

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from zkern.triton._common import CODE, EDGE_BLOCK, aligned_segments, cast_from_fp32, check_tensor
+from zkern.reference import aligned_segments
+from zkern.triton._common import CODE, EDGE_BLOCK, cast_from_fp32, check_tensor
 
 BLOCK_SIZE = 4096
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 import os
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -30,6 +32,13 @@ import torch
 import torch.distributed as dist
 
 from zkern.errors import CommError
+
+# torch.distributed.nn.functional binds the default group as its functions' default argument when first imported,
+# which torch does lazily (with torch._dynamo, for one): imported after the default group exists, it keeps that group
+# and its threads alive into interpreter finalization (see _close_groups_at_exit). Imported with zkern, before a
+# script or zkern creates the group, its defaults are None.
+if dist.is_available():
+    import torch.distributed.nn  # noqa: F401
 
 log = logging.getLogger("zkern")
 
@@ -100,15 +109,50 @@ def init_distributed(device: torch.device, timeout_s: float) -> tuple[object | N
         raise CommError(f"WORLD_SIZE={world} but {', '.join(missing)} not set; launch with torchrun, or call "
                         f"torch.distributed.init_process_group() before creating the zkern.Engine")
     dist.init_process_group(backend=backend_for(device), timeout=timeout)
-    # The group zkern made is zkern's to close: a gloo group left to interpreter shutdown can abort a rank after
-    # its work is done ("terminate called without an active exception"), which torchrun reports as a failure.
-    atexit.register(_destroy_at_exit)
+    global _made_default
+    _made_default = True
     return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
 
 
-def _destroy_at_exit() -> None:
-    if dist.is_initialized():  # the script may have closed it itself
-        dist.destroy_process_group()
+# -- closing the groups before the interpreter does --------------------------------------------------------------
+# A gloo worker thread ends each collective by dropping its references to the collective's tensors, which takes the
+# GIL. If that happens after interpreter finalization began (the last collective returned, the script ended, the
+# worker was descheduled for a moment), the thread cannot take the GIL, is unwound, and the process aborts with
+# "terminate called without an active exception": a rank that did all its work reported as failed by torchrun
+# (seen in CI under load). A group's threads are joined when its last reference goes, and torch drops that reference
+# with the GIL released, so the cure is to let every group zkern made or uses go while the interpreter still runs:
+# at exit, each Comm forgets its group and each group is destroyed (the default group only when zkern made it).
+_live_comms: weakref.WeakSet = weakref.WeakSet()
+_made_default = False
+_exit_hook_registered = False
+
+
+def _track(comm: Comm) -> None:
+    global _exit_hook_registered
+    _live_comms.add(comm)
+    if not _exit_hook_registered:
+        atexit.register(_close_groups_at_exit)
+        _exit_hook_registered = True
+
+
+def _close_groups_at_exit() -> None:
+    groups = []
+    for comm in list(_live_comms):
+        if comm.group is not None and all(g is not comm.group for g in groups):
+            groups.append(comm.group)
+        comm.group = None
+    if dist.is_available() and dist.is_initialized():
+        world = dist.group.WORLD
+        for g in groups:
+            if g is not world:
+                try:
+                    dist.destroy_process_group(g)
+                except ValueError:  # "Invalid process group": the script destroyed it already
+                    pass
+        if _made_default:
+            dist.destroy_process_group()
+    groups.clear()  # the last references: each group's threads finish their collectives' cleanup and are joined
+    gc.collect()  # and any that a reference cycle still held
 
 
 class CommTimes:
@@ -178,6 +222,8 @@ class Comm:
         self.split: dict[str, dict[str, int]] = {"intra": defaultdict(int), "inter": defaultdict(int)}
         self.times = CommTimes()  # off until the engine turns it on (comms_logger, wall_clock_breakdown)
         self._counted: tuple[str, int] | None = None
+        if group is not None:
+            _track(self)
 
     def sibling(self, *, backend: str | None = None, share_counters: bool = True) -> Comm:
         """A Comm over a new process group of the same ranks (a collective: every rank calls it), by default with

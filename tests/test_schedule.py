@@ -69,7 +69,7 @@ def recording(calls: list):
             return fn(tensor, *args, group=group, **kwargs)
         return recorded
 
-    names = ("_all_gather_single", "_reduce_scatter_single", "_all_gather_list", "_reduce_scatter_list")
+    names = ("_all_gather_single", "_reduce_scatter_single", "_all_gather_list", "_reduce_scatter_exchange")
     saved = (dist.all_reduce, dist.broadcast, *(getattr(comm, n) for n in names))
     dist.all_reduce, dist.broadcast = wrap("all_reduce", saved[0]), wrap("broadcast", saved[1])
     for name, fn in zip(names, saved[2:]):

@@ -231,9 +231,10 @@ class Engine(torch.nn.Module):
     # -- reports ----------------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds, by where they live: params, grads, optimizer (states), master (fp32 weights),
-        comm_buffers (gradient buckets, gathered stage-3 units), offload_buffers (host staging), total; with
-        ZeRO++ also hpz_secondary (hpZ's secondary partition), loco_error (LoCo's error buffers) and frozen_int8
-        (the int8 codes and scales of frozen units under zero_quantized_nontrainable_weights, not in params).
+        comm_buffers (gradient buckets, gathered stage-3 units, host reduce-scatters' receive buffers),
+        offload_buffers (host staging), total; with ZeRO++ also hpz_secondary (hpZ's secondary partition),
+        loco_error (LoCo's error buffers) and frozen_int8 (the int8 codes and scales of frozen units under
+        zero_quantized_nontrainable_weights, not in params).
         With offload the master, the optimizer states and the staging buffers are under "host" (and the
         stage-3 parameter shards too with offload_param); on a CPU-only run both places are one memory, but
         they are still reported apart."""

@@ -34,6 +34,7 @@ def build_registry(engine) -> StateRegistry:
                            tensors=lambda: list(engine.reporter.losses)))
     if engine.host_step is not None:
         registry.add(Component("offload.staging", "derived", tensors=engine.host_step.staging_tensors))
+    registry.add(Component("comm.scratch", "scratch", tensors=engine.comm.scratch.tensors))  # reduce-scatters' receive
     if engine.nvme is not None:
         registry.add(Component("nvme.tiles", "scratch",
                                tensors=lambda: [t for b in engine.nvme._buffers or () for t in b.values()]))

@@ -186,6 +186,11 @@ def memory_report(engine: Engine) -> dict[str, dict[str, int]]:
             host[key[len("host_"):]] = host.get(key[len("host_"):], 0) + value
         else:
             device[key] = device.get(key, 0) + value
+    pool = engine.comm.scratch.nbytes()  # host reduce-scatters' receive buffers (collectives.ScratchPool)
+    if engine.device.type == "cpu":
+        device["comm_buffers"] += pool
+    elif pool:
+        host["comm_buffers"] = pool
     trainable = {id(p) for p in engine.runtime.params}
     device["params"] += sum(p.numel() * p.element_size() for p in engine.module.parameters()
                             if id(p) not in trainable)

@@ -184,7 +184,8 @@ class ScratchPool:
     """Receive buffers of host reduce-scatters (Comm.reduce_scatter), kept for the next one: a fresh bucket-sized
     allocation per reduction would fault its pages in every time. Shared by a Comm and its siblings; it holds no more
     buffers than were in flight at once, each as large as the largest reduction it served. memory_report counts it
-    under comm_buffers; the state registry claims it as scratch."""
+    under comm_buffers; the state registry claims it as scratch. A reduction forgotten without a wait (a backward
+    that raised) keeps its buffer lent for good: its transfer may still be writing into it."""
 
     def __init__(self):
         self.free: list[torch.Tensor] = []
@@ -372,7 +373,11 @@ class Comm:
         if inp.is_cuda:
             return self._run(_reduce_scatter_single, what, async_op, out, inp)
         received = self.scratch.take(inp.numel(), inp.dtype, inp.device)
-        work = self._run(_reduce_scatter_exchange, what, async_op, received, inp)
+        try:
+            work = self._run(_reduce_scatter_exchange, what, async_op, received, inp)
+        except CommError:  # nothing was launched
+            self.scratch.give(received)
+            raise
 
         def finish() -> None:  # section [rank] of every rank, summed in rank order (out may be inp's own section)
             torch.sum(received.view(self.world, -1), dim=0, out=out)

@@ -23,7 +23,9 @@ import datetime
 import gc
 import logging
 import os
+import sys
 import time
+import types
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -37,7 +39,7 @@ from zkern.errors import CommError
 # torch.distributed.nn.functional binds the default group as its functions' default argument when first imported,
 # which torch does lazily (with torch._dynamo, for one): imported after the default group exists, it keeps that group
 # and its threads alive into interpreter finalization (see _close_groups_at_exit). Imported with zkern, before a
-# script or zkern creates the group, its defaults are None.
+# script or zkern creates the group, its defaults are None; imported later, _unbind_destroyed_default lets go.
 if dist.is_available():
     import torch.distributed.nn  # noqa: F401
 
@@ -155,8 +157,20 @@ def _close_groups_at_exit() -> None:
                     pass
         if _made_default:
             dist.destroy_process_group()
+    if dist.is_available() and not dist.is_initialized():
+        _unbind_destroyed_default()
     groups.clear()  # the last references: each group's threads finish their collectives' cleanup and are joined
     gc.collect()  # and any that a reference cycle still held
+
+
+def _unbind_destroyed_default() -> None:
+    """Every group is destroyed (the script's, or zkern's) but torch.distributed.nn.functional, imported after the
+    default group was made, still holds it as its functions' default argument: that binding alone would keep the
+    group's threads alive into finalization. Point those defaults at nothing, as they were before any group."""
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    for f in vars(functional).values() if functional is not None else ():
+        if isinstance(f, types.FunctionType) and f.__defaults__:
+            f.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in f.__defaults__)
 
 
 class CommTimes:

@@ -128,36 +128,29 @@ def init_distributed(device: torch.device, timeout_s: float) -> tuple[object | N
 # (seen in CI under load). A group's threads are joined when its last reference goes, and torch drops that reference
 # with the GIL released, so the cure is to let every group zkern made or uses go while the interpreter still runs:
 # at exit, each Comm forgets its group and each group is destroyed (the default group only when zkern made it).
-_live_comms: weakref.WeakSet = weakref.WeakSet()
+_live_comms: weakref.WeakSet = weakref.WeakSet()  # every Comm with a group (Comm.__init__ adds it)
 _made_default = False
-_exit_hook_registered = False
 
 
-def _track(comm: Comm) -> None:
-    global _exit_hook_registered
-    _live_comms.add(comm)
-    if not _exit_hook_registered:
-        atexit.register(_close_groups_at_exit)
-        _exit_hook_registered = True
-
-
+@atexit.register
 def _close_groups_at_exit() -> None:
     groups = []
     for comm in list(_live_comms):
         if comm.group is not None and all(g is not comm.group for g in groups):
             groups.append(comm.group)
         comm.group = None
-    if dist.is_available() and dist.is_initialized():
-        world = dist.group.WORLD
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
         for g in groups:
-            if g is not world:
+            if g is not dist.group.WORLD:
                 try:
                     dist.destroy_process_group(g)
                 except ValueError:  # "Invalid process group": the script destroyed it already
                     pass
         if _made_default:
             dist.destroy_process_group()
-    if dist.is_available() and not dist.is_initialized():
+    if not dist.is_initialized():
         _unbind_destroyed_default()
     groups.clear()  # the last references: each group's threads finish their collectives' cleanup and are joined
     gc.collect()  # and any that a reference cycle still held
@@ -280,7 +273,7 @@ class Comm:
         self.scratch = ScratchPool()
         self._counted: tuple[str, int] | None = None
         if group is not None:
-            _track(self)
+            _live_comms.add(self)  # its group is closed at exit (_close_groups_at_exit)
 
     def sibling(self, *, backend: str | None = None, share_counters: bool = True) -> Comm:
         """A Comm over a new process group of the same ranks (a collective: every rank calls it), by default with

@@ -6,8 +6,9 @@ physical limit (bytes it must move at the measured device copy bandwidth).
 
   flatten     1,000 mixed-size fp32 tensors -> one bf16 buffer: ops.flatten vs
               torch._utils._flatten_dense_tensors(...).to(bf16)
-  unscale     bf16 gradient buffer: ops.unscale_and_check_ vs torch._amp_foreach_non_finite_check_and_unscale_
-              + torch.linalg.vector_norm
+  unscale     bf16 gradient buffer: ops.unscale_and_check_ vs isfinite().all() + mul_ + torch.linalg.vector_norm
+              (GradScaler's fused unscale takes no bf16); unscale_fp16: an fp16 buffer against that fused
+              torch._amp_foreach_non_finite_check_and_unscale_ + vector_norm
   quantize    int8, groups of 128: ops.quantize vs zkern.reference.quantize (the torch composition)
   adam        fp32 master, bf16 gradient, bf16 copy out: ops.adam_step_ vs torch.optim.AdamW(fused=True) on the
               upcast gradient + the bf16 cast
@@ -99,17 +100,28 @@ def run(numel: int | None = None, interpret: bool = False, progress=None) -> dic
                lambda: torch._utils._flatten_dense_tensors(tensors).to(torch.bfloat16),
                "_flatten_dense_tensors + .to(bf16)", total * (4 + 2))
 
-    def unscale_case():  # a bf16 buffer of 2n elements (4n bytes), read and written once
-        grad = torch.randn(2 * n, generator=gen).to(device, torch.bfloat16)
-        found = torch.zeros(1, device=device)
+    def unscale_case():  # a 16-bit buffer of 2n elements (4n bytes), read and written once
         inv = torch.full((1,), 1.0, device=device)  # 1.0 keeps the buffer's values across repetitions
+        # bf16, the usual: torch's fused unscale (GradScaler's) takes no bf16, so its twin is the composition.
+        grad = torch.randn(2 * n, generator=gen).to(device, torch.bfloat16)
 
-        def stock():
-            torch._amp_foreach_non_finite_check_and_unscale_([grad], found, inv)
-            return torch.linalg.vector_norm(grad, dtype=torch.float32)
+        def stock_bf16():
+            found = ~torch.isfinite(grad).all()
+            grad.mul_(inv)
+            return found, torch.linalg.vector_norm(grad, dtype=torch.float32)
 
-        record("unscale", lambda: ops.unscale_and_check_(grad, 0.999999), stock,
-               "_amp_foreach_non_finite_check_and_unscale_ + vector_norm", grad.numel() * 2 * 2)
+        record("unscale", lambda: ops.unscale_and_check_(grad, 0.999999), stock_bf16,
+               "isfinite().all() + mul_ + vector_norm (torch's fused unscale takes no bf16)", grad.numel() * 2 * 2)
+        # fp16, where GradScaler's own kernel applies.
+        half = torch.randn(2 * n, generator=gen).to(device, torch.float16)
+        found = torch.zeros(1, device=device)
+
+        def stock_fp16():
+            torch._amp_foreach_non_finite_check_and_unscale_([half], found, inv)
+            return torch.linalg.vector_norm(half, dtype=torch.float32)
+
+        record("unscale_fp16", lambda: ops.unscale_and_check_(half, 0.999999), stock_fp16,
+               "_amp_foreach_non_finite_check_and_unscale_ + vector_norm", half.numel() * 2 * 2)
 
     def quantize_case():  # int8 codes of n fp32 values, groups of 128
         x = torch.randn(n, generator=gen).to(device)

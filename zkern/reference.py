@@ -283,7 +283,9 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     g = padded.view(groups, group_size)
     bad = (~torch.isfinite(g)).any(dim=1)
     absmax = torch.where(bad, torch.zeros_like(bad, dtype=torch.float32), g.abs().amax(dim=1))
-    scales = absmax / qmax
+    # A tensor divisor: torch divides a CUDA tensor by a Python number as a multiplication by its reciprocal, which
+    # is not the correctly rounded quotient every kernel and the CPU compute (one bit off on an H100).
+    scales = absmax / torch.full_like(absmax, qmax)
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     y = torch.where(bad[:, None], torch.zeros_like(g), g * inv[:, None])
     codes = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-qmax, qmax).reshape(-1)[:n]

@@ -79,9 +79,10 @@ def _record_launches(out_path: str) -> None:
 
     def recording(self, *args, grid, warmup, **kwargs):
         params = inspect.signature(self.fn).parameters
-        bound = inspect.signature(self.fn).bind(*args, **kwargs).arguments
+        options = {k: v for k, v in kwargs.items() if k not in params}  # compile options (enable_fp_fusion)
+        bound = inspect.signature(self.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params}).arguments
         spec = {"module": self.fn.__module__, "kernel": self.fn.__name__, "signature": {}, "constexprs": {},
-                "aligned_args": [], "unaligned_args": []}
+                "aligned_args": [], "unaligned_args": [], "options": options}
         for name, value in bound.items():
             if "constexpr" in str(params[name].annotation):
                 spec["constexprs"][name] = value
@@ -182,7 +183,7 @@ def _compile(spec: dict, arch: int) -> dict:
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec["aligned_args"]}
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(k),): v
                                                      for k, v in spec["constexprs"].items()}, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=spec.get("options") or None)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
@@ -204,6 +205,7 @@ def _compile(spec: dict, arch: int) -> dict:
               "ld": len(re.findall(r"\bLDG\b", sass)), "st": len(re.findall(r"\bSTG\b", sass))}
     return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": sum(spills),
             "shared_bytes": compiled.metadata.shared, **widths,
+            "ptx_fma": len(re.findall(r"\bfma\.rn\.f32\b", compiled.asm["ptx"])),
             "narrow": widths["ld"] + widths["st"] - widths["ld128"] - widths["st128"]}
 
 
@@ -211,6 +213,11 @@ def _known(spec: dict) -> str | None:
     name = spec["kernel"]
     bits = spec["constexprs"].get("BITS")
     return KNOWN_NARROW.get(f"{name}/BITS={bits}") if bits is not None else KNOWN_NARROW.get(name)
+
+
+def _writes_fma(spec: dict) -> bool:
+    """Whether the kernel's module writes a fused multiply-add (tl.fma): the only place zkern's kernels mean one."""
+    return "tl.fma(" in inspect.getsource(importlib.import_module(spec["module"]))
 
 
 def _is_aligned(spec: dict) -> bool:
@@ -284,6 +291,9 @@ def _triton_kernels() -> dict:
             entry["archs"][f"sm_{arch}"] = got
             if got["spill_bytes"]:
                 failures.append(f"{label} sm_{arch}: spills {got['spill_bytes']} bytes")
+            if got["ptx_fma"] and not _writes_fma(spec):
+                failures.append(f"{label} sm_{arch}: {got['ptx_fma']} fma.rn.f32 in the PTX of a kernel that writes "
+                                f"no tl.fma: a * b + c contracted (launch it with LAUNCH_OPTIONS)")
             allowed = SCALAR_ACCESSES.get(spec["kernel"], 0)
             if entry["aligned"] and got["narrow"] > allowed:
                 reason = _known(spec)
@@ -349,7 +359,8 @@ def _cuda_compile(source: str, arch: int) -> dict:
     for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, flags=re.S):
         entry = kernels.setdefault(name, {"registers": None, "spill_bytes": 0})
         entry.update(ld128=len(re.findall(r"\bLDG\.E\.128\b", body)), st128=len(re.findall(r"\bSTG\.E\.128\b", body)),
-                     ld=len(re.findall(r"\bLDG\b", body)), st=len(re.findall(r"\bSTG\b", body)))
+                     ld=len(re.findall(r"\bLDG\b", body)), st=len(re.findall(r"\bSTG\b", body)),
+                     ffma=len(re.findall(r"\bFFMA\b", body)))
     return kernels
 
 
@@ -418,6 +429,11 @@ def cuda_kernels() -> tuple[list[dict], list[str]]:
                 failures.append(f"{label} sm_{arch}: spills {got['spill_bytes']} bytes")
             if not got.get("ld128") or not got.get("st128"):
                 failures.append(f"{label} sm_{arch}: no 128-bit global {'load' if not got.get('ld128') else 'store'}")
+            # qgZ's sum alone (no requantization, so no IEEE division, whose routine is made of FFMAs) has nothing
+            # to fuse: an FFMA there is nvcc contracting code * scale + sum, which the reference rounds twice.
+            if re.search(r"dequant_sum_requant_kernel<\d+, 0>", names[name]) and got.get("ffma"):
+                failures.append(f"{label} sm_{arch}: {got['ffma']} FFMA in the sum of code * scale products "
+                                f"(nvcc contracted them: build with --fmad=false)")
     return entries, failures
 
 

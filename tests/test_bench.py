@@ -1,6 +1,7 @@
 """The benchmark's CI gates: a ratio past its bound fails, and the gate file is checked."""
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -430,3 +431,25 @@ def test_the_traffic_count_charges_whole_sectors_per_access():
         assert count.minimum() == 2 * 4096 * 4  # every byte read once and written once
         ratios[name] = count.traffic / count.minimum()
     assert ratios["contiguous"] == 1.0 and ratios["even_then_odd"] == 2.0
+
+
+def test_gpu_static_finds_products_contracted_into_the_quantized_sum(monkeypatch):
+    """qgZ's sum of code * scale products must round each product as the reference does (an H100 run found the
+    fused hop a bit off the reference while nvcc contracted them): with zkern.cuda's flags the sum-only kernels hold
+    no FFMA; built without --fmad=false they do, so the gate's check can fail."""
+    from bench import gpu_static_suite as static
+    from zkern import cuda
+
+    if cuda.nvcc() is None:
+        pytest.skip("nvcc is not installed (CI has it: the gpu-static gate compiles the CUDA kernels)")
+    sums = re.compile(r"dequant_sum_requant_kernel<\d+, 0>")
+
+    def sum_only_ffma() -> list[int]:
+        kernels = static._cuda_compile("quant.cu", 90)
+        names = static._demangle(list(kernels))
+        return [got["ffma"] for name, got in kernels.items() if sums.search(names[name])]
+
+    assert sum_only_ffma() == [0, 0]
+    monkeypatch.setattr(cuda, "NVCC_FLAGS", tuple(f for f in cuda.NVCC_FLAGS if f != "--fmad=false"))
+    contracted = sum_only_ffma()
+    assert len(contracted) == 2 and min(contracted) > 0, contracted

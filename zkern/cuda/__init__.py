@@ -30,8 +30,12 @@ SHARED = os.path.join(os.path.dirname(HERE), "csrc")  # zkern/csrc: the math the
 KERNEL_SOURCES = ("adam.cu", "quant.cu")
 ARCHS = (80, 90)
 # nvcc's flags for every kernel file, here and in the static gate: IEEE division and square root (never
-# --use_fast_math: the arithmetic must be the reference's), and a spill is an error.
-NVCC_FLAGS = ("-std=c++17", "-O3", f"-I{SHARED}", f"-I{CSRC}", "-Xptxas=--warn-on-spills,--warning-as-error")
+# --use_fast_math: the arithmetic must be the reference's); no contraction of a * b + c into one fused multiply-add
+# (--fmad=false: nvcc contracts by default, the host build of the same headers does not, and qgZ's sum of
+# code * scale products then differed from the reference in the last bit on an H100; the fmaf calls written in
+# zk_adam.h stay fused); and a spill is an error.
+NVCC_FLAGS = ("-std=c++17", "-O3", "--fmad=false", f"-I{SHARED}", f"-I{CSRC}",
+              "-Xptxas=--warn-on-spills,--warning-as-error")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 

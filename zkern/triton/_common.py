@@ -14,6 +14,11 @@ import triton.language as tl
 
 # Codes the kernels branch on (a tensor's dtype in a pointer table, or an output dtype as a constexpr).
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# Every launch compiles with contraction off: the reference (and the CPU) rounds a * b before adding c, where Triton
+# would fuse the two (an H100 run and the sm_90 PTX showed it: qgZ's sum of code * scale products and quantization's
+# floor(x * inv + 0.5), which at a rounding tie moves a code by one). The fused multiply-adds zkern means are
+# written as tl.fma, and the gpu-static gate fails a kernel whose PTX holds one its source does not write.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
 def interpreting() -> bool:

@@ -20,6 +20,7 @@ from zkern.reference import INDEX_STEP, SECOND_STREAM, aligned_segments
 from zkern.triton._common import (
     CODE,
     EDGE_BLOCK,
+    LAUNCH_OPTIONS,
     cast_from_fp32,
     check_tensor,
     mix32,
@@ -108,4 +109,5 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         block = BLOCK_SIZE if body else EDGE_BLOCK
         # the hashed index is the element's, whatever segment it falls in
         _adam_kernel[(triton.cdiv(hi - lo, block),)](*(t[lo:hi] for t in tensors), hi - lo, *scalars, seed,
-                                                      (sr_offset + lo) & 0xFFFFFFFF, BLOCK_SIZE=block, **flags)
+                                                      (sr_offset + lo) & 0xFFFFFFFF, BLOCK_SIZE=block, **flags,
+                                                      **LAUNCH_OPTIONS)

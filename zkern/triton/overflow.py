@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from zkern.reference import aligned_segments
-from zkern.triton._common import CODE, EDGE_BLOCK, cast_from_fp32, check_tensor
+from zkern.triton._common import CODE, EDGE_BLOCK, LAUNCH_OPTIONS, cast_from_fp32, check_tensor
 
 BLOCK_SIZE = 4096
 
@@ -51,6 +51,6 @@ def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch
         count = triton.cdiv(hi - lo, block)
         _unscale_and_check_kernel[(count,)](flat[lo:hi], hi - lo, float(inv_scale), bad[first:first + count],
                                             sq[first:first + count], BLOCK_SIZE=block, UNSCALE=inv_scale != 1.0,
-                                            CODE=CODE[flat_grad.dtype])
+                                            CODE=CODE[flat_grad.dtype], **LAUNCH_OPTIONS)
         first += count
     return bad.max().float(), sq.sum()

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from zkern.reference import QMAX, _check_quant, check_quantize_args, quant_outputs
-from zkern.triton._common import CODE, cast_from_fp32, check_tensor
+from zkern.triton._common import CODE, LAUNCH_OPTIONS, cast_from_fp32, check_tensor
 
 TILE_ELEMENTS = 4096  # each program quantizes this many elements: max(1, 4096 // group_size) whole groups
 
@@ -124,7 +124,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     if n:
         _quantize_kernel[_grid(groups, group_size)](x, q, scales, n, (n + 1) // 2, groups, GROUP=group_size,
                                                     GROUPS=_groups_per_program(group_size),
-                                        BITS=bits, QMAX=QMAX[bits])
+                                        BITS=bits, QMAX=QMAX[bits], **LAUNCH_OPTIONS)
     return q, scales
 
 
@@ -156,7 +156,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
         _dequantize_kernel[_grid(groups, group_size)](q, scales, out, numel, (numel + 1) // 2, groups,
                                                       GROUP=group_size,
                                                       GROUPS=_groups_per_program(group_size), BITS=bits,
-                                                      OUT_CODE=CODE[dtype])
+                                                      OUT_CODE=CODE[dtype], **LAUNCH_OPTIONS)
     return out
 
 
@@ -175,7 +175,8 @@ def dequant_sum(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: in
     if numel:
         _dequant_sum_kernel[_grid(groups, group_size)](q, scales, out, q.shape[0], q.stride(0), scales.stride(0),
                                                        numel, (numel + 1) // 2, groups, GROUP=group_size,
-                                                       GROUPS=_groups_per_program(group_size), BITS=bits)
+                                                       GROUPS=_groups_per_program(group_size), BITS=bits,
+                                                       **LAUNCH_OPTIONS)
     return out
 
 

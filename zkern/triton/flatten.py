@@ -10,13 +10,20 @@ widening; rounding to nearest even when narrowing, as torch's .to()).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import triton
 import triton.language as tl
 
-from zkern.triton._common import CODE, cast_from_fp32, check_tensor
+from zkern.triton._common import CODE, LAUNCH_OPTIONS, cast_from_fp32, check_tensor, interpreting
 
 BLOCK_SIZE = 4096
+# The device tables of the last few tensor lists (building one is a Python pass plus a host-to-device copy that waits
+# for the stream: longer than the kernel at a thousand tensors). A list flattened again with the same addresses,
+# lengths and dtypes gets the very same table, so a hit is exact, whatever tensors now live at those addresses.
+TABLE_CACHE_SIZE = 16
+_tables_cache: OrderedDict[tuple, tuple] = OrderedDict()
 
 
 # ALIGNED (a constexpr the launcher sets when every tensor's address and the flat buffer's are 16-byte aligned and
@@ -95,12 +102,45 @@ def _unflatten_kernel(flat_ptr, flat_addr, dst_ptrs, dst_codes, numels, flat_off
 def _aligned(tensors: list[torch.Tensor], flat: torch.Tensor, align: int) -> bool:
     """Whether the ALIGNED specialisation holds: every address 16-byte aligned, every length and (so) every flat
     offset a multiple of 16 elements."""
-    return flat.data_ptr() % 16 == 0 and all(t.data_ptr() % 16 == 0 and t.numel() % 16 == 0
-                                             and -(-t.numel() // align) * align % 16 == 0 for t in tensors)
+    return flat.data_ptr() % 16 == 0 and _tensors_aligned(tensors, align)
+
+
+def _tensors_aligned(tensors: list[torch.Tensor], align: int) -> bool:
+    return all(t.data_ptr() % 16 == 0 and t.numel() % 16 == 0 and -(-t.numel() // align) * align % 16 == 0
+               for t in tensors)
+
+
+def _check_all(op: str, tensors: list[torch.Tensor]) -> None:
+    """check_tensor on each tensor, in one cheap pass where all pass (the usual case); the first failing tensor's
+    precise error otherwise."""
+    on_device = interpreting() or all(map(_is_cuda, tensors))
+    if on_device and all(map(torch.Tensor.is_contiguous, tensors)) and {t.dtype for t in tensors} <= CODE.keys():
+        return
+    for i, t in enumerate(tensors):
+        check_tensor(op, f"tensors[{i}]", t)
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
 
 
 def _tables(tensors: list[torch.Tensor], align: int, device: torch.device):
-    """(pointer, code, numel, flat offset) per tensor, the block list, and the flat length (aligned)."""
+    """(pointer, code, numel, flat offset) per tensor, the block list, the flat length (aligned) and whether the
+    tensors allow the ALIGNED path (_aligned without the flat buffer's address); cached."""
+    key = (device, align, tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
+           tuple(t.dtype for t in tensors))
+    hit = _tables_cache.get(key)
+    if hit is not None:
+        _tables_cache.move_to_end(key)
+        return hit
+    built = _build_tables(tensors, align, device)
+    _tables_cache[key] = built
+    if len(_tables_cache) > TABLE_CACHE_SIZE:
+        _tables_cache.popitem(last=False)
+    return built
+
+
+def _build_tables(tensors: list[torch.Tensor], align: int, device: torch.device):
     numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
     slots = (numels + align - 1) // align * align
     offsets = torch.cumsum(slots, 0) - slots
@@ -115,7 +155,7 @@ def _tables(tensors: list[torch.Tensor], align: int, device: torch.device):
     k, b = len(tensors), block_tensor.numel()
     parts = packed[:k], packed[k:2 * k].int(), packed[2 * k:3 * k], packed[3 * k:4 * k], \
         packed[4 * k:4 * k + b].int(), packed[4 * k + b:]
-    return parts, int((offsets + slots)[-1]), b
+    return parts, int((offsets + slots)[-1]), b, _tensors_aligned(tensors, align)
 
 
 def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None, *, align: int = 1,
@@ -127,15 +167,14 @@ def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None, *, al
         raise ValueError(f"flatten: align and pad_to must be >= 1, got {align} and {pad_to}")
     if not tensors:
         return torch.zeros(0, dtype=dtype or torch.float32)
-    for i, t in enumerate(tensors):
-        check_tensor("flatten", f"tensors[{i}]", t)
+    _check_all("flatten", tensors)
     if dtype is None and len({t.dtype for t in tensors}) > 1:
         raise TypeError(f"flatten got mixed dtypes {sorted({str(t.dtype) for t in tensors})}; pass dtype= to cast")
     out_dtype = dtype or tensors[0].dtype
     if out_dtype not in CODE:
         raise TypeError(f"flatten: dtype must be float32, float16 or bfloat16, got {out_dtype}")
     device = tensors[0].device
-    (ptrs, codes, numels, offsets, block_tensor, block_start), used, blocks = _tables(tensors, align, device)
+    (ptrs, codes, numels, offsets, block_tensor, block_start), used, blocks, aligned = _tables(tensors, align, device)
     total = (used + pad_to - 1) // pad_to * pad_to
     if out is None:
         out = torch.empty(total, dtype=out_dtype, device=device)
@@ -148,23 +187,24 @@ def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None, *, al
     if blocks:
         _flatten_kernel[(blocks,)](ptrs, codes, numels, offsets, block_tensor, block_start, out, out.data_ptr(),
                                    BLOCK_SIZE=BLOCK_SIZE, OUT_CODE=CODE[out_dtype],
-                                   ALIGNED=_aligned(tensors, out, align))
+                                   ALIGNED=aligned and out.data_ptr() % 16 == 0, **LAUNCH_OPTIONS)
     return out
 
 
 def unflatten_into_(flat: torch.Tensor, tensors: list[torch.Tensor], *, align: int = 1) -> None:
     """Scatter flat back into the tensors in place (cast to each one's dtype), laid out as flatten(align=) did."""
     check_tensor("unflatten_into_", "flat", flat)
-    for i, t in enumerate(tensors):
-        check_tensor("unflatten_into_", f"tensors[{i}]", t)
+    _check_all("unflatten_into_", tensors)
     if not tensors:
         return
-    (ptrs, codes, numels, offsets, block_tensor, block_start), used, blocks = _tables(tensors, align, flat.device)
+    (ptrs, codes, numels, offsets, block_tensor, block_start), used, blocks, aligned = _tables(tensors, align,
+                                                                                               flat.device)
     if flat.dim() != 1 or flat.numel() < used:
         raise ValueError(f"unflatten_into_ needs a 1-D buffer of at least {used} elements, got {tuple(flat.shape)}")
     if blocks:
         _unflatten_kernel[(blocks,)](flat, flat.data_ptr(), ptrs, codes, numels, offsets, block_tensor, block_start,
-                                     BLOCK_SIZE=BLOCK_SIZE, ALIGNED=_aligned(tensors, flat, align))
+                                     BLOCK_SIZE=BLOCK_SIZE, ALIGNED=aligned and flat.data_ptr() % 16 == 0,
+                                     **LAUNCH_OPTIONS)
 
 
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -117,6 +117,24 @@ def test_flatten_edges_empty_list_shapes_and_bad_input():
         tflat.unflatten_into_(randn(10), [randn(17)])
 
 
+def test_flatten_reuses_a_cached_table_only_for_the_same_addresses_lengths_and_dtypes():
+    """The table is cached by its exact key: new values at the same addresses are read afresh, a list that differs
+    in one tensor's length, dtype or address builds its own table, and the cache stays bounded."""
+    base = randn(4096, seed=1)
+    tensors = [base[:1000], base[1000:3000], base[3000:]]
+    assert torch.equal(tflat.flatten(tensors), reference.flatten(tensors))
+    hits = len(tflat._tables_cache)
+    base.mul_(-2.0)  # the same addresses, new values
+    assert torch.equal(tflat.flatten(tensors), reference.flatten(tensors)) and len(tflat._tables_cache) == hits
+    for other in ([base[:999], base[1000:3000], base[3000:]],  # a length
+                  [base[:1000], base[1000:3000], base[3000:].to(torch.bfloat16)],  # a dtype
+                  [base[1:1001], base[1000:3000], base[3000:]]):  # an address
+        assert torch.equal(tflat.flatten(other, torch.float32), reference.flatten(other, torch.float32))
+    for k in range(tflat.TABLE_CACHE_SIZE + 3):
+        tflat.flatten([randn(5 + k)])
+    assert len(tflat._tables_cache) == tflat.TABLE_CACHE_SIZE
+
+
 # -- unscale_and_check_ -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

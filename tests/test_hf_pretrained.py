@@ -159,3 +159,39 @@ def test_an_auto_class_or_a_class_name_and_the_config_keyword_of_the_design(tmp_
         zkern.hf.from_pretrained("gpt2", tmp_path, stage3(1))
     with pytest.raises(TypeError, match="the same argument"):
         zkern.hf.from_pretrained(GPT2LMHeadModel, tmp_path, stage3(1), config=stage3(1))
+
+
+def moe_worker(rank: int, world: int, path: str) -> dict:
+    from transformers import MixtralForCausalLM
+
+    import zkern
+    import zkern.hf
+
+    cfg = {"train_batch_size": world, "device": "cpu", "optimizer": {"type": "AdamW"},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}}
+    model = zkern.hf.from_pretrained(MixtralForCausalLM, path, cfg)
+    shard_numels = [p._zkern_shard.numel() for p in model.parameters()]
+    engine = zkern.Engine(model, cfg)
+    return {"full": engine.full_state_dict(rank0_only=True), "shard_numels": shard_numels}
+
+
+@pytest.mark.dist
+def test_a_checkpoint_transformers_converts_on_load_is_read_through_its_conversions(tmp_path):
+    """A Mixtral checkpoint stores each expert's matrices apart (experts.0.w1.weight, ...) where transformers 5's
+    model holds them fused (experts.gate_up_proj); read by name, the experts would keep their initial values. The
+    model built here has transformers' own weights for every tensor, each rank holding only its shards."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64)
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).save_pretrained(str(tmp_path))
+    results = spawn(moe_worker, 2, str(tmp_path), timeout=300)
+    want = MixtralForCausalLM.from_pretrained(str(tmp_path)).state_dict()
+    got = results[0]["full"]
+    assert any(".experts.gate_up_proj" in name for name in want) and set(got) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    whole = sum(v.numel() for v in want.values())
+    assert sum(results[0]["shard_numels"]) < 0.6 * whole  # a shard each, not the whole model

@@ -14,6 +14,10 @@ world) plus the largest module's own parameters while the module is built (alloc
 initialisers transformers does not switch off), plus Python and allocator overhead; bytes go from the file straight
 into the shard when the dtypes agree (one chunk's buffer when they do not).
 
+A checkpoint whose stored names transformers converts on load (its conversion mapping: a Mixtral or Qwen-MoE
+checkpoint keeps each expert's matrices apart where the model holds them fused) is read through transformers' own
+loader on rank 0, which then hands every rank its shards: correct weights at the cost of one whole copy on rank 0.
+
 Only safetensors files in a local directory are read: a pickled checkpoint (pytorch_model.bin) is refused, never
 unpickled.
 """
@@ -102,6 +106,9 @@ def from_pretrained(model_class, path: str | os.PathLike, zkern_config=None, *, 
     with init_sharded(cfg, broadcast=False), no_init_weights():
         model = model_class(model_config)
     model.tie_weights()  # as transformers' from_pretrained does after building (lm_head shares the embedding)
+    if _needs_conversion(model, list(files)):
+        _load_through_transformers(model_class, path, model_config, model)
+        return model
     headers: dict[str, dict[str, TensorInfo]] = {}
     handles: dict = {}
     loaded, missing = set(), []
@@ -141,6 +148,47 @@ def from_pretrained(model_class, path: str | os.PathLike, zkern_config=None, *, 
     if missing:
         _init_missing(model, missing, rank)
     return model
+
+
+def _needs_conversion(model, names: list[str]) -> bool:
+    """Whether transformers converts some of this checkpoint's tensors on load (its conversion mapping for the model
+    matches a stored name): a Mixtral or Qwen-MoE checkpoint stores each expert's matrices apart, under other names,
+    where the model holds them fused, so reading tensors by name would leave the experts at their initial values."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # a transformers without conversions stores what its models hold
+        return False
+    return any(t.rename_source_key(name)[1] is not None for t in get_model_conversion_mapping(model) for name in names)
+
+
+def _load_through_transformers(model_class, path: str, model_config, model) -> None:
+    """The checkpoint through transformers' own loader, conversions included, on rank 0 only (its host holds the model
+    whole once, as transformers' loader would on every rank); then each module's parameters gathered with rank 0
+    as the writer, so every rank keeps only its shard. Buffers go out by broadcast."""
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        log.warning("zkern: %s stores tensors that transformers converts on load (%s's conversion mapping): rank 0 "
+                    "loads the model whole through transformers and hands each rank its shards", path,
+                    model_class.__name__)
+        whole = model_class.from_pretrained(path, config=model_config).state_dict()
+    done: set[int] = set()
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in done]
+        with GatheredParameters([p for _, p in params], modifier_rank=0), torch.no_grad():
+            if rank == 0:
+                for name, p in params:
+                    p.copy_(whole[prefix + name])
+        done.update(id(p) for _, p in params)
+        for name, buf in module.named_buffers(recurse=False):
+            if name in module._non_persistent_buffers_set or id(buf) in done:
+                continue  # non-persistent buffers are the model's to compute, not the checkpoint's
+            if rank == 0:
+                buf.copy_(whole[prefix + name])
+            if dist.is_initialized():
+                dist.broadcast(buf, src=0)
+            done.add(id(buf))
 
 
 def _tensors_and_names(model: torch.nn.Module) -> list[tuple[torch.Tensor, list[str]]]:

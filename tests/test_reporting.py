@@ -212,3 +212,24 @@ def test_dataloader_drop_last():
     assert len(loader) == 3
     _, _, loader, _ = zkern.initialize(model=TinyGPT(), config=cfg, training_data=data)
     assert len(loader) == 4
+
+
+def bucket_warning_worker(rank: int, world: int, bucket: int) -> list[str]:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=67, dim=32, n_layer=2, n_head=2, seq=16)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    cfg = {"train_batch_size": world, "steps_per_print": 0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket}}
+    engine = zkern.Engine(model, cfg, model_parameters=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+    lines = engine.runtime.warnings(bucket)
+    engine.destroy()
+    return lines
+
+
+def test_stage_2_warns_of_one_bucket_only_when_the_whole_gradient_is_one_bucket_per_group():
+    """The small no-decay group (biases, norms) fits one bucket beside a many-bucket decay group: no warning. A bucket
+    size over every group's elements: the warning, with the whole gradient's size."""
+    small, large = spawn(bucket_warning_worker, 2, 1000)[0], spawn(bucket_warning_worker, 2, 10**8)[0]
+    assert small == []
+    assert len(large) == 1 and "one gradient bucket per group" in large[0], large

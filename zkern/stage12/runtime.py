@@ -325,12 +325,13 @@ class Stage12Runtime:
         return lines
 
     def warnings(self, reduce_bucket_size: int) -> list[str]:
-        out = []
-        for g in self.groups:
-            if g.stage == 2 and g.comm.world > 1 and len(g.layout.buckets) == 1:
-                n = g.layout.numel
-                out.append(f"stage 2 with one gradient bucket: reduce_bucket_size ({reduce_bucket_size}) >= the {n} "
-                           f"trainable elements, so backward fills a bucket as large as the whole gradient and stage 2 "
-                           f"holds as much gradient memory as stage 1. Set zero_optimization.reduce_bucket_size well "
-                           f"below {n} (\"auto\" = hidden_size**2) to keep the saving.")
-        return out
+        """Stage 2 whose every group is one bucket: the whole gradient is held at once. (A small group alone in one
+        bucket, biases and norms beside many-bucket weights, holds little and is no reason to warn.)"""
+        sharded = [g for g in self.groups if g.stage == 2 and g.comm.world > 1]
+        if not sharded or any(len(g.layout.buckets) > 1 for g in sharded):
+            return []
+        n = sum(g.layout.numel for g in sharded)
+        return [f"stage 2 with one gradient bucket per group: reduce_bucket_size ({reduce_bucket_size}) >= each "
+                f"group's elements ({n} trainable in all), so backward fills buckets as large as the whole gradient "
+                f"and stage 2 holds as much gradient memory as stage 1. Set zero_optimization.reduce_bucket_size "
+                f"well below {max(g.layout.numel for g in sharded)} (\"auto\" = hidden_size**2) to keep the saving."]

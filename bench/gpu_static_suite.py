@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -215,9 +216,10 @@ def _known(spec: dict) -> str | None:
     return KNOWN_NARROW.get(f"{name}/BITS={bits}") if bits is not None else KNOWN_NARROW.get(name)
 
 
-def _writes_fma(spec: dict) -> bool:
-    """Whether the kernel's module writes a fused multiply-add (tl.fma): the only place zkern's kernels mean one."""
-    return "tl.fma(" in inspect.getsource(importlib.import_module(spec["module"]))
+@functools.cache
+def _writes_fma(module: str) -> bool:
+    """Whether a kernel module writes a fused multiply-add (tl.fma): the only place zkern's kernels mean one."""
+    return "tl.fma(" in inspect.getsource(importlib.import_module(module))
 
 
 def _is_aligned(spec: dict) -> bool:
@@ -291,7 +293,7 @@ def _triton_kernels() -> dict:
             entry["archs"][f"sm_{arch}"] = got
             if got["spill_bytes"]:
                 failures.append(f"{label} sm_{arch}: spills {got['spill_bytes']} bytes")
-            if got["ptx_fma"] and not _writes_fma(spec):
+            if got["ptx_fma"] and not _writes_fma(spec["module"]):
                 failures.append(f"{label} sm_{arch}: {got['ptx_fma']} fma.rn.f32 in the PTX of a kernel that writes "
                                 f"no tl.fma: a * b + c contracted (launch it with LAUNCH_OPTIONS)")
             allowed = SCALAR_ACCESSES.get(spec["kernel"], 0)

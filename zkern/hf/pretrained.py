@@ -106,8 +106,9 @@ def from_pretrained(model_class, path: str | os.PathLike, zkern_config=None, *, 
     with init_sharded(cfg, broadcast=False), no_init_weights():
         model = model_class(model_config)
     model.tie_weights()  # as transformers' from_pretrained does after building (lm_head shares the embedding)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if _needs_conversion(model, list(files)):
-        _load_through_transformers(model_class, path, model_config, model)
+        _load_through_transformers(model_class, path, model_config, model, rank)
         return model
     headers: dict[str, dict[str, TensorInfo]] = {}
     handles: dict = {}
@@ -141,7 +142,6 @@ def from_pretrained(model_class, path: str | os.PathLike, zkern_config=None, *, 
     finally:
         for f in handles.values():
             f.close()
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     unexpected = sorted(set(files) - loaded)
     if unexpected and rank == 0:
         log.warning("zkern: %s holds tensors the model does not use: %s", path, unexpected[:20])
@@ -161,34 +161,41 @@ def _needs_conversion(model, names: list[str]) -> bool:
     return any(t.rename_source_key(name)[1] is not None for t in get_model_conversion_mapping(model) for name in names)
 
 
-def _load_through_transformers(model_class, path: str, model_config, model) -> None:
+def _load_through_transformers(model_class, path: str, model_config, model, rank: int) -> None:
     """The checkpoint through transformers' own loader, conversions included, on rank 0 only (its host holds the model
-    whole once, as transformers' loader would on every rank); then each module's parameters gathered with rank 0
-    as the writer, so every rank keeps only its shard. Buffers go out by broadcast."""
-    dist = torch.distributed
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    whole once, as transformers' loader would on every rank), handed out module by module (_rank0_writes). Persistent
+    buffers go out by broadcast."""
+    whole = None
     if rank == 0:
         log.warning("zkern: %s stores tensors that transformers converts on load (%s's conversion mapping): rank 0 "
                     "loads the model whole through transformers and hands each rank its shards", path,
                     model_class.__name__)
         whole = model_class.from_pretrained(path, config=model_config).state_dict()
-    done: set[int] = set()
+
+    def copy_in(module, prefix: str) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            p.copy_(whole[prefix + name])
+
+    _rank0_writes(model, rank, copy_in)
+    persistent = model.state_dict(keep_vars=True)  # the checkpoint's buffers; the others the model computes
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            if rank == 0:
+                buf.copy_(whole[name])
+            if torch.distributed.is_initialized():
+                torch.distributed.broadcast(buf, src=0)
+
+
+def _rank0_writes(model, rank: int, write, owners: set[str] | None = None) -> None:
+    """For each module (those named in owners, else every one), its own parameters gathered whole with rank 0 as the
+    writer: write(module, prefix) runs on rank 0 under no_grad, and every rank keeps its shard of what it wrote."""
     for module_name, module in model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in done]
-        with GatheredParameters([p for _, p in params], modifier_rank=0), torch.no_grad():
+        if owners is not None and module_name not in owners:
+            continue
+        with GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
             if rank == 0:
-                for name, p in params:
-                    p.copy_(whole[prefix + name])
-        done.update(id(p) for _, p in params)
-        for name, buf in module.named_buffers(recurse=False):
-            if name in module._non_persistent_buffers_set or id(buf) in done:
-                continue  # non-persistent buffers are the model's to compute, not the checkpoint's
-            if rank == 0:
-                buf.copy_(whole[prefix + name])
-            if dist.is_initialized():
-                dist.broadcast(buf, src=0)
-            done.add(id(buf))
+                with torch.no_grad():
+                    write(module, f"{module_name}." if module_name else "")
 
 
 def _tensors_and_names(model: torch.nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
@@ -200,27 +207,22 @@ def _tensors_and_names(model: torch.nn.Module) -> list[tuple[torch.Tensor, list[
 
 
 def _init_missing(model, missing: list[str], rank: int) -> None:
-    """The model's own _init_weights for each module that owns a missing tensor, one module at a time: its
-    parameters gathered whole, rank 0 initialises, its values reach every rank's shard. _init_weights sets every
-    tensor of the module, so the ones the checkpoint did provide are put back afterwards (transformers' loader keeps
-    them too)."""
+    """The model's own _init_weights for each module that owns a missing tensor, one module at a time (_rank0_writes).
+    _init_weights sets every tensor of the module, so the ones the checkpoint did provide are put back afterwards
+    (transformers' loader keeps them too)."""
     if rank == 0:
         log.warning("zkern: %d tensors are not in the checkpoint and are initialised: %s", len(missing), missing[:20])
     missing_set = set(missing)
-    owners = {name.rpartition(".")[0] for name in missing}
-    for module_name, module in model.named_modules():
-        if module_name not in owners:
-            continue
-        prefix = f"{module_name}." if module_name else ""
-        with GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
-            if rank == 0:
-                with torch.no_grad():
-                    loaded = {name: t.detach().clone() for name, t in [*module.named_parameters(recurse=False),
-                                                                        *module.named_buffers(recurse=False)]
-                              if f"{prefix}{name}" not in missing_set}
-                    model._init_weights(module)
-                    for name, values in loaded.items():
-                        getattr(module, name).copy_(values)
+
+    def initialise(module, prefix: str) -> None:
+        loaded = {name: t.detach().clone() for name, t in [*module.named_parameters(recurse=False),
+                                                            *module.named_buffers(recurse=False)]
+                  if f"{prefix}{name}" not in missing_set}
+        model._init_weights(module)
+        for name, values in loaded.items():
+            getattr(module, name).copy_(values)
+
+    _rank0_writes(model, rank, initialise, owners={name.rpartition(".")[0] for name in missing})
 
 
 def _concrete_class(cls_or_name, path: str):

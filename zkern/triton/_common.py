@@ -39,6 +39,16 @@ def check_tensor(op: str, name: str, t: torch.Tensor, dtypes=tuple(CODE), *, row
                          f"tensors only under TRITON_INTERPRET=1)")
 
 
+def check_tensors(op: str, tensors: list[torch.Tensor]) -> None:
+    """check_tensor on each of many tensors (flatten's thousand): one cheap pass over the attributes where all pass,
+    the first failing tensor's own error otherwise."""
+    on_device = interpreting() or all(t.is_cuda for t in tensors)
+    if on_device and all(map(torch.Tensor.is_contiguous, tensors)) and {t.dtype for t in tensors} <= CODE.keys():
+        return
+    for i, t in enumerate(tensors):
+        check_tensor(op, f"tensors[{i}]", t)
+
+
 @triton.jit
 def mix32(x):
     """lowbias32 over uint32 lanes: the hash behind stochastic rounding (zkern.reference._mix32)."""

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zkern.triton._common import CODE, LAUNCH_OPTIONS, cast_from_fp32, check_tensor, interpreting
+from zkern.triton._common import CODE, LAUNCH_OPTIONS, cast_from_fp32, check_tensor, check_tensors
 
 BLOCK_SIZE = 4096
 # The device tables of the last few tensor lists (building one is a Python pass plus a host-to-device copy that waits
@@ -110,20 +110,6 @@ def _tensors_aligned(tensors: list[torch.Tensor], align: int) -> bool:
                for t in tensors)
 
 
-def _check_all(op: str, tensors: list[torch.Tensor]) -> None:
-    """check_tensor on each tensor, in one cheap pass where all pass (the usual case); the first failing tensor's
-    precise error otherwise."""
-    on_device = interpreting() or all(map(_is_cuda, tensors))
-    if on_device and all(map(torch.Tensor.is_contiguous, tensors)) and {t.dtype for t in tensors} <= CODE.keys():
-        return
-    for i, t in enumerate(tensors):
-        check_tensor(op, f"tensors[{i}]", t)
-
-
-def _is_cuda(t: torch.Tensor) -> bool:
-    return t.is_cuda
-
-
 def _tables(tensors: list[torch.Tensor], align: int, device: torch.device):
     """(pointer, code, numel, flat offset) per tensor, the block list, the flat length (aligned) and whether the
     tensors allow the ALIGNED path (_aligned without the flat buffer's address); cached."""
@@ -167,7 +153,7 @@ def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None, *, al
         raise ValueError(f"flatten: align and pad_to must be >= 1, got {align} and {pad_to}")
     if not tensors:
         return torch.zeros(0, dtype=dtype or torch.float32)
-    _check_all("flatten", tensors)
+    check_tensors("flatten", tensors)
     if dtype is None and len({t.dtype for t in tensors}) > 1:
         raise TypeError(f"flatten got mixed dtypes {sorted({str(t.dtype) for t in tensors})}; pass dtype= to cast")
     out_dtype = dtype or tensors[0].dtype
@@ -194,7 +180,7 @@ def flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None, *, al
 def unflatten_into_(flat: torch.Tensor, tensors: list[torch.Tensor], *, align: int = 1) -> None:
     """Scatter flat back into the tensors in place (cast to each one's dtype), laid out as flatten(align=) did."""
     check_tensor("unflatten_into_", "flat", flat)
-    _check_all("unflatten_into_", tensors)
+    check_tensors("unflatten_into_", tensors)
     if not tensors:
         return
     (ptrs, codes, numels, offsets, block_tensor, block_start), used, blocks, aligned = _tables(tensors, align,

@@ -106,10 +106,21 @@ class Gatherer:
                                         group=self.quantize_weights)
         return int8
 
+    def _slot(self, u: Unit) -> torch.Tensor:
+        """u's gather buffer, its storage brought back to full size. Every gather of u fills this one storage, so a
+        view of it that autograd saved in forward (F.linear saves the weight's transpose, a convolution the weight)
+        reads the regathered values in backward instead of keeping the released copy alive beside a second one."""
+        nbytes = u.bucket.padded * self.empty.element_size()
+        if u.slot is None:
+            u.slot = torch.empty(u.bucket.padded, dtype=self.dtype, device=self.device)
+        elif u.slot.untyped_storage().nbytes() != nbytes:
+            u.slot.untyped_storage().resize_(nbytes)
+        return u.slot
+
     def gather(self, u: Unit, *, async_op: bool, exact: bool = False) -> None:
         """REST -> INFLIGHT, and on to GATHERED unless async_op. exact: never quantized nor from the secondary
         copy (GatheredParameters)."""
-        buffer = torch.empty(u.bucket.padded, dtype=self.dtype, device=self.device)
+        buffer = self._slot(u)
         work = self._launch(u, buffer, f"parameters of unit '{u.name}'", async_op, exact)
         u.issue(buffer, work, self.version)
         self._count(u)
@@ -163,6 +174,9 @@ class Gatherer:
         self._wait(u)
         for p in u.plan.params:
             p.data = self.empty
+        # Free the bytes themselves, not just this reference: views autograd saved keep the storage object, which
+        # now holds nothing until the next gather of u refills it (the released copy is gone, as FSDP2 frees it).
+        u.slot.untyped_storage().resize_(0)
         self.live -= u.bucket.padded
         self._unmark_prefetched(u)
         u.rest()

@@ -55,6 +55,9 @@ class Unit:
     readers: tuple[str, ...] = ()  # modules that gather this unit (for messages)
     data: DataState = DataState.REST
     buffer: torch.Tensor | None = None  # (bucket.padded,) working dtype while not at rest
+    # The one tensor every gather of this unit fills (Gatherer._slot). At rest its storage is resized to zero bytes:
+    # a view of it that autograd saved in forward then holds nothing, and sees the regathered values in backward.
+    slot: torch.Tensor | None = None
     work: Work | None = None  # the in-flight all-gather
     version: int = -1  # shard version the buffer was gathered from
     refs: int = 0

@@ -32,7 +32,9 @@ def state_components(rt: Stage3Runtime) -> list[Component]:
         return host_copy({"grad_shard": shard, "used": list(r.used)})
 
     def derived() -> list[torch.Tensor]:
-        out = [u.buffer for u in rt.units if u.buffer is not None]
+        # each unit's gather slot (its storage empty at rest) and any buffer that is not it
+        out = [u.slot for u in rt.units if u.slot is not None]
+        out += [u.buffer for u in rt.units if u.buffer is not None and u.buffer is not u.slot]
         if rt.secondary is not None:
             out.append(rt.secondary.store)
         if rt.param_store is not None:

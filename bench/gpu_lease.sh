@@ -1,17 +1,28 @@
 #!/bin/bash
-# One call on a lent GPU machine (the device tool; ../shared/GPU.md's list): build zkern on the bare machine, then
-# run the named steps in order, each under its own limit, so that one that hangs costs only itself. Everything a
-# step writes lands in $OUT/results.tgz (re-packed after every step, so a call cut off at its limit still brings
-# back what finished) and the whole log in $OUT/lease.log.
+# One call on a lent GPU machine (the device tool; ../shared/GPU.md): build zkern on the bare machine, then run the
+# named steps in order, each under its own limit and failing soft, so that one that hangs costs only itself.
+# Everything lands in bench/results/gpu-lease/, packed into $OUT/results.tgz after every step (a call cut off at its
+# limit still brings back what finished); the whole log is $OUT/lease.log; a summary table is printed last.
 #
-#   bash bench/gpu_lease.sh BUDGET_S STEP...     steps: env tests retests alltests kernels engine0..engine3
-#                                                 offload2 offload3 verify
+#   bash bench/gpu_lease.sh BUDGET_S STEP...
 #
-# The machine's python3 holds torch; nothing is installed into it: the extension is built in place.
-# Test steps cap each process's threads (OMP_NUM_THREADS): 8-14 pytest processes on 16 cores, each with a thread
-# per core, made two tests run past their 150 s limit on the first H100 call. Plan with the first calls' times
-# (bench/results/h100-2026-11-25-lease-*.log): the build ~45-60 s, the six GPU test files ~250 s, the kernels suite
-# ~30 s, one engine stage at 1b ~100-130 s (its peers included).
+# Steps, cheap to dear (what each proves is in the README's GPU section):
+#   bw        the machine's ceilings: device copy, host<->device, bf16 matmul, host memory (gpu_probe.py bw)
+#   memory    zkern stages 0 and 3, FSDP2 and DDP (fused AdamW) at 1b: the allocator's figures by phase, the peak's
+#             sites from an allocator trace (gpu_probe.py variants --snapshot)
+#   kernels   the kernels suite with its gates (contraction off on every launch)
+#   checks    the GPU-touching tests (pytest -n 14 --timeout 90) and, beside them, zkern over NCCL with two and
+#             four ranks on this one GPU (gpu_probe.py world2): correctness only, so they share the card
+#   memory2   stage 3 and FSDP2 at world 2 on this GPU: each rank's own allocator (no timing)
+#   offload   stage 2 + offload_optimizer, stage 3 + offload_param at 1b: the host step's phases
+#   peers     DDP and FSDP2 with torch's default AdamW, zkern's arithmetic in torch, zkern stages 1 and 2
+#   16k       zkern stage 0 and DDP (fused) at 16K tokens a step
+#
+# The machine's python3 holds torch; nothing is installed into it: the CPU extension is built in place, its sources
+# in parallel, and the CUDA extension builds in the background from the first second (for this card's architecture
+# only). Test processes cap their threads: 14 pytest processes on 16 cores, each with a thread per core, made tests
+# run past their limit on the first H100 call. Times seen (H100, 2026-11-25): the serial build 58 s, six GPU test
+# files over 240 s at -n 12, the kernels suite 30 s, one engine stage at 1b with its peers 100-130 s.
 set -u
 BUDGET=$1
 shift
@@ -22,57 +33,75 @@ T0=$(date +%s)
 R=bench/results/gpu-lease
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LEASE_FAILURES=$PWD/$R/failures.txt
+export TORCH_EXTENSIONS_DIR=/tmp/zkern-torch-ext
 unset TRITON_INTERPRET
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 say() { echo "[lease +$(( $(date +%s) - T0 ))s] $*"; }
-pack() { tar czf "$OUT/results.tgz" "$R"; }
-# run NAME MAX_S CMD...: at most MAX_S seconds and never past the budget.
+pack() { tar czf "$OUT/results.tgz" "$R" 2>/dev/null; }
+clocks() {
+    nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,clocks_event_reasons.active \
+        --format=csv,noheader 2>/dev/null || nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu \
+        --format=csv,noheader
+}
+# run NAME MAX_S CMD...: at most MAX_S seconds and never past the budget; the exit status goes to steps.txt.
 run() {
     local name=$1 max=$2
     shift 2
     local limit
     limit=$(left)
     ((limit > max)) && limit=$max
-    if ((limit < 20)); then say "$name: skipped, budget spent"; return; fi
+    if ((limit < 20)); then say "$name: skipped, budget spent"; echo "$name skipped" >>"$R/steps.txt"; return; fi
     say "$name: start (limit ${limit}s): $*"
+    local t=$(date +%s)
     timeout -k 5 "$limit" "$@"
-    say "$name: exit $?"
+    local rc=$?
+    say "$name: exit $rc"
+    echo "$name exit $rc in $(( $(date +%s) - t ))s" >>"$R/steps.txt"
     pack
 }
+P="python3 bench/gpu_probe.py"
+M=${LEASE_MODEL:-1b}  # the engine suite's preset; "tiny" rehearses the whole script on a CPU in a minute or two
 
 say "machine"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-python3 -c "import torch, triton, transformers, accelerate, sys; print(sys.version.split()[0], 'torch', \
-torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', \
-transformers.__version__, 'accelerate', accelerate.__version__)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/machine.txt"
+echo "clocks before: $(clocks)" | tee -a "$R/machine.txt"
 nproc
 free -g | head -2
-say "build the CPU extension in place"
-python3 setup.py -q build_ext --inplace -j 16 >"$R/build.log" 2>&1 || { tail -30 "$R/build.log"; pack; exit 1; }
+say "the CUDA extension builds in the background"
+TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") MAX_JOBS=4 \
+    timeout 240 python3 -c "import zkern.cuda as c; c._ext()" >"$R/cuda-build.log" 2>&1 &
+CUDA_BUILD=$!  # waited for by pid: a bare `wait` would also wait for the log's tee, which never ends
+say "build the CPU extension in place, sources in parallel"
+python3 setup.py -q build_ext --inplace >"$R/build.log" 2>&1 || { tail -30 "$R/build.log"; pack; exit 1; }
 say "built"
 
 for step in "$@"; do
     case $step in
-        env) run env 60 sh -c "python3 -m zkern.env_report --json > $R/env.json" ;;
-        tests) OMP_NUM_THREADS=2 run tests 240 python3 -m pytest -q -p no:cacheprovider \
-            -p bench.lease_failures -n 12 --timeout 150 --durations 15 --junitxml "$R/tests.xml" tests/test_triton.py \
-            tests/test_gpu.py tests/test_cuda_kernels.py tests/test_cuda_shared.py tests/test_bf16_state.py \
-            tests/test_layout.py ;;
-        retests) OMP_NUM_THREADS=2 run retests 170 python3 -m pytest -q -p no:cacheprovider -p bench.lease_failures \
-            -n 8 --timeout 150 --junitxml "$R/retests.xml" tests/test_cuda_kernels.py tests/test_triton.py \
-            tests/test_bf16_state.py ;;
-        alltests) OMP_NUM_THREADS=1 run alltests 540 python3 -m pytest tests -q -p no:cacheprovider \
-            -p bench.lease_failures -n 14 --timeout 300 -m "gpu or not dist" \
-            --junitxml "$R/alltests.xml" ;;
-        kernels) run kernels 150 python3 bench/run.py --suite kernels --json "$R/kernels.json" \
+        bw) run bw 60 $P bw --json "$R/bw.json" ;;
+        memory) run memory 150 $P variants zkern0 zkern3 fsdp2-fused ddp-fused --model "$M" --snapshot \
+            --bw-json "$R/bw.json" --json "$R/memory.json" ;;
+        kernels) wait $CUDA_BUILD; run kernels 70 python3 bench/run.py --suite kernels --json "$R/kernels.json" \
             --gate bench/gates.toml ;;
-        engine[0-3]) run "$step" 200 python3 bench/run.py --stage "${step#engine}" --model 1b \
-            --json "$R/1b-stage${step#engine}.json" ;;
-        offload[23]) run "$step" 300 python3 bench/run.py --stage "${step#offload}" --model 1b --offload \
-            --steps 8 --json "$R/1b-offload-stage${step#offload}.json" ;;
-        verify) run verify 200 python3 -m zkern.verify --device cuda --json "$R/verify.json" ;;
+        checks)
+            run world2 170 $P world2 --json "$R/world2.json" >"$R/world2.log" 2>&1 &
+            W2=$!
+            OMP_NUM_THREADS=1 run tests 170 python3 -m pytest -q -p no:cacheprovider -p bench.lease_failures -n 14 \
+                --timeout 90 --durations 15 --junitxml "$R/tests.xml" tests/test_triton.py tests/test_gpu.py \
+                tests/test_cuda_kernels.py tests/test_bf16_state.py
+            wait $W2
+            tail -15 "$R/world2.log" ;;
+        memory2) run memory2 90 $P variants zkern3 fsdp2-fused --model "$M" --world 2 --threads 8 \
+            --json "$R/memory-world2.json" ;;
+        offload) run offload 120 $P variants zkern2-offload zkern3-offload --model "$M" --bw-json "$R/bw.json" \
+            --json "$R/offload.json" ;;
+        peers) run peers 150 $P variants ddp fsdp2 torch-mixed zkern1 zkern2 --model "$M" --bw-json "$R/bw.json" \
+            --json "$R/peers.json" ;;
+        16k) run 16k 90 $P variants zkern0 ddp-fused --model "$M" --micro-batch 16 --bw-json "$R/bw.json" \
+            --json "$R/16k.json" ;;
         *) say "unknown step $step" ;;
     esac
 done
+echo "clocks after: $(clocks)" | tee -a "$R/machine.txt"
 say "done"
 pack
+$P summary "$R"

@@ -20,11 +20,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn, args, queue, threads: int, env: dict) -> None:
+def _child(rank: int, world: int, port: int, fn, args, queue, threads: int, env: dict, rank_env) -> None:
     os.environ.clear()  # the caller's environment now, not the fork server's from when it started
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if rank_env is not None:
+        os.environ.update(rank_env(rank))
     torch.set_num_threads(threads)
     try:
         result = fn(rank, world, *args)
@@ -44,14 +46,16 @@ def _child(rank: int, world: int, port: int, fn, args, queue, threads: int, env:
 
 
 def spawn(fn, world: int, *args, timeout: float = 300.0, threads: int = 1, subprocess: bool = False,
-          allow_dead: bool = False) -> list:
+          allow_dead: bool = False, rank_env=None) -> list:
     """Run fn(rank, world, *args) on `world` processes (torchrun's environment variables on a free 127.0.0.1
     port); returns the results by rank. World size 1 runs in this process unless subprocess=True, which also makes
     every rank a fresh interpreter (the bench's timings and the peak-memory tests: a forked rank starts with the
     fork server's heap, which moves resident-memory peaks by megabytes); other ranks fork from a server that has
     imported torch. A rank that raises fails the whole call with that rank's traceback; a rank whose process dies
     without a result (a hard abort) fails it too, unless allow_dead, which puts {"died": exitcode} in its place. No
-    rank is left running."""
+    rank is left running. rank_env(rank) -> {name: value}, a picklable function, sets more environment variables
+    per rank after torchrun's (bench/probe_world2.py puts several ranks on one GPU with LOCAL_RANK 0 and a distinct
+    NCCL_HOSTID each)."""
     if world == 1 and not subprocess:
         return [fn(0, 1, *args)]
     import queue as queue_module
@@ -65,7 +69,7 @@ def spawn(fn, world: int, *args, timeout: float = 300.0, threads: int = 1, subpr
         ctx.set_forkserver_preload(["torch", "zkern.testing"])
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue, threads, dict(os.environ)),
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue, threads, dict(os.environ), rank_env),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()

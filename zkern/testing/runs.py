@@ -268,11 +268,12 @@ def peer_autocast(spec: TrainSpec) -> torch.dtype | None:
     return torch.bfloat16 if spec.precision == "bf16" else None
 
 
-def ddp_run(rank: int, world: int, spec: TrainSpec, zero1: bool = False) -> dict:
+def ddp_run(rank: int, world: int, spec: TrainSpec, zero1: bool = False, fused: bool | None = None) -> dict:
     """The same training under torch's DistributedDataParallel + AdamW (the stock peer of stage 0), or with
     zero1=True, torch's ZeroRedundancyOptimizer around AdamW (the stock peer of stage 1). A bf16 spec trains
     under autocast and, on GPUs, all-reduces bf16 gradients (torch's bf16_compress_hook, nccl only), as zkern
-    reduces them."""
+    reduces them. fused: AdamW's own argument (None: torch's default, the foreach implementation; True: the fused
+    kernel, what a GPU user who cares about speed sets)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -292,9 +293,9 @@ def ddp_run(rank: int, world: int, spec: TrainSpec, zero1: bool = False) -> dict
     params = [p for p in model.parameters() if p.requires_grad]
     if zero1:
         opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=spec.lr,
-                                      weight_decay=spec.weight_decay)
+                                      weight_decay=spec.weight_decay, fused=fused)
     else:
-        opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+        opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, fused=fused)
 
     def sync(last: bool):  # DDP all-reduces only on the accumulation step's last micro-batch
         return contextlib.nullcontext() if last or world == 1 else ddp.no_sync()

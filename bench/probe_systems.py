@@ -1,0 +1,199 @@
+"""The systems `python bench/gpu_probe.py variants` measures, each training one TrainSpec's model, data and seed,
+stepped in three phases (forward, backward, step) so that one loop times them all and reads the allocator between
+the phases.
+
+    python bench/gpu_probe.py variants zkern0 zkern3 ddp-fused --model tiny --device cpu
+
+zkern0..zkern3       zkern's engine at that stage, bf16 weights and gradients, fp32 master and Adam state
+zkern2-offload       stage 2 with offload_optimizer cpu (the host Adam; gradients down, parameters up)
+zkern3-offload       stage 3 with offload_optimizer and offload_param cpu
+ddp, ddp-fused       fp32 parameters under torch.autocast(bf16), torch.optim.AdamW with its defaults (foreach) or
+                     fused=True; wrapped in DistributedDataParallel at world > 1 (one rank: the plain model)
+fsdp2, fsdp2-fused   FSDP2 fully_shard on each block and the root, MixedPrecisionPolicy(bf16), the same two AdamWs
+torch-mixed          zkern's arithmetic written in torch: bf16 weights and gradients, an fp32 master copy stepped
+                     by AdamW(fused=True) and copied back (like compared with like, without zkern)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from zkern.testing import TrainSpec, init_peer_group, rank_device
+
+OFFLOAD = {"zkern2-offload": (2, {"offload_optimizer": {"device": "cpu", "pin_memory": True}}),
+           "zkern3-offload": (3, {"offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                  "offload_param": {"device": "cpu", "pin_memory": True}})}
+NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *OFFLOAD, "ddp", "ddp-fused", "fsdp2", "fsdp2-fused", "torch-mixed")
+
+
+def make_model(spec: TrainSpec) -> torch.nn.Module:
+    """spec's model, initialised on the rank's device: the same weights for every system of a probe, without the
+    host's serial random-number generator (about 10 s for the 0.87B preset on one core, per system)."""
+    with torch.device(rank_device(spec)):
+        return spec.make_model()
+
+
+class ZkernSystem:
+    def __init__(self, spec: TrainSpec, world: int):
+        # zkern takes the model from the host (it builds its buffers on the device itself), as its users hand it
+        self.engine = spec.build_engine(make_model(spec).cpu(), world)
+        self.spec = spec
+
+    def forward(self, idx, tgt, step, rank):
+        return self.spec.loss(self.engine, idx, tgt, step, rank)
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self):
+        self.engine.step()
+
+    def close(self):
+        self.engine.destroy()
+
+
+class TorchSystem:
+    """A stock torch loop: zero_grad(set_to_none=True) (torch's default, so no gradient lives through forward),
+    forward under autocast when the parameters are fp32, backward, AdamW."""
+
+    def __init__(self, spec: TrainSpec, model, params, opt, autocast: bool):
+        self.spec, self.model, self.params, self.opt, self.autocast = spec, model, params, opt, autocast
+        self.device = rank_device(spec)
+
+    def forward(self, idx, tgt, step, rank):
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return self.spec.loss(self.model, idx, tgt, step, rank)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.opt.step()
+
+    def close(self):
+        pass
+
+
+class MixedTorchSystem(TorchSystem):
+    """bf16 weights and gradients, an fp32 master: after backward the gradients are upcast onto the master, fused
+    AdamW steps it, and the bf16 weights take its rounding (zkern's arithmetic; DeepSpeed's bf16 optimizer)."""
+
+    def __init__(self, spec: TrainSpec, model, world: int):
+        model = model.to(torch.bfloat16)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float() for p in params]
+        for m in self.master:
+            m.requires_grad_(True)
+        opt = torch.optim.AdamW(self.master, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
+        super().__init__(spec, model, params, opt, autocast=False)
+        self.world = world
+
+    def forward(self, idx, tgt, step, rank):
+        for p in self.params:
+            p.grad = None
+        return self.spec.loss(self.model, idx, tgt, step, rank)
+
+    def step(self):
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.params]
+        if self.world > 1:  # one bf16 all-reduce per gradient (a plain loop; DDP's buckets are the ddp rows)
+            for g in grads:
+                dist.all_reduce(g)
+                g.div_(self.world)
+        for m, g in zip(self.master, grads):
+            m.grad = g.float()
+        self.opt.step()
+        for m in self.master:
+            m.grad = None
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.master)
+
+
+def build(name: str, spec: TrainSpec, world: int):
+    """The system called name, built on this rank for spec (bf16 or fp32 as the spec says)."""
+    if name not in NAMES:
+        raise SystemExit(f"probe: unknown system {name!r}; known: {', '.join(NAMES)}")
+    device = rank_device(spec)
+    if name.startswith("zkern"):
+        if name in OFFLOAD:
+            stage, zero = OFFLOAD[name]
+            spec = dataclasses.replace(spec, stage=stage, zero={**spec.zero, **zero})
+        else:
+            spec = dataclasses.replace(spec, stage=int(name[-1]))
+        if spec.stage == 3:
+            spec = dataclasses.replace(spec, zero={"stage3_fetch_units": ["Block"], **spec.zero})
+        return ZkernSystem(spec, world)
+    if world > 1 or name.startswith("fsdp2"):
+        init_peer_group(spec)
+    bf16 = spec.precision == "bf16"
+    match name:
+        case "ddp" | "ddp-fused":
+            model = make_model(spec)
+            params = [p for p in model.parameters() if p.requires_grad]
+            wrapped = model
+            if world > 1:
+                from torch.nn.parallel import DistributedDataParallel
+
+                wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay,
+                                    fused=True if name == "ddp-fused" else None)
+            return TorchSystem(spec, wrapped, params, opt, autocast=bf16)
+        case "fsdp2" | "fsdp2-fused":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            model = make_model(spec)
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else \
+                MixedPrecisionPolicy()
+            for block in model.blocks:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay,
+                                    fused=True if name == "fsdp2-fused" else None)
+            return TorchSystem(spec, model, params, opt, autocast=False)
+        case "torch-mixed":
+            if not bf16:
+                raise SystemExit("probe: torch-mixed is the bf16 recipe; run it with a bf16 spec")
+            return MixedTorchSystem(spec, make_model(spec), world)
+
+
+@contextlib.contextmanager
+def offload_phases(system, out: dict):
+    """Inside: the host step's phases are timed (seconds, host clock) into out: `wait_down` (blocked on a gradient
+    chunk still coming down), `upload_issue` (queueing the parameter chunks back up), `host_adam` (the rest of the
+    optimizer's host time: the CPU Adam itself), `upload_tail` (after step() returns, until the uploads land); plus
+    the bytes each way. Nothing is timed for a system without a host step."""
+    import time
+
+    host = getattr(getattr(system, "engine", None), "host_step", None)
+    if host is None:
+        yield
+        return
+    spent = {"wait_down": 0.0, "upload_issue": 0.0}
+    wait_down, up = host._wait_down, host._up
+
+    def timed(fn, key):
+        def inner(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return inner
+
+    host._wait_down, host._up = timed(wait_down, "wait_down"), timed(up, "upload_issue")
+    try:
+        yield spent
+    finally:
+        host._wait_down, host._up = wait_down, up
+        out.update(spent)
+        out["grad_bytes_down"] = sum(c.grad.numel() * c.grad.element_size() for g in host.host_groups
+                                     for c in g.chunks)
+        out["param_bytes_up"] = sum(c.out.numel() * c.out.element_size() for g, d in
+                                    zip(host.host_groups, host.device_groups) for c, dc in zip(g.chunks, d.chunks)
+                                    if c.out is not None and c.out is not dc.out)

@@ -184,8 +184,9 @@ def attribute_peak(trace: list[dict], base: int, top: int = 12) -> dict:
             now += ev["size"]
             if now > peak:
                 peak, at_peak = now, dict(live)
-        elif action == "free_completed" and ev["addr"] in live:
-            now -= live.pop(ev["addr"])[0]
+        elif action == "free_completed":
+            # a block from before the trace (no alloc event) still leaves the count when it is freed
+            now -= live.pop(ev["addr"])[0] if ev["addr"] in live else ev.get("size", 0)
     sites: dict[str, int] = {}
     for size, site in at_peak.values():
         sites[site] = sites.get(site, 0) + size
@@ -196,7 +197,8 @@ def attribute_peak(trace: list[dict], base: int, top: int = 12) -> dict:
 
 
 def _site(frames: list[dict]) -> str:
-    """'file:line function' of the innermost zkern frame, else the innermost bench frame, else the innermost."""
+    """'file:line function' of the innermost zkern frame (the engine's, or the model's in zkern/testing), else the
+    innermost bench frame, else the innermost."""
     def where(f: dict) -> str:
         name = f.get("filename", "")
         short = "zkern/" + name.split("/zkern/")[-1] if "/zkern/" in name else os.path.basename(name)

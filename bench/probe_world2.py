@@ -109,6 +109,10 @@ def _leaves(rank: int, world: int, spec: TrainSpec, backend: str) -> dict:
     loss = spec.loss(engine, idx.to(dev), tgt.to(dev), 0, rank)
     if rank == 1:
         os._exit(0)  # gone, without a word to the others
+    import faulthandler
+
+    # a rank still here well past the timeout prints where it waits (the record shows where a hang sits)
+    faulthandler.dump_traceback_later(engine.comm.timeout_s + 25, exit=False)
     start = time.monotonic()
     try:
         engine.backward(loss)
@@ -118,6 +122,8 @@ def _leaves(rank: int, world: int, spec: TrainSpec, backend: str) -> dict:
         return {"error": None, "seconds": time.monotonic() - start}
     except zkern.CommError as e:
         return {"error": f"CommError: {e}"[:600], "seconds": time.monotonic() - start}
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _save(rank: int, world: int, spec: TrainSpec, path: str, backend: str) -> dict:

@@ -58,17 +58,21 @@ def test_the_peak_is_attributed_to_the_first_zkern_frame_of_what_was_live_then()
           {"filename": "/repo/zkern/stage3/gatherer.py", "line": 120, "name": "gather"},
           {"filename": "/repo/bench/gpu_probe.py", "line": 9, "name": "measure"}]
     act = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+           {"filename": "/repo/zkern/testing/models.py", "line": 41, "name": "forward"},  # innermost: the model's line
+           {"filename": "/repo/zkern/engine/engine.py", "line": 127, "name": "forward"},
            {"filename": "/repo/bench/gpu_probe.py", "line": 9, "name": "measure"}]
     trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": zk},
              {"action": "alloc", "addr": 2, "size": 50, "frames": act},
              {"action": "free_requested", "addr": 1, "size": 100},
              {"action": "free_completed", "addr": 1, "size": 100},  # the peak (1000 + 150) is already behind
              {"action": "alloc", "addr": 3, "size": 60, "frames": act},
-             {"action": "free_completed", "addr": 2, "size": 50}]
+             {"action": "free_completed", "addr": 2, "size": 50},
+             {"action": "free_completed", "addr": 77, "size": 900},  # allocated before the trace: leaves the count
+             {"action": "alloc", "addr": 4, "size": 500, "frames": act}]  # 1000 - 900 + 60 + 500 = 660: no new peak
     got = gpu_probe.attribute_peak(trace, base=1000)
     assert got["peak_allocated"] == 1150 and got["before_the_step"] == 1000
     assert got["sites"] == [{"site": "zkern/stage3/gatherer.py:120 gather", "bytes": 100},
-                            {"site": "gpu_probe.py:9 measure", "bytes": 50}]
+                            {"site": "zkern/testing/models.py:41 forward", "bytes": 50}]
 
 
 def test_ranks_sharing_one_gpu_get_local_rank_0_and_a_host_id_each():

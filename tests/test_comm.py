@@ -56,3 +56,27 @@ def test_host_reduce_scatter_is_every_ranks_section_summed(world):
         assert result["wrong"] == [], (rank, result["wrong"])
         # at most two reductions were ever in flight together: never more than two receive buffers kept
         assert max(result["pool"]) <= 2 and result["lent"] == 0, (rank, result)
+
+
+def test_a_comm_with_nccl_sets_its_communicator_up_at_construction(monkeypatch):
+    # NCCL would set a communicator up at the group's first collective, waiting for every member with no timeout;
+    # a Comm whose backend carries nccl runs one collective as it is made, while every rank is building (the real
+    # proof is bench/gpu_probe.py world2's dead_rank check on a GPU). Gloo connects when its group is made.
+    import zkern.comm.collectives as collectives
+
+    calls = []
+    monkeypatch.setattr(collectives.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(collectives.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(collectives.torch, "zeros", lambda *a, **k: ("probe", k["device"]))
+    monkeypatch.setattr(collectives.dist, "all_reduce", lambda t, group=None: calls.append((t, group)))
+    Comm("group-a", 0, 2, 60.0, "cpu:gloo,cuda:nccl")
+    Comm("group-b", 0, 2, 60.0, "gloo")
+    Comm(None, 0, 1, 60.0, "cpu:gloo,cuda:nccl")  # world 1: no group, nothing to set up
+    assert calls == [(("probe", torch.device("cuda", 0)), "group-a")]
+
+    def refuse(t, group=None):
+        raise RuntimeError("ncclInvalidUsage")
+
+    monkeypatch.setattr(collectives.dist, "all_reduce", refuse)
+    with pytest.raises(collectives.CommError, match="setting up the NCCL communicator.*ncclInvalidUsage"):
+        Comm("group-c", 1, 2, 60.0, "cpu:gloo,cuda:nccl")

@@ -274,6 +274,21 @@ class Comm:
         self._counted: tuple[str, int] | None = None
         if group is not None:
             _live_comms.add(self)  # its group is closed at exit (_close_groups_at_exit)
+            self._connect_now()
+
+    def _connect_now(self) -> None:
+        """Set an NCCL communicator up while every rank is here. NCCL does it at a group's first collective, and
+        that set-up waits for every member with no timeout: a rank that died before a group's first collective (the
+        reduce group's first backward) left the others blocked there for good (an H100, two ranks, 2026-11-26: 110 s
+        in reduce_scatter_tensor, where gloo ended with a CommError in 4 s). One element all-reduced at construction
+        moves the set-up to where all ranks are building. Gloo connects when the group is made: nothing to do."""
+        if "nccl" not in (self.backend or "") or not torch.cuda.is_available():
+            return
+        probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        try:
+            dist.all_reduce(probe, group=self.group)
+        except Exception as e:
+            raise self.error("setting up the NCCL communicator", e) from e
 
     def sibling(self, *, backend: str | None = None, share_counters: bool = True) -> Comm:
         """A Comm over a new process group of the same ranks (a collective: every rank calls it), by default with

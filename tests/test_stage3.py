@@ -421,3 +421,42 @@ def test_adam_moments_cost_eight_bytes_per_trainable_element_whatever_the_groups
         engine = zkern.Engine(model, spec.config(1), model_parameters=groups)
         assert 8 * trainable <= engine.memory_report()["cpu"]["optimizer"] <= 8 * (trainable + gaps), (
             split, freeze_pos)
+
+
+def _async_gathers(rank, world, spec):
+    """Train spec; count the all-gathers issued ahead of use (async) per step, and the peak of gathered elements."""
+    from zkern.stage3.gatherer import Gatherer
+
+    issued = []
+    original = Gatherer.gather
+
+    def gather(self, u, *, async_op, exact=False):
+        issued.append((u.name, async_op))
+        return original(self, u, async_op=async_op, exact=exact)
+
+    Gatherer.gather = gather
+    try:
+        result = engine_run(rank, world, spec)
+    finally:
+        Gatherer.gather = original
+    blocks = [a for name, a in issued if name.startswith("blocks.")]
+    return {"async": sum(blocks), "sync": len(blocks) - sum(blocks), "state": result["state"],
+            "peak_live": result["peak_live"]}
+
+
+@pytest.mark.dist
+def test_units_larger_than_the_prefetch_bucket_are_still_gathered_ahead():
+    # every block (12,608 elements, gathered whole) exceeds stage3_prefetch_bucket_size: at least the next unit still
+    # goes ahead along the record, within stage3_max_live_parameters; 0 turns prefetch off
+    zero = {"stage3_fetch_units": ["Block"], "stage3_prefetch_bucket_size": 1000,
+            "stage3_max_live_parameters": 40000, "stage3_param_persistence_threshold": 0}
+    spec = TrainSpec(stage=3, steps=4, zero=zero, model=dict(n_layer=4))
+    off = TrainSpec(stage=3, steps=4, zero={**zero, "stage3_prefetch_bucket_size": 0}, model=dict(n_layer=4))
+    ahead, none = spawn(_async_gathers, 2, spec), spawn(_async_gathers, 2, off)
+    ref_state, _ = reference_run(spec, 2)
+    assert_params_close(ahead[0]["state"], ref_state, lr=spec.lr, steps=spec.steps)
+    # from the second step on, forward and backward each prefetch the blocks after the first one they use: 3 steps
+    # x 2 passes x 3 blocks (counted: the all-gathers of blocks issued ahead of use)
+    assert all(r["async"] >= 3 * 2 * 3 for r in ahead), [r["async"] for r in ahead]
+    assert all(r["peak_live"] <= 40000 for r in ahead)
+    assert all(r["async"] == 0 for r in none), [r["async"] for r in none]

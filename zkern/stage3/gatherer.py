@@ -9,7 +9,8 @@ together: a parameter is a view into its unit's buffer exactly while the unit is
 rest.
 
 Prefetch: each pass records the order of the gathers it needed (order.OrderRecord); the next pass of the same
-kind issues up to stage3_prefetch_bucket_size elements ahead along that record, asynchronously. The budget is
+kind issues up to stage3_prefetch_bucket_size elements ahead along that record, asynchronously, and at least the
+next unit whatever its size (0 turns prefetch off). The budget is
 counted so that every rank reaches the same decision (the ranks must issue the same all-gathers): in forward
 it also keeps the gathered elements under stage3_max_live_parameters; in backward, where a unit is freed when
 this rank's gradients for it arrive, only the prefetched elements count against it. A pass that departs from
@@ -268,14 +269,17 @@ class Gatherer:
                         self.units[expected].name if expected >= 0 else "nothing")
 
     def _prefetch(self, phase: str, in_use: int) -> None:
-        if self.verify:
+        if self.verify or self.prefetch_numel <= 0:  # stage3_prefetch_bucket_size 0: no prefetch
             return
         for ui in self.order.upcoming(phase):
             u = self.units[ui]
             if u.live:
                 continue
             size = u.bucket.padded
-            if self.ahead + size > self.prefetch_numel:
+            # At least the next unit goes ahead, whatever its size (as DeepSpeed does): with the budget alone, a unit
+            # larger than stage3_prefetch_bucket_size (every block of a 1B model at DeepSpeed's 5e7) was never
+            # prefetched, and every gather of such a model waited in line.
+            if self.ahead + size > self.prefetch_numel and self.ahead > 0:
                 break
             # Forward frees at each module's end, alike on every rank; backward frees as this rank's gradients
             # arrive, which differs between ranks that route differently: there only the prefetch counts.

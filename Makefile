@@ -44,9 +44,19 @@ bench: setup
 # stock peers only: DeepSpeed (installed for the tests) is measured by `make bench` and by hand. Then the GPU half
 # without a GPU: every Triton kernel compiled for sm_80/sm_90 at the launchers' specialisations, no spill, 128-bit
 # access on aligned launches (bench/gpu_static_suite.py, about a minute).
+#
+# The GPU half runs twice: under the Triton the test environment installs (the newest: a CPU torch pins none) and
+# under GATE_TRITON, the one torch's public (CUDA) wheel pins for the torch the README names (torch 2.13.0: triton
+# 3.7.1), installed apart in .gate/ without its dependencies and put first on PYTHONPATH (about 10 s and 700 MB once;
+# the check about two minutes on 2 cores). Both runs land in bench/out/gpu-static.json, one record per version.
+GATE_TRITON ?= 3.7.1
+GATE_TRITON_DIR := .gate/triton-$(GATE_TRITON)
 gate: setup
 	$(PY) bench/run.py --suite all --stage 0,1,2,3 --model small --steps 8 --gate bench/gates.toml --peers zero1,fsdp2
-	$(PY) bench/run.py --suite gpu-static
+	$(PY) bench/run.py --suite gpu-static --json bench/out/gpu-static.json
+	@test -d $(GATE_TRITON_DIR)/triton || $(PY) -m pip install -q --no-deps --target $(GATE_TRITON_DIR) \
+	  triton==$(GATE_TRITON)
+	PYTHONPATH=$(GATE_TRITON_DIR) $(PY) bench/run.py --suite gpu-static --json bench/out/gpu-static.json
 
 # The differential fuzzer (zkern/verify/): FUZZ_DRAWS random crossings of features on 1, 2 and 4 CPU ranks, each against
 # a single-process torch reference; a failing draw prints as the command that repeats it. CI runs a fixed sample.
@@ -63,4 +73,4 @@ lint: setup
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(STAMP) build *.egg-info .pytest_cache .ruff_cache zkern/cpu/_adam_ext*.so
+	rm -rf $(STAMP) build *.egg-info .pytest_cache .ruff_cache .gate zkern/cpu/_adam_ext*.so

@@ -1,6 +1,10 @@
 """--suite gpu-static: zkern's Triton kernels compiled for sm_80 and sm_90 on a machine without a GPU, and checked.
 
     python bench/run.py --suite gpu-static --json bench/results/gpu-static.json
+    PYTHONPATH=.gate/triton-3.7.1 python bench/run.py --suite gpu-static --json bench/results/gpu-static.json
+
+The record keeps one run per Triton version (save): `make gate` checks the Triton the test environment installs
+and the one torch's public wheel pins (GATE_TRITON in the Makefile), installed apart in .gate/.
 
 1. Record: the real launchers (zkern/triton/*.py) run on CPU tensors under TRITON_INTERPRET=1, in a subprocess, on
    the calls the engine makes (a world-1 engine at stages 1-3 in fp16 and bf16 with every op forced onto Triton)
@@ -236,6 +240,9 @@ def _is_aligned(spec: dict) -> bool:
 def run() -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
+    import torch
+    import triton
+
     # The CUDA C++ checks (nvcc and g++) and the traffic count (an interpreter subprocess) run beside the Triton
     # compiles, which hold one core.
     with ThreadPoolExecutor(2) as pool:
@@ -245,11 +252,28 @@ def run() -> dict:
         cuda_entries, cuda_failures = cuda.result()
         record["traffic"] = traffic.result()
     record["cuda_kernels"] = cuda_entries
+    record["triton"], record["torch"] = triton.__version__, torch.__version__
     record["failures"] += cuda_failures + [
         f"{t['case']}: {t['bytes_per_element']:.3f} bytes per element moved, {t['ratio']:.3f}x the "
         f"{t['minimum_per_element']:.3f} it must move (at most {TRAFFIC_LIMIT}x)"
         for t in record["traffic"] if t["ratio"] > TRAFFIC_LIMIT]
     return record
+
+
+def save(path: str, record: dict) -> None:
+    """Write record into path beside the runs of other Triton versions it holds ({"suite", "runs": [...]}, one run
+    per version, the oldest first): the gate runs under the Triton zkern's test environment installs and under the
+    one torch's public wheel pins, and the record keeps both."""
+    runs = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        runs = old.get("runs", [old] if "triton" in old else [])
+    runs = [r for r in runs if r.get("triton") != record["triton"]] + [record]
+    runs.sort(key=lambda r: tuple(int(x) if x.isdigit() else 0 for x in r["triton"].split(".")))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"suite": "gpu-static", "runs": runs}, f, indent=2)
 
 
 def _traffic() -> list[dict]:

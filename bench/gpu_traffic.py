@@ -40,23 +40,44 @@ class _Count:
         return sum(np.unique(np.concatenate(x)).size for x in (self.loaded, self.stored) if x)
 
 
+def _named(fn, names: tuple[str, ...]):
+    """fn's signature, checked to have the parameters the counter reads (by name: their positions and the others'
+    names differ between Triton versions, 3.6 to 3.9 alone changed the cache arguments twice)."""
+    import inspect
+
+    import triton
+
+    sig = inspect.signature(fn)
+    missing = [n for n in names if n not in sig.parameters]
+    if missing:
+        raise RuntimeError(f"bench/gpu_traffic.py: Triton {triton.__version__}'s interpreter has no "
+                           f"{', '.join(missing)} in {fn.__qualname__}{sig}; the traffic counter reads the pointer, "
+                           f"mask and value arguments by name and does not support this version")
+    return sig
+
+
 @contextlib.contextmanager
 def _counting():
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
     load, store = builder.create_masked_load, builder.create_masked_store
+    load_sig, store_sig = _named(load, ("self", "ptrs", "mask")), _named(store, ("self", "ptrs", "value", "mask"))
     count = _Count()
 
-    def counted_load(self, ptrs, mask, other, cache_policy, is_volatile):
+    def counted_load(*args, **kwargs):
+        a = load_sig.bind(*args, **kwargs).arguments
+        ptrs, mask = a["ptrs"], a["mask"]
         itemsize = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
         count.add(np.asarray(ptrs.data, dtype=np.uint64)[np.asarray(mask.data, dtype=bool)], itemsize, count.loaded)
-        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+        return load(*args, **kwargs)
 
-    def counted_store(self, ptrs, value, mask, cache_policy):
-        itemsize = np.asarray(value.data).dtype.itemsize
+    def counted_store(*args, **kwargs):
+        a = store_sig.bind(*args, **kwargs).arguments
+        ptrs, mask = a["ptrs"], a["mask"]
+        itemsize = np.asarray(a["value"].data).dtype.itemsize
         count.add(np.asarray(ptrs.data, dtype=np.uint64)[np.asarray(mask.data, dtype=bool)], itemsize, count.stored)
-        return store(self, ptrs, value, mask, cache_policy)
+        return store(*args, **kwargs)
 
     builder.create_masked_load, builder.create_masked_store = counted_load, counted_store
     try:

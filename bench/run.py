@@ -174,7 +174,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 _remeasure_slow_stages(r, committed, lambda stages: engine_suite.run(
                     stages, args.world, model, args.steps, wanted, device=args.device, precision=args.precision,
                     peak_tflops=args.peak_tflops, zeropp=args.zeropp.split(",") if args.zeropp else None))
-    if args.json:
+    if args.json and [r["suite"] for r in records] == ["gpu-static"]:  # one record per Triton version, kept together
+        gpu_static_suite.save(args.json, records[0])
+        print(f"wrote {args.json} (the Triton {records[0]['triton']} run beside any other version's)")
+    elif args.json:
         with open(args.json, "w") as f:
             json.dump(records[0] if len(records) == 1 else {"suites": records}, f, indent=2)
         print(f"wrote {args.json}")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zkern.config.report import startup_block
+from zkern.core.measure import peak_rss_bytes, rss_bytes
 from zkern.monitor import Monitors
 from zkern.optim.shard_adam import ShardAdam
 
@@ -215,7 +216,32 @@ def memory_report(engine: Engine) -> dict[str, dict[str, int]]:
     report = {engine.device.type: device, "host": host} if engine.offload or on_host else {engine.device.type: device}
     if on_nvme is not None:
         report["nvme"] = on_nvme
+    report["measured"] = measured(engine.device, device["total"] + (host["total"] if engine.device.type == "cpu"
+                                                                    else 0))
     return report
+
+
+def measured(device: torch.device, accounted: int) -> dict:
+    """What the machine says this process holds, beside what zkern accounts on `device` (its "total" there; on a
+    CPU-only run the host's too, one memory). On CUDA the caching allocator's figures: bytes allocated now, at the
+    peak since the last reset, and reserved; `unaccounted` is what the allocator holds beyond zkern's books
+    (activations, the user's tensors, other models), never negative unless the books are wrong. On a CPU the
+    process's resident set now and at its peak (/proc/self/status): it holds the libraries and everything else
+    too, so only books larger than it are a disagreement."""
+    out: dict = {"accounted": accounted}
+    if device.type == "cuda":
+        allocated = torch.cuda.memory_allocated(device)
+        out.update(source="cuda caching allocator", allocated=allocated,
+                   peak_allocated=torch.cuda.max_memory_allocated(device),
+                   reserved=torch.cuda.memory_reserved(device), unaccounted=allocated - accounted)
+        held = allocated
+    else:
+        held = rss_bytes()
+        out.update(source="process resident set", rss=held, peak_rss=peak_rss_bytes())
+    out["disagreement"] = None if accounted <= held else (
+        f"zkern accounts {accounted} bytes on {device.type} but the machine holds only {held}: its books count "
+        f"something that is not there")
+    return out
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

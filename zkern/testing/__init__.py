@@ -17,7 +17,8 @@ them are not.
   compare   compare_params / assert_params_close (parameter by parameter), assert_within (an element-wise
             bound), assert_f32_rounding (to float32 rounding), adam_drift_bound, fp32_sum_rtol (tolerances derived
             from the arithmetic, never from one machine's output), same_bits_or_nan
-  memory    peak_rss_bytes / reset_peak_rss / peaks / reset_peaks, model_state_bytes
+  memory    allocation_peak (every allocation through torch's allocators during a call, replayed: its peak),
+            rss_bytes / peak_rss_bytes / reset_peak_rss / peaks / reset_peaks, model_state_bytes
 """
 
 from zkern.testing.compare import (
@@ -29,7 +30,7 @@ from zkern.testing.compare import (
     fp32_sum_rtol,
     same_bits_or_nan,
 )
-from zkern.testing.memory import peak_rss_bytes, reset_peak_rss
+from zkern.testing.memory import AllocationPeak, allocation_peak, peak_rss_bytes, reset_peak_rss, rss_bytes
 from zkern.testing.models import (
     Block,
     Expert,
@@ -59,7 +60,8 @@ from zkern.testing.runs import (
     torch_training_loop,
 )
 
-__all__ = ["Block", "Expert", "MoEBlock", "TinyGPT", "TinyMoE", "TrainSpec", "adam_drift_bound", "assert_within",
+__all__ = ["AllocationPeak", "allocation_peak", "rss_bytes",
+           "Block", "Expert", "MoEBlock", "TinyGPT", "TinyMoE", "TrainSpec", "adam_drift_bound", "assert_within",
            "assert_f32_rounding",
            "assert_params_close", "compare_params", "ddp_run", "engine_run", "engine_training_loop", "fp32_sum_rtol",
            "free_port", "global_batch", "gpt2_load_peak", "hf_gpt2", "init_peer_group", "make_batches", "mean_losses",

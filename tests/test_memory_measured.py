@@ -1,0 +1,105 @@
+"""Memory measured by the machine, not by zkern's books: the allocation meter (zkern.core.measure), the engine's
+memory_report()["measured"], and a stage-3 step at world 2 bounded by what one process of plain torch holds for
+the same model plus two units.
+
+    python -m pytest tests/test_memory_measured.py -q
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zkern
+from zkern.testing import TinyGPT, allocation_peak, spawn
+
+
+def test_the_allocation_meter_replays_every_allocation_and_free():
+    def work():
+        a = torch.empty(1000, dtype=torch.float32)  # 4,000 bytes
+        b = torch.empty(500, dtype=torch.bfloat16)  # 1,000
+        del a  # the peak (5,000) is behind us
+        c = torch.empty(250, dtype=torch.float64)  # 2,000: 3,000 live, under the peak
+        return b, c
+
+    (b, c), m = allocation_peak(work)
+    assert m.peak["cpu"] == 5000 and m.end["cpu"] == 3000 and m.events == 4
+    # a tensor that lives on past the call counts at its end; one freed inside does not
+    _, m = allocation_peak(lambda: torch.empty(10**6).sum())
+    assert m.peak["cpu"] >= 4 * 10**6 and m.end["cpu"] < 64
+
+
+def _report(rank, world):
+    model = TinyGPT()
+    engine = zkern.Engine(model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "device": "cpu"})
+    report = engine.memory_report()
+    engine.destroy()
+    return report
+
+
+def test_memory_report_carries_what_the_machine_measures_beside_the_books():
+    report = spawn(_report, 1)[0]
+    m = report["measured"]
+    assert m["source"] == "process resident set" and m["rss"] > 0 and m["peak_rss"] >= m["rss"]
+    assert m["accounted"] == report["cpu"]["total"] and m["disagreement"] is None
+
+
+def test_books_larger_than_the_machine_are_a_disagreement_named_with_both_figures():
+    from zkern.engine.reporting import measured
+
+    m = measured(torch.device("cpu"), accounted=1 << 50)
+    assert "zkern accounts 1125899906842624 bytes on cpu but the machine holds only" in m["disagreement"]
+
+
+def _stage3_step(rank, world, dim, n_layer):
+    """The increase of bytes torch's CPU allocator holds during one stage-3 step (after one that records the
+    order), and the same for one process of plain torch on the same model, dtype and per-rank batch."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "device": "cpu",
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "reduce_bucket_size": 20_000, "overlap_comm": True,
+                                 # the next unit ahead, no more (the default 5e7 elements would prefetch all of it)
+                                 "stage3_prefetch_bucket_size": 1}}
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=67, dim=dim, n_layer=n_layer, n_head=4, seq=32)
+    plain = TinyGPT(vocab=67, dim=dim, n_layer=n_layer, n_head=4, seq=32).to(torch.bfloat16)
+    plain.load_state_dict(model.state_dict())
+    engine = zkern.Engine(model, cfg)
+    idx = torch.randint(0, 67, (2, 32), generator=torch.Generator().manual_seed(rank))
+
+    def step():
+        loss = engine(idx, idx)
+        engine.backward(loss)
+        engine.step()
+
+    step()
+    _, zk = allocation_peak(step)
+
+    def plain_step():
+        F.cross_entropy(plain(idx).float().reshape(-1, 67), idx.reshape(-1)).backward()
+
+    plain_step()  # gradients exist from here on, as they would in a torch loop's second step
+    for p in plain.parameters():
+        p.grad = None
+    _, pt = allocation_peak(plain_step)
+    units = [u.bucket.padded for u in engine.runtime.units if not u.persistent]
+    psi = sum(p.numel() for p in plain.parameters())
+    engine.destroy()
+    return {"zkern": zk.peak["cpu"], "zkern_end": zk.end["cpu"], "plain": pt.peak["cpu"], "unit_bytes": 2 * max(units),
+            "model_bytes": 2 * psi}
+
+
+@pytest.mark.dist
+def test_a_stage3_step_at_world_2_holds_no_more_than_plain_torch_plus_two_units():
+    # Plain torch's step holds the activations and the whole bf16 gradient. Zkern's stage 3 holds the activations,
+    # at most two gathered units (the one in use and the one prefetched), the gradient of the units whose reduction
+    # is pending, and up to three reduce buckets of 20,000 bf16 elements in flight: never the whole 16-bit model
+    # beside them (before the release freed its storage, every released unit's copy stayed live until its
+    # backward: +2 bytes a parameter).
+    results = spawn(_stage3_step, 2, 128, 6)
+    for rank, r in enumerate(results):
+        buckets = 3 * 20_000 * 2
+        bound = r["plain"] + 2 * r["unit_bytes"] + buckets
+        assert r["zkern"] <= bound, (rank, r, bound)
+        assert r["model_bytes"] > 4 * r["unit_bytes"]  # the bound tells a retained model apart
+        assert r["zkern_end"] <= r["unit_bytes"], (rank, r)  # nothing of the step outlives it but a unit's worth

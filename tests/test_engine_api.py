@@ -150,13 +150,17 @@ def test_misuse_gets_clear_errors():
     with pytest.raises(ValueError, match="no trainable parameters"):
         zkern.Engine(frozen, cfg)
 
-    engine = zkern.Engine(TinyGPT(), base_config(optimizer={"type": "AdamW"}, zero_optimization={"stage": 1}))
+    engine = zkern.Engine(TinyGPT(), base_config(optimizer={"type": "AdamW"}, zero_optimization={"stage": 1},
+                                                 gradient_accumulation_steps=2, train_batch_size=4))
     idx = torch.randint(0, 67, (2, 17))
     with torch.no_grad():
         loss = engine(idx[:, :-1], idx[:, 1:])
     with pytest.raises(ValueError, match="does not require grad"):
         engine.backward(loss)
-    engine.module.zero_grad()  # replaces the engine's gradient views with None
+    # Between steps the gradients are None, as torch leaves them: a torch-style zero_grad there changes nothing.
+    engine.module.zero_grad()
+    engine.backward(engine(idx[:, :-1], idx[:, 1:]))  # the first micro-step of two
+    engine.module.zero_grad()  # mid-accumulation: would drop the gradients the engine accumulates into
     with pytest.raises(RuntimeError, match="was replaced or set to None outside the engine"):
         engine.backward(engine(idx[:, :-1], idx[:, 1:]))
 

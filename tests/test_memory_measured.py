@@ -84,22 +84,76 @@ def _stage3_step(rank, world, dim, n_layer):
     _, pt = allocation_peak(plain_step)
     units = [u.bucket.padded for u in engine.runtime.units if not u.persistent]
     psi = sum(p.numel() for p in plain.parameters())
+    grad_shard = engine.memory_report()["cpu"]["grads"]
     engine.destroy()
     return {"zkern": zk.peak["cpu"], "zkern_end": zk.end["cpu"], "plain": pt.peak["cpu"], "unit_bytes": 2 * max(units),
-            "model_bytes": 2 * psi}
+            "model_bytes": 2 * psi, "grad_shard_bytes": grad_shard}
 
 
 @pytest.mark.dist
 def test_a_stage3_step_at_world_2_holds_no_more_than_plain_torch_plus_two_units():
     # Plain torch's step holds the activations and the whole bf16 gradient. Zkern's stage 3 holds the activations,
     # at most two gathered units (the one in use and the one prefetched), the gradient of the units whose reduction
-    # is pending, and up to three reduce buckets of 20,000 bf16 elements in flight: never the whole 16-bit model
-    # beside them (before the release freed its storage, every released unit's copy stayed live until its
-    # backward: +2 bytes a parameter).
+    # is pending, up to three reduce buckets of 20,000 bf16 elements in flight, and its fp32 gradient shard (made
+    # at the step's first backward, gone at the step): never the whole 16-bit model beside them (before the
+    # release freed its storage, every released unit's copy stayed live until its backward: +2 bytes a parameter).
     results = spawn(_stage3_step, 2, 128, 6)
     for rank, r in enumerate(results):
         buckets = 3 * 20_000 * 2
-        bound = r["plain"] + 2 * r["unit_bytes"] + buckets
+        bound = r["plain"] + 2 * r["unit_bytes"] + buckets + r["grad_shard_bytes"]
         assert r["zkern"] <= bound, (rank, r, bound)
         assert r["model_bytes"] > 4 * r["unit_bytes"]  # the bound tells a retained model apart
         assert r["zkern_end"] <= r["unit_bytes"], (rank, r)  # nothing of the step outlives it but a unit's worth
+        assert r["model_bytes"] > r["grad_shard_bytes"]
+
+
+def _held_between_steps(rank, world, stage, keep):
+    """Train 3 steps with accumulation 2; after each step, the storage bytes of every tensor the engine's state
+    claims (distinct storages, as the allocator holds them) and whether any parameter has a .grad."""
+    from zkern.testing import TrainSpec
+
+    spec = TrainSpec(stage=stage, steps=3, accumulation=2, precision="bf16",
+                     zero={"keep_gradient_buffers": keep, "reduce_bucket_size": 3000})
+    engine = zkern.Engine(spec.make_model(), spec.config(world))
+
+    def storage_bytes():
+        seen = {}
+        for comp in engine.state.components:
+            for t in comp.tensors():
+                s = t.untyped_storage()
+                seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+    held, grads_left = [], []
+    batches = spec.batches(world)
+    for step in range(spec.steps):
+        for micro in range(spec.accumulation):
+            idx, tgt = batches[step][micro][rank]
+            engine.backward(spec.loss(engine, idx, tgt, step, rank))
+            if micro == 0:
+                mid = storage_bytes()  # gradients live between the micro-steps of one accumulation
+            engine.step()
+        held.append((mid, storage_bytes()))
+        grads_left.append(any(p.grad is not None for p in engine.module.parameters()))
+    state = engine.full_state_dict(rank0_only=True)
+    grads = engine.memory_report()["cpu"]["grads"]
+    engine.destroy()
+    return {"held": held, "grads_left": grads_left, "state": state, "grads": grads}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradient_buffers_exist_from_the_first_backward_to_the_step(stage):
+    # torch frees gradients at zero_grad(set_to_none=True); zkern's buffers now come with a step's first backward
+    # and go at the step, so the forward after a step holds none (stage 0 at 1B: 1.6 GiB of bf16); the key
+    # keep_gradient_buffers keeps them, with the same training to the bit
+    freed = spawn(_held_between_steps, 2, stage, False)
+    kept = spawn(_held_between_steps, 2, stage, True)
+    for f, k in zip(freed, kept):
+        assert not any(f["grads_left"]) and f["grads"] == k["grads"] > 0
+        # from the second step on (the first makes the reduction's receive buffers at its boundary)
+        for (mid_f, after_f), (_, after_k) in zip(f["held"][1:], k["held"][1:]):
+            assert after_f == after_k - f["grads"], (stage, after_f, after_k, f["grads"])  # between steps
+            assert mid_f >= after_f + f["grads"]  # inside an accumulation (with reductions' buffers in flight)
+    for name, value in freed[0]["state"].items():
+        assert torch.equal(value, kept[0]["state"][name]), name

@@ -73,6 +73,9 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = False
     stage3_fetch_units: tuple[str, ...] = ()  # module class names: each instance is one fetch unit
     stage3_merge_divergent_modules: bool = True  # ranks gathering different units: gather their container whole
+    # The gradient buffers (stages 0-1: the whole 16-bit gradient; 2-3: the shard) exist from a step's first backward
+    # to the step, as torch's gradients do (zero_grad(set_to_none=True)); true keeps them for the engine's life.
+    keep_gradient_buffers: bool = False
     # ZeRO-Offload: "none" or "cpu" (fp32 master and Adam moments on the host; stages 1-3), and for stage 3 the
     # parameter shards at rest on the host. pin_memory: page-locked host buffers (CUDA only).
     offload_optimizer_device: str = "none"

@@ -31,6 +31,9 @@ def whole(g: FlatGroup, what: str, keep: bool) -> dict[int, torch.Tensor]:
             dtype = torch.float32 if what == "fp32" else g.dtype
             return gather_whole(g.comm, 1, whole_buckets(g, True), lambda i: bucket_of(g, g.param_flat, i),
                                 dtype, device, f"{what} weights", keep)
+        case "grads" if not g.grads_live:  # freed since the last step: every gradient is zero
+            g.ensure_grads()
+            return whole(g, what, keep)
         case "grads" if g.stage == 0:
             return gather_whole(g.comm, 1, whole_buckets(g, True), lambda i: bucket_of(g, g.grad_flat, i),
                                 g.accum_dtype, device, "gradients", keep)
@@ -95,9 +98,9 @@ def grad_values(g: FlatGroup) -> dict:
     """The accumulated gradient as the next step would read it (stage 2's shard only counts once a
     micro-step has been folded into it since the last step)."""
     if g.grad_shard is not None:
-        shard = g.grad_shard if g._micro_since_step else torch.zeros_like(g.grad_shard)
+        shard = g.grad_shard if g._micro_since_step and g.grads_live else torch.zeros_like(g.grad_shard)
         return {"grad_shard": shard, "used": list(g.used)}
-    return {"grad_flat": g.grad_flat, "used": list(g.used)}
+    return {"grad_flat": g.grad_flat if g.grads_live else torch.zeros_like(g.grad_flat), "used": list(g.used)}
 
 
 def weight_tensors(g: FlatGroup) -> list[torch.Tensor]:

@@ -42,6 +42,7 @@ def full_working(rt: Stage3Runtime, rank0_only: bool = False) -> dict[int, torch
 
 def full_grads(rt: Stage3Runtime) -> dict[int, torch.Tensor]:
     """id(trainable parameter) -> the reduced gradient as the optimizer reads it (see Stage12Runtime)."""
+    rt.reducer.ensure_grads()  # freed since the last step: zeros
     grads = whole(rt, rt.grad_shard, rt.grad_shard.dtype, "reduced gradients", True, trainable_only=True)
     return {k: v for k, v in grads.items() if k in {id(p) for p in rt.params}}
 

@@ -26,6 +26,7 @@ import torch
 from zkern.comm.collectives import Comm
 from zkern.comm.divergence import fold_signature
 from zkern.comm.zeropp import FrozenStore, Secondary, quantized_all_gather
+from zkern.core.buffers import release, restore
 from zkern.stage3.lifecycle import DataState, GradState, InvariantError, Unit
 from zkern.stage3.order import OrderRecord
 
@@ -111,11 +112,10 @@ class Gatherer:
         """u's gather buffer, its storage brought back to full size. Every gather of u fills this one storage, so a
         view of it that autograd saved in forward (F.linear saves the weight's transpose, a convolution the weight)
         reads the regathered values in backward instead of keeping the released copy alive beside a second one."""
-        nbytes = u.bucket.padded * self.empty.element_size()
         if u.slot is None:
             u.slot = torch.empty(u.bucket.padded, dtype=self.dtype, device=self.device)
-        elif u.slot.untyped_storage().nbytes() != nbytes:
-            u.slot.untyped_storage().resize_(nbytes)
+        else:
+            restore(u.slot, zero=False)  # every element is written by the all-gather
         return u.slot
 
     def gather(self, u: Unit, *, async_op: bool, exact: bool = False) -> None:
@@ -177,7 +177,7 @@ class Gatherer:
             p.data = self.empty
         # Free the bytes themselves, not just this reference: views autograd saved keep the storage object, which
         # now holds nothing until the next gather of u refills it (the released copy is gone, as FSDP2 frees it).
-        u.slot.untyped_storage().resize_(0)
+        release(u.slot)
         self.live -= u.bucket.padded
         self._unmark_prefetched(u)
         u.rest()

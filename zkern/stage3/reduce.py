@@ -29,6 +29,7 @@ from zkern.comm.collectives import Comm
 from zkern.comm.reducer import BucketReducer
 from zkern.comm.schedule import ReduceSchedule, fold_reduced
 from zkern.comm.zeropp import QuantizedReduce
+from zkern.core.buffers import release, restore
 from zkern.stage3.lifecycle import GradState, Unit
 from zkern.stage3.units import plan_reduce_groups
 
@@ -46,7 +47,8 @@ class ReduceGroup:
 class GradReducer:
     def __init__(self, units: list[Unit], comm: Comm, *, grad_shard: torch.Tensor, comm_dtype: torch.dtype,
                  bucket_numel: int, overlap: bool, reduce_scatter: bool, offsets: dict[int, int],
-                 params: list[torch.nn.Parameter], names: dict[int, str], quantized: QuantizedReduce | None = None):
+                 params: list[torch.nn.Parameter], names: dict[int, str], quantized: QuantizedReduce | None = None,
+                 keep_grads: bool = False):
         """offsets: id(parameter) -> offset inside its unit; params: the trainable parameters, in the order of the
         `used` flags the engine's step control reduces; quantized: qgZ's two-hop int4 reduction (zeropp.py)."""
         self.units, self.comm, self.grad_shard, self.comm_dtype = units, comm, grad_shard, comm_dtype
@@ -62,6 +64,10 @@ class GradReducer:
         self._trainable_index = {id(p): i for i, p in enumerate(params)}
         self.used = [False] * len(params)
         self.micro_since_step = 0
+        # The fp32 gradient shard exists from the first backward after a step to the step (ensure_grads,
+        # free_grads), unless zero_optimization.keep_gradient_buffers; its tensor stays for the optimizer's views.
+        self.keep_grads = keep_grads
+        self.grads_live = True  # the runtime frees it once the optimizer's views of it exist
         self._may_block = True
         self.on_complete = None  # callback(unit): its gradients are complete (the runtime frees its data)
 
@@ -82,7 +88,18 @@ class GradReducer:
         return out
 
     # -- backward ---------------------------------------------------------------------------------------------
+    def ensure_grads(self) -> None:
+        """The gradient shard back, zeroed (a backward begins, or a step or a read finds it freed)."""
+        if not self.grads_live:
+            restore(self.grad_shard, zero=True)
+            self.grads_live = True
+
+    def free_grads(self) -> None:
+        release(self.grad_shard)
+        self.grads_live = False
+
     def begin_backward(self) -> None:
+        self.ensure_grads()
         # Waiting for a reduction inside backward is safe only while every rank runs the same modules: then each
         # rank completes a group at the same point of the (shared) sequence of all-gathers. Once ranks run different
         # modules (divergent units), a rank blocked on a reduction could be the one whose all-gather another rank
@@ -203,6 +220,10 @@ class GradReducer:
     def zero_grad(self) -> None:
         self.micro_since_step = 0
         self.used = [False] * len(self.used)
+        if self.keep_grads:
+            self.grad_shard.zero_()
+        else:
+            self.free_grads()
 
     def buffer_bytes(self) -> int:
         return sum(g.buffer.numel() * g.buffer.element_size() for g in self.groups if g.buffer is not None)

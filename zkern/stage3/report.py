@@ -28,7 +28,7 @@ def state_components(rt: Stage3Runtime) -> list[Component]:
 
     def gradients() -> dict:
         r = rt.reducer
-        shard = rt.grad_shard if r.micro_since_step else torch.zeros_like(rt.grad_shard)
+        shard = rt.grad_shard if r.micro_since_step and r.grads_live else torch.zeros_like(rt.grad_shard)
         return host_copy({"grad_shard": shard, "used": list(r.used)})
 
     def derived() -> list[torch.Tensor]:

@@ -93,7 +93,7 @@ class Stage3Runtime:
                                    overlap=spec.overlap, reduce_scatter=spec.reduce_scatter, offsets=self._offset,
                                    params=self.params,
                                    names={id(p): n for p, n in zip(self.all_params, self.all_names)},
-                                   quantized=self.quantized_reduce)
+                                   quantized=self.quantized_reduce, keep_grads=zero.keep_gradient_buffers)
         self.reducer.on_complete = self.hooks.on_complete
         self._handles = [p.register_post_accumulate_grad_hook(self.reducer.on_grad) for p in self.params]
         self._unguarded = False
@@ -102,6 +102,8 @@ class Stage3Runtime:
                 self._handles.append(module.register_state_dict_pre_hook(self._state_dict_guard))
                 self._handles.append(module.register_load_state_dict_pre_hook(self._load_guard))
         self.shard_groups = layout.make_shard_groups(self, groups)
+        if not zero.keep_gradient_buffers:  # until the first backward (its chunk views exist now)
+            self.reducer.free_grads()
         register_owner(self.all_params, self)
 
     # -- the pass ---------------------------------------------------------------------------------------------
@@ -142,6 +144,7 @@ class Stage3Runtime:
         return [[flags[i] for i in per_group] for per_group in self._pieces_param]
 
     def grad_segments(self) -> list[torch.Tensor]:
+        self.reducer.ensure_grads()  # a step with no backward since the last finds zeros
         return [self.grad_shard]
 
     def gather_signature(self) -> int:

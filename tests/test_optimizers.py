@@ -147,3 +147,21 @@ def test_unknown_or_missing_optimizers_say_what_to_use():
         zkern.Config.load({**cfg, "optimizer": {"type": "Adamm"}})
     with pytest.raises(zkern.ConfigError, match="unknown config key 'optimizer.params.momentun'; did you mean"):
         zkern.Config.load({**cfg, "optimizer": {"type": "SGD", "params": {"momentun": 0.9}}})
+
+
+def test_lamb_steps_piece_by_piece_without_a_copy_of_the_shard():
+    """Lamb's update of every piece was kept at once (a full fp32 copy of the shard, plus float64 copies for the
+    norms and a host read per piece); now one piece's temporaries at a time, measured by the allocator."""
+    from zkern.optim.lamb_lion import Lamb
+    from zkern.testing import allocation_peak
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(100_000)) for _ in range(10)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = Lamb(params, lr=1e-3, weight_decay=0.01)
+    opt.step()  # the moments exist from here on
+    _, m = allocation_peak(opt.step)
+    piece = 100_000 * 4
+    assert m.peak["cpu"] <= 4 * piece, m  # a few temporaries of one piece, never ten pieces' updates
+    assert len(opt.lamb_coeffs) == 10 and all(0.01 <= c <= 10.0 for c in opt.lamb_coeffs)

@@ -271,7 +271,7 @@ def attach_layout(optimizer: torch.optim.Optimizer, runtime, comm: Comm, stage: 
         return
     owner = [[index for index, _, _ in group] for group in runtime.shard_map().pieces]
 
-    def reduce(sums: torch.Tensor) -> None:  # a host tensor: zkern's groups take those over gloo on a GPU too
+    def reduce(sums: torch.Tensor) -> None:  # on the shard's device (nccl on a GPU, gloo on a host)
         comm.all_reduce(sums, "Lamb's per-parameter squared norms", kind="control")
 
     optimizer.set_layout(owner, len(runtime.params), reduce if stage > 0 and comm.world > 1 else None)

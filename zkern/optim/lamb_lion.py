@@ -60,58 +60,64 @@ class Lamb(torch.optim.Optimizer):
             self.owner.append(list(range(self.count, self.count + len(g["params"]))))
             self.count += len(g["params"])
         self.reduce: Callable[[torch.Tensor], None] | None = None
-        self.lamb_coeffs: list[float] = []
+        self._coeffs: list[torch.Tensor] = []
 
     def set_layout(self, owner: list[list[int]], count: int, reduce: Callable[[torch.Tensor], None] | None) -> None:
         """owner[group][piece]: the parameter (an index below count, the same on every rank) the piece belongs to;
         reduce: sums a float64 vector over the ranks in place."""
         self.owner, self.count, self.reduce = owner, count, reduce
 
+    @staticmethod
+    def _update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict) -> torch.Tensor:
+        return m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
+
     @torch.no_grad()
     def step(self, closure=None):
+        """Two passes over the pieces: the moments and the squared norms (summed on the device, then over the ranks),
+        then each piece's update computed again and applied with its parameter's coefficient. No copy of the shard
+        beside it (one piece's update at a time) and no host synchronisation: the coefficients stay on the device
+        (lamb_coeffs reads them, DeepSpeed's get_lamb_coeffs)."""
         if closure is not None:
             raise ValueError("zkern's Lamb takes no closure")
         count = self.count
-        sums = torch.zeros(2 * count, dtype=torch.float64)  # ||w||^2 then ||u||^2 per parameter
-        updates = []
-        for group, owners in zip(self.param_groups, self.owner):
+        pieces = [(group, p, owner) for group, owners in zip(self.param_groups, self.owner)
+                  for p, owner in zip(group["params"], owners) if p.grad is not None]
+        if not pieces:
+            self._coeffs = []
+            return None
+        sums = torch.zeros(2 * count, dtype=torch.float64, device=pieces[0][1].device)  # ||w||^2 then ||u||^2
+        for group, p, owner in pieces:
             b1, b2 = group["betas"]
-            for p, owner in zip(group["params"], owners):
-                if p.grad is None:
-                    updates.append(None)
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(b1).add_(p.grad, alpha=1 - b1)
-                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
-                sums[owner] += float(p.double().pow(2).sum())
-                sums[count + owner] += float(u.double().pow(2).sum())
-                updates.append(u)
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.mul_(b1).add_(p.grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            sums[owner] += torch.linalg.vector_norm(p).double().square()
+            sums[count + owner] += torch.linalg.vector_norm(self._update(p, m, v, group)).double().square()
         if self.reduce is not None:
             self.reduce(sums)
-        del self.lamb_coeffs[:]
-        k = 0
-        for group, owners in zip(self.param_groups, self.owner):
+        norms = sums.sqrt()
+        self._coeffs = []
+        for group, p, owner in pieces:
             b1, b2 = group["betas"]
-            for p, owner in zip(group["params"], owners):
-                u = updates[k]
-                k += 1
-                if u is None:
-                    continue
-                t = int(self.state[p]["step"])
-                step_size = group["lr"]
-                if group["bias_correction"]:
-                    step_size = group["lr"] * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-                w_norm, u_norm = math.sqrt(sums[owner]), math.sqrt(sums[count + owner])
-                coeff = 1.0
-                if w_norm != 0 and u_norm != 0:
-                    coeff = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
-                self.lamb_coeffs.append(coeff)
-                p.add_(u, alpha=-step_size * coeff)
+            t = int(self.state[p]["step"])
+            step_size = group["lr"]
+            if group["bias_correction"]:
+                step_size = group["lr"] * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+            w_norm, u_norm = norms[owner], norms[count + owner]
+            ratio = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
+            coeff = torch.where((w_norm != 0) & (u_norm != 0), ratio, torch.ones_like(ratio))  # 1 where either is 0
+            self._coeffs.append(coeff)
+            m, v = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]
+            p.addcmul_(self._update(p, m, v, group), coeff.to(p.dtype), value=-step_size)
         return None
+
+    @property
+    def lamb_coeffs(self) -> list[float]:
+        """The trust ratio each piece stepped with in the last step (a host read of the device values)."""
+        return [float(c) for c in getattr(self, "_coeffs", [])]

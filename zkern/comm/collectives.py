@@ -192,13 +192,17 @@ class ScratchPool:
     allocation per reduction would fault its pages in every time. Shared by a Comm and its siblings; it holds no more
     buffers than were in flight at once, each as large as the largest reduction it served. memory_report counts it
     under comm_buffers; the state registry claims it as scratch. A reduction forgotten without a wait (a backward
-    that raised) keeps its buffer lent for good: its transfer may still be writing into it."""
+    that raised) gives its buffer back once its transfer is over, which the next take checks: before, such buffers
+    stayed lent for good, and a loop that caught a failed backward and tried again grew the pool every time."""
 
     def __init__(self):
         self.free: list[torch.Tensor] = []
         self.lent: list[torch.Tensor] = []
+        self.orphaned: list[tuple[torch.Tensor, object]] = []  # (buffer, the abandoned transfer's handle)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.free += [buf for buf, handle in self.orphaned if handle.is_completed()]
+        self.orphaned = [(buf, handle) for buf, handle in self.orphaned if not handle.is_completed()]
         fits = [i for i, t in enumerate(self.free) if t.dtype == dtype and t.device == device and t.numel() >= numel]
         if fits:
             buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
@@ -213,8 +217,13 @@ class ScratchPool:
         i = next(i for i, t in enumerate(self.lent) if t.data_ptr() == view.data_ptr())
         self.free.append(self.lent.pop(i))
 
+    def abandon(self, view: torch.Tensor, handle) -> None:
+        """The transfer into view was forgotten: its buffer is free again once handle says it completed."""
+        i = next(i for i, t in enumerate(self.lent) if t.data_ptr() == view.data_ptr())
+        self.orphaned.append((self.lent.pop(i), handle))
+
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.free, *self.lent]
+        return [*self.free, *self.lent, *(buf for buf, _ in self.orphaned)]
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
@@ -230,10 +239,21 @@ class Work:
 
     timing: tuple | None = None  # (kind, bytes, start) while timed (the comms logger, wall_clock_breakdown)
     finish: Callable[[], None] | None = None  # this rank's part once the transfer arrived (a reduce-scatter's sum)
+    scratch: torch.Tensor | None = None  # the pool's receive buffer the transfer writes into (host reduce-scatter)
 
     def done(self) -> bool:
         """Has it completed (without waiting)?"""
         return self.handle is None or self.handle.is_completed()
+
+    def abandon(self) -> None:
+        """Forget this collective without using what it delivers (a backward that raised): nothing of finish runs,
+        and its receive buffer goes back to the pool when the transfer is over (now, or at a later take)."""
+        if self.scratch is not None:
+            if self.handle is None:
+                self.comm.scratch.give(self.scratch)
+            else:
+                self.comm.scratch.abandon(self.scratch, self.handle)
+        self.handle = self.finish = self.timing = self.scratch = None
 
     def wait(self) -> None:
         if self.handle is None:
@@ -404,9 +424,10 @@ class Comm:
         def finish() -> None:  # section [rank] of every rank, summed in rank order (out may be inp's own section)
             torch.sum(received.view(self.world, -1), dim=0, out=out)
             self.scratch.give(received)
+            work.scratch = None
 
         if async_op:
-            work.finish = finish
+            work.finish, work.scratch = finish, received
         else:
             finish()
         return work

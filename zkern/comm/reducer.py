@@ -61,8 +61,15 @@ class BucketReducer:
             self.retire_oldest()
 
     def clear(self) -> None:
-        """Forget every reduction in flight without retiring it (backward raised: nothing of it is used)."""
+        """Forget every reduction in flight without retiring it (backward raised: nothing of it is used); their
+        receive buffers go back to the pool as their transfers end."""
+        for work, _, _ in self._in_flight:
+            work.abandon()
         self._in_flight.clear()
+
+    def held_count(self) -> int:
+        """Reductions in flight that keep a buffer alive."""
+        return sum(1 for _, _, buf in self._in_flight if buf is not None)
 
     def held(self) -> list[torch.Tensor]:
         """The buffers reductions in flight keep alive."""

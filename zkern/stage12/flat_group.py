@@ -278,6 +278,16 @@ class FlatGroup:
         self._buffer_count += 1
         return torch.empty(self._bucket_capacity, dtype=self.comm_dtype, device=self.param_flat.device)
 
+    def abort_backward(self) -> None:
+        """loss.backward() raised: forget this pass's reductions without folding them (a later drain would have
+        added them into the gradient shard), keep the bucket buffers not yet launched, and let the pool take the
+        receive buffers back as their transfers end. A buffer an abandoned reduction still reads is dropped."""
+        dropped = self.reducer.held_count()
+        self.reducer.clear()
+        self._free_buffers += self._open.values()
+        self._open.clear()
+        self._buffer_count -= dropped
+
     def end_backward(self) -> None:
         """Wait for every collective of this backward (the runtime launched the rest)."""
         self.reducer.drain()

@@ -172,7 +172,11 @@ class Stage12Runtime:
         """The model raised inside forward: stages 0-2 hold nothing per pass."""
 
     def abort_backward(self) -> None:
-        """loss.backward() raised: the next backward starts over (begin_backward resets the pass state)."""
+        """loss.backward() raised: the reductions it launched are forgotten, and the next backward starts over
+        (begin_backward resets the pass state)."""
+        for g in self.groups:
+            g.abort_backward()
+        self._reducing = False
 
     def gather_signature(self) -> int:
         """Stages 0-2 gather no parameters during the passes: nothing for the step's control to compare."""

@@ -9,7 +9,10 @@ zkern2-offload       stage 2 with offload_optimizer cpu (the host Adam; gradient
 zkern3-offload       stage 3 with offload_optimizer and offload_param cpu
 ddp, ddp-fused       fp32 parameters under torch.autocast(bf16), torch.optim.AdamW with its defaults (foreach) or
                      fused=True; wrapped in DistributedDataParallel at world > 1 (one rank: the plain model)
+zero1                DDP + torch's ZeroRedundancyOptimizer(AdamW) (stage 1's stock peer), AdamW as `ddp`
 fsdp2, fsdp2-fused   FSDP2 fully_shard on each block and the root, MixedPrecisionPolicy(bf16), the same two AdamWs
+fsdp2-zero2          FSDP2 with reshard_after_forward=False (ZeRO-2's traffic and memory), AdamW as `ddp`
+deepspeed0..3        deepspeed.initialize at that stage with the same config (bf16, its own Adam), where installed
 torch-mixed          zkern's arithmetic written in torch: bf16 weights and gradients, an fp32 master copy stepped
                      by AdamW(fused=True) and copied back (like compared with like, without zkern)
 """
@@ -26,7 +29,14 @@ from zkern.testing import TrainSpec, init_peer_group, rank_device
 OFFLOAD = {"zkern2-offload": (2, {"offload_optimizer": {"device": "cpu", "pin_memory": True}}),
            "zkern3-offload": (3, {"offload_optimizer": {"device": "cpu", "pin_memory": True},
                                   "offload_param": {"device": "cpu", "pin_memory": True}})}
-NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *OFFLOAD, "ddp", "ddp-fused", "fsdp2", "fsdp2-fused", "torch-mixed")
+NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *OFFLOAD, "ddp", "ddp-fused", "zero1", "fsdp2", "fsdp2-fused",
+         "fsdp2-zero2", "torch-mixed", "deepspeed0", "deepspeed1", "deepspeed2", "deepspeed3")
+
+
+def deepspeed_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 def make_model(spec: TrainSpec) -> torch.nn.Module:
@@ -53,6 +63,23 @@ class ZkernSystem:
 
     def close(self):
         self.engine.destroy()
+
+
+class DeepSpeedSystem(ZkernSystem):
+    """DeepSpeed's engine at the spec's stage: its forward, backward and step are zkern's calls too."""
+
+    def __init__(self, spec: TrainSpec, world: int):
+        import deepspeed
+
+        from bench.peers import deepspeed_config
+
+        model = make_model(spec).cpu()
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=deepspeed_config(spec, world))
+        self.spec = spec
+
+    def close(self):
+        pass
 
 
 class TorchSystem:
@@ -128,10 +155,26 @@ def build(name: str, spec: TrainSpec, world: int):
         if spec.stage == 3:
             spec = dataclasses.replace(spec, zero={"stage3_fetch_units": ["Block"], **spec.zero})
         return ZkernSystem(spec, world)
-    if world > 1 or name.startswith("fsdp2"):
+    if name.startswith("deepspeed"):
+        return DeepSpeedSystem(dataclasses.replace(spec, stage=int(name[-1])), world)
+    if world > 1 or name.startswith(("fsdp2", "zero1")):
         init_peer_group(spec)
     bf16 = spec.precision == "bf16"
+    fused = True if name.endswith("-fused") else None
+    if device.type == "cuda" and name in ("zero1", "fsdp2-zero2"):
+        fused = True  # as the bench's peers run on a GPU (peers._fused)
     match name:
+        case "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = make_model(spec)
+            params = [p for p in model.parameters() if p.requires_grad]
+            wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
+                if world > 1 else model
+            opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=spec.lr,
+                                          weight_decay=spec.weight_decay, fused=fused)
+            return TorchSystem(spec, wrapped, params, opt, autocast=bf16)
         case "ddp" | "ddp-fused":
             model = make_model(spec)
             params = [p for p in model.parameters() if p.requires_grad]
@@ -143,18 +186,18 @@ def build(name: str, spec: TrainSpec, world: int):
             opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay,
                                     fused=True if name == "ddp-fused" else None)
             return TorchSystem(spec, wrapped, params, opt, autocast=bf16)
-        case "fsdp2" | "fsdp2-fused":
+        case "fsdp2" | "fsdp2-fused" | "fsdp2-zero2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             model = make_model(spec)
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else \
                 MixedPrecisionPolicy()
+            reshard = name != "fsdp2-zero2"
             for block in model.blocks:
-                fully_shard(block, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
+                fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
             params = [p for p in model.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay,
-                                    fused=True if name == "fsdp2-fused" else None)
+            opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, fused=fused)
             return TorchSystem(spec, model, params, opt, autocast=False)
         case "torch-mixed":
             if not bf16:

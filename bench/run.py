@@ -46,6 +46,7 @@ from bench import (  # noqa: E402
     gpu_suite,
     hf_suite,
     kernels_suite,
+    memory_suite,
     nvme_suite,
     paired_suite,
     peers,
@@ -54,7 +55,7 @@ from bench import (  # noqa: E402
 
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
           "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite, "gpu-static": gpu_static_suite,
-          "gpu": gpu_suite, "bf16-state": bf16_state_suite, "paired": paired_suite}
+          "gpu": gpu_suite, "bf16-state": bf16_state_suite, "paired": paired_suite, "memory": memory_suite}
 # --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name
 MEASURED = [name for name in SUITES if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state", "paired")]
 
@@ -155,6 +156,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             record = bf16_state_suite.run(args.model or "small", args.steps)
         elif suite == "gpu-static":
             record = gpu_static_suite.run()
+        elif suite == "memory":
+            record = memory_suite.run(args.stage, args.world, args.model or "small", wanted,
+                                      progress=lambda line: print(line, file=sys.stderr, flush=True))
         elif suite == "gpu":
             record = gpu_suite.run(dry_run=args.dry_run)
         elif suite == "nvme":
@@ -186,12 +190,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         engine = [r for r in records if r["suite"] == "engine"]
         scale = [r for r in records if r["suite"] == "scale"]
+        memory = [r for r in records if r["suite"] == "memory"]
         if scale:
             scale_suite.plot(scale[0], args.plot)
         elif engine:
             plot.plot(engine[0], args.plot)
+        elif memory:
+            memory_suite.plot(memory[0], args.plot)
         else:
-            parser.error("--plot draws the engine or the scale suite; run one of them")
+            parser.error("--plot draws the engine, scale or memory suite; run one of them")
         print(f"wrote {args.plot}")
     step_failures = [line for r in records if r["suite"] in ("gpu-static", "gpu") for line in r["failures"]]
     if step_failures:

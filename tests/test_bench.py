@@ -13,6 +13,7 @@ import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+import zkern  # noqa: E402
 from bench import engine_suite, flops, gates, run  # noqa: E402
 from bench.engine_suite import required_bytes_per_step  # noqa: E402
 from zkern import ops  # noqa: E402
@@ -474,3 +475,29 @@ def test_gpu_static_finds_products_contracted_into_the_quantized_sum(monkeypatch
     monkeypatch.setattr(cuda, "NVCC_FLAGS", tuple(f for f in cuda.NVCC_FLAGS if f != "--fmad=false"))
     contracted = sum_only_ffma()
     assert len(contracted) == 2 and min(contracted) > 0, contracted
+
+
+def test_memory_suite_measures_every_system_of_a_stage_and_gates_on_the_ratios():
+    """--suite memory on the tiny GPT: each system's peak replayed from the allocator, the formula beside it, the
+    ratios the CI gates read; a record whose stage-3 peak doubled fails its gate."""
+    from bench import memory_suite
+
+    rec = memory_suite.run([0, 3], 2, "tiny", wanted_peers=[], progress=lambda line: None)
+    assert [st["stage"] for st in rec["stages"]] == [0, 3]
+    assert set(rec["stages"][0]["systems"]) == {"zkern0", "ddp"} and set(rec["stages"][1]["systems"]) == {
+        "zkern3", "fsdp2"}
+    for st in rec["stages"]:
+        assert st["formula_bytes"] == zkern.estimate_memory(rec["params"], 2, st["stage"])["total"]
+        for s in st["systems"].values():
+            # every system holds at least its model states (the formula's at stage 0: unsharded everywhere)
+            assert s["peak_bytes_per_rank"] > 0 and s["step_s"] > 0
+        assert st["systems"]["zkern0" if st["stage"] == 0 else "zkern3"]["peak_bytes_per_rank"] >= \
+            st["formula_bytes"] * 0.9
+    assert rec["activation_bytes"] > 0
+    assert set(rec["ratios"]) >= {"stage0_peak_over_ddp", "stage3_peak_over_fsdp2",
+                                  "stage3_peak_over_formula_plus_activations"}
+    committed = gates.load(str(GATES))
+    twice = 2 * rec["ratios"]["stage3_peak_over_fsdp2"]
+    doubled = {**rec, "ratios": {**rec["ratios"], "stage3_peak_over_fsdp2": twice}}
+    assert any("stage3_peak_over_fsdp2" in f for f in gates.check(doubled, committed))
+    assert "formula" in memory_suite.table(rec)

@@ -92,7 +92,8 @@ def _retained(rank: int, world: int, arch: str, zero: dict, precision: str, tmp:
     if "offload_param" in zero and zero["offload_param"].get("device") == "nvme":
         zero = {**zero, "offload_param": {**zero["offload_param"], "nvme_path": f"{tmp}/rank{rank}"}}
     model, loss_of = _model_and_batch(arch, rank, precision)
-    engine = zkern.Engine(model, _config(zero, precision))
+    top = {"ranks_per_node": zero.pop("ranks_per_node")} if "ranks_per_node" in zero else {}
+    engine = zkern.Engine(model, {**_config(zero, precision), **top})
     units = [u for u in engine.runtime.units if not u.persistent]
     owner = {id(p): u for u in units for p in u.plan.params}
     unit_bytes = max(u.bucket.padded for u in units) * (2 if precision == "bf16" else 4)
@@ -154,6 +155,14 @@ def test_released_units_leave_no_storage_behind_in_autograd(case, tmp_path):
 
 def _engine_runs(rank, world, specs):
     return [engine_run(rank, world, s) for s in specs]
+
+
+@pytest.mark.dist
+def test_hpz_units_gathered_from_the_secondary_copy_leave_no_storage_behind(tmp_path):
+    # world 4 as two nodes of two: after the first step every gather comes from hpZ's secondary partition
+    results = spawn(_retained, 4, "gpt", {"zero_hpz_partition_size": 2, "ranks_per_node": 2}, "bf16", str(tmp_path))
+    for rank, r in enumerate(results):
+        assert r["saved_params"] > 0 and max(r["held"]) <= 2 * r["unit_bytes"], (rank, r["held"], r["unit_bytes"])
 
 
 @pytest.mark.dist

@@ -1,6 +1,8 @@
 """The engine's contract beyond plain equivalence: client optimizers and schedulers, misuse errors, and a
 dead or stalled rank ending the job with an error that names it."""
 
+import dataclasses
+import os
 import time
 
 import pytest
@@ -337,3 +339,71 @@ def test_no_gloo_thread_outlives_the_exit_hooks(tmp_path, who):
     for rank in range(2):
         with open(f"{out}.{rank}") as f:
             assert int(f.read()) == 0, f"rank {rank}: a group's gloo threads alive after zkern's exit hooks"
+
+
+def _call_orders(rank, world, stage):
+    """Three ways into a step, each against the engine that should equal it; and loss.backward() refused."""
+    from zkern.testing import TrainSpec
+
+    spec = TrainSpec(stage=stage, steps=4, accumulation=1, lr=1e-2)
+    out = {}
+    b = spec.batches(world)
+
+    def engine(accumulation=1):
+        torch.manual_seed(spec.seed)
+        return zkern.Engine(spec.make_model(), dataclasses.replace(spec, accumulation=accumulation).config(world))
+
+    def batch(step):
+        return b[step][0][rank]
+
+    # a loop that drops a bad batch: backward, zero_grad, then the good batch's backward and the step
+    dropped, clean = engine(), engine()
+    dropped.backward(dropped(*batch(0)))
+    dropped.zero_grad()
+    dropped.backward(dropped(*batch(1)))
+    dropped.step()
+    clean.backward(clean(*batch(1)))
+    clean.step()
+    out["dropped"] = (dropped.full_state_dict(), clean.full_state_dict())
+    # zero_grad after micro-step 2 of 4: the step comes at micro-step 4, with micro-steps 3-4's gradients
+    mid, zeros = engine(4), engine(4)
+    for k in range(4):
+        mid.backward(mid(*batch(k)))
+        if k == 1:
+            mid.zero_grad()
+        mid.step()
+        zeros.backward(zeros(*batch(k)) * (0.0 if k < 2 else 1.0))
+        zeros.step()
+    out["mid"] = (mid.full_state_dict(), zeros.full_state_dict(), mid.global_steps, zeros.global_steps)
+    # loss.backward() instead of engine.backward(loss): an error that names the call to make, at every stage
+    plain = engine()
+    try:
+        plain(*batch(0)).backward()
+        out["plain_backward"] = None
+    except RuntimeError as e:
+        out["plain_backward"] = str(e)
+    # a checkpoint right after a backward, before its step
+    late = engine()
+    late.backward(late(*batch(0)))
+    try:
+        late.save_checkpoint(f"/tmp/zkern-call-orders-{os.getpid()}")
+        out["save"] = None
+    except zkern.CheckpointError as e:
+        out["save"] = str(e)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_grad_drops_what_a_backward_left_and_loss_backward_is_refused(stage):
+    for r in spawn(_call_orders, 2, stage):
+        dropped, clean = r["dropped"]
+        for name in clean:
+            assert torch.equal(dropped[name], clean[name]), name
+        mid, zeros, mid_steps, zero_steps = r["mid"]
+        assert mid_steps == zero_steps == 1
+        for name in zeros:
+            assert torch.equal(mid[name], zeros[name]), name
+        assert r["plain_backward"] is not None and "engine.backward(loss) instead of loss.backward()" in \
+            r["plain_backward"]
+        assert r["save"] is not None and "a backward whose engine.step() has not run" in r["save"]

@@ -135,8 +135,10 @@ def test_initialize_without_training_data_and_the_module_contract():
     engine.backward(engine(torch.randn(2, 8)).sum())
     engine.step()
     assert engine.pending_micro_steps == 1 and engine.is_gradient_accumulation_boundary()
-    engine.zero_grad()  # mid-accumulation: drops what backward accumulated, as torch's zero_grad does
-    assert engine.pending_micro_steps == 0 and not engine.is_gradient_accumulation_boundary()
+    engine.zero_grad()  # mid-accumulation: drops what backward accumulated, as torch's zero_grad does, and the
+    # accumulation keeps counting, as DeepSpeed's does: the next micro-step still ends it
+    assert engine.pending_micro_steps == 1 and engine.is_gradient_accumulation_boundary()
+    assert all(p.grad is None for p in engine.module.parameters())
     client = zkern.initialize(model=Net(), config={"train_batch_size": 2},
                               optimizer=lambda params: torch.optim.SGD(params, lr=0.1))[1]
     assert isinstance(client, torch.optim.SGD)

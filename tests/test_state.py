@@ -92,7 +92,7 @@ def registry_worker(rank: int, world: int, specs: dict, root: str) -> dict:
         train(saver, spec, 0, 3, rank, world)
         micro_step(saver, spec, 3, 0, rank, world)  # gradients accumulated: the walk sees them too
         unclaimed = unclaimed_tensors(saver)
-        saver.zero_grad()
+        saver.state.reset("transient")  # the partial accumulation goes, its count too (zero_grad keeps the count)
         saved = saver.state.snapshot(*RESTORED)
         saver.save_checkpoint(ckpt)
         fresh = build(spec, world)

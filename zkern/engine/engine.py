@@ -107,6 +107,7 @@ class Engine(torch.nn.Module):
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.micro_steps = 0
         self.pending_micro_steps = 0  # micro-steps accumulated since the last optimizer step
+        self.backward_unstepped = False  # a backward ran whose step() has not (its gradients are held)
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word, else the count decides
         self.global_steps = 0
         self.skipped_steps = 0
@@ -145,15 +146,21 @@ class Engine(torch.nn.Module):
         self._boundary = is_boundary
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """step() clears the gradients it applied, so after a step this does nothing; mid-accumulation it drops
-        the gradients accumulated since the last step, as torch's zero_grad does."""
-        if self.pending_micro_steps:
-            self.state.reset("transient")
+        """Drop the gradients held since the last optimizer step, as torch's zero_grad does: a backward whose step()
+        has not run (a loop that skips a bad batch), or the micro-steps of an accumulation so far. The accumulation
+        keeps counting, as DeepSpeed's does: zero_grad after micro-step 2 of 4 steps at micro-step 4 with micro-steps
+        3-4's gradients. step() clears what it applied, so right after a step this does nothing."""
+        if self.pending_micro_steps or self.backward_unstepped:
+            self.runtime.zero_grad()
+            self.runtime.skipped_step()  # qgZ's LoCo: the errors of the dropped reductions go with them
+            self.reporter.losses.clear()
+            self.backward_unstepped = False
 
     def _reset_accumulation(self) -> None:
         """No micro-step accumulated, and the accumulation boundary back to counting (the registry's reset)."""
         self.pending_micro_steps = 0
         self._boundary = None
+        self.backward_unstepped = False
 
     def gathered_for_generation(self):
         """Stage 3: gather every unit once and keep it whole until the block ends (a collective on entry and exit),
@@ -209,11 +216,13 @@ class Engine(torch.nn.Module):
                 self.runtime.abort_backward()  # stage 3: release what the failed pass held; nothing is reduced
                 raise
             self.runtime.end_backward()
+        self.backward_unstepped = True
 
     def step(self) -> None:
         """At the accumulation boundary: overflow check, clipping, optimizer, loss-scale and LR update.
         Between boundaries: a no-op (gradients keep accumulating)."""
         boundary = self.is_gradient_accumulation_boundary()
+        self.backward_unstepped = False
         self.micro_steps += 1
         self.pending_micro_steps += 1
         if not boundary:
@@ -268,11 +277,12 @@ class Engine(torch.nn.Module):
         the next save or load waits for it, and its error surfaces there). Returns the tag's directory."""
         from zkern.errors import CheckpointError
 
-        if self.pending_micro_steps:
+        if self.pending_micro_steps or self.backward_unstepped:
+            where = (f"micro-step {self.pending_micro_steps} of an accumulation of {self.gradient_accumulation_steps}"
+                     if self.pending_micro_steps else "a backward whose engine.step() has not run")
             raise CheckpointError(
-                f"save_checkpoint at micro-step {self.pending_micro_steps} of an "
-                f"accumulation of {self.gradient_accumulation_steps}: the gradients accumulated since the last "
-                f"optimizer step are not part of a checkpoint; save after the engine.step() that ends an accumulation")
+                f"save_checkpoint after {where}: the gradients held since the last optimizer step are not part of a "
+                f"checkpoint; save after the engine.step() that ends an accumulation")
         return self._write_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
 
     def _write_checkpoint(self, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool,

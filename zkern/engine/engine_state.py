@@ -28,7 +28,8 @@ def build_registry(engine) -> StateRegistry:
     registry.add(_counters(engine))
     registry.add(Component("accumulation", "transient", reset=engine._reset_accumulation,
                            snapshot=lambda: {"pending_micro_steps": engine.pending_micro_steps,
-                                             "boundary": engine._boundary}))
+                                             "boundary": engine._boundary,
+                                             "backward_unstepped": engine.backward_unstepped}))
     registry.add(_generators(engine))
     registry.add(Component("reporter.losses", "transient", reset=lambda: engine.reporter.losses.clear(),
                            tensors=lambda: list(engine.reporter.losses)))

@@ -78,6 +78,7 @@ class Stage12Runtime:
                                        sorted(range(len(self._slots)), key=lambda k: -latest[k]), comm,
                                        self.groups[0].param_flat.device)
         self._reducing = False
+        self._in_pass = False  # inside engine.backward (begin_backward to end_backward)
         self._handles = []
         for g in self.groups:
             for i, p in enumerate(g.params):
@@ -106,6 +107,10 @@ class Stage12Runtime:
         return hook
 
     def _on_grad(self, g: FlatGroup, i: int, p: torch.Tensor) -> None:
+        if not self._in_pass:  # loss.backward() instead of engine.backward(loss): no scaling, no reduction
+            raise RuntimeError(f"zkern stage {self.stage}: '{g.names[i]}' received a gradient outside "
+                               f"engine.backward(loss); call engine.backward(loss) instead of loss.backward(), so the "
+                               f"gradient is scaled and reduced across ranks")
         slot = self._slot0[id(g)] + g.bucket_of[i].index
         if self._reducing and self.schedule.launched(slot):
             if g.fired[i]:
@@ -130,6 +135,7 @@ class Stage12Runtime:
         """Stage 2 reduces every micro-step, stages 0-1 at the boundary. Parameters no module of which ran forward
         count as complete now: their gradient is zero in this backward."""
         self._reducing = self.stage == 2 or boundary
+        self._in_pass = True
         for g in self.groups:
             g.begin_backward()
         if not self._reducing:
@@ -150,7 +156,7 @@ class Stage12Runtime:
             g.end_backward()
         if self._reducing:
             self.schedule.end()  # once, after the first reducing pass: every rank adopts rank 0's order
-        self._reducing = False
+        self._reducing = self._in_pass = False
 
     @property
     def used(self) -> list[bool]:
@@ -176,7 +182,7 @@ class Stage12Runtime:
         (begin_backward resets the pass state)."""
         for g in self.groups:
             g.abort_backward()
-        self._reducing = False
+        self._reducing = self._in_pass = False
 
     def gather_signature(self) -> int:
         """Stages 0-2 gather no parameters during the passes: nothing for the step's control to compare."""

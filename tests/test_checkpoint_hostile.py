@@ -63,6 +63,9 @@ DAMAGE = {
     "scheduler state that does not fit": (lambda d: _edit(os.path.join(d, "manifest.json"),
                                                           _set(["lr_scheduler"], {"evil": [1]})), "does not fit"),
     "a rank file that is a FIFO": (lambda d: _replace_with_fifo(d, "rank00000.safetensors"), "rank00000.safetensors"),
+    # a KeyError once the weights had been applied, before the manifest's structure checks knew the key
+    "client_state missing": (lambda d: _edit(os.path.join(d, "manifest.json"), _set(["client_state"], _DELETE)),
+                             "client_state"),
 }
 
 
@@ -171,3 +174,19 @@ def test_a_hf_index_pointing_outside_its_directory_is_refused(tmp_path):
     (model_dir / "model.safetensors.index.json").write_text("[" * 50000 + "]" * 50000)
     with pytest.raises(CheckpointError, match="nests deeper"):
         zkern.hf.from_pretrained(GPT2LMHeadModel, model_dir, cfg)
+
+
+def test_a_missing_tag_never_loads_another_tags_moved_aside_copy(tmp_path):
+    """A save of tag "a-b" killed between its two renames leaves ".old-a-b-<nonce>": loadable as "a-b", never as "a"
+    (it was found by prefix, so load_checkpoint(tag="a") loaded another run's weights without a word)."""
+    spec = spec_for(1, stage=1)
+    engine = build(spec, 1)
+    train(engine, spec, 0, 1, 0, 1)
+    engine.save_checkpoint(str(tmp_path), tag="a-b")
+    os.rename(tmp_path / "a-b", tmp_path / ".old-a-b-x7q2")
+    fresh = build(spec, 1)
+    before = fresh.full_state_dict()
+    assert fresh.load_checkpoint(str(tmp_path), tag="a") == (None, None)
+    assert all(torch.equal(v, fresh.full_state_dict()[k]) for k, v in before.items())
+    path, _ = fresh.load_checkpoint(str(tmp_path), tag="a-b")
+    assert path.endswith(".old-a-b-x7q2")

@@ -142,6 +142,8 @@ def _validate(body: dict, path: str) -> None:
     for key in ("world_size", "stage", "global_steps", "skipped_steps", "micro_steps"):
         need(body, key, int, "")
     need(body, "precision", str, "")
+    if "client_state" not in body:  # its value may be null; its absence would fail after the weights were applied
+        raise CheckpointError(f"{path}: 'client_state' is missing")
     need(body, "excluded_frozen", bool, "")
     aliases = need(body, "aliases", dict, "")
     if not all(isinstance(v, str) for v in aliases.values()):
@@ -211,9 +213,16 @@ def tag_dir(ckpt_dir: str, tag: str) -> str | None:
     path = os.path.join(ckpt_dir, check_tag(tag))
     if os.path.isdir(path):
         return path
-    prefix = f"{OLD_PREFIX}{tag}-"
-    aside = sorted(n for n in os.listdir(ckpt_dir) if n.startswith(prefix)) if os.path.isdir(ckpt_dir) else []
+    aside = sorted(n for n in os.listdir(ckpt_dir) if aside_tag(n) == tag) if os.path.isdir(ckpt_dir) else []
     return os.path.join(ckpt_dir, aside[-1]) if aside else None
+
+
+def aside_tag(name: str) -> str | None:
+    """The tag a moved-aside directory ".old-<tag>-<nonce>" holds (the nonce has no '-'; a tag may), else None:
+    ".old-a-b-x1" is tag "a-b"'s, never tag "a"'s."""
+    if not name.startswith(OLD_PREFIX) or "-" not in name[len(OLD_PREFIX):]:
+        return None
+    return name[len(OLD_PREFIX):].rsplit("-", 1)[0]
 
 
 def list_tags(ckpt_dir: str) -> list[str]:

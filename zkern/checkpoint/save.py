@@ -39,6 +39,7 @@ from zkern.checkpoint.manifest import (
     OLD_PREFIX,
     TMP_PREFIX,
     VERSION,
+    aside_tag,
     check_plain,
     check_tag,
     entry_key,
@@ -339,9 +340,8 @@ def _sweep(save_dir: str) -> None:
         path = os.path.join(save_dir, name)
         if name.startswith(TMP_PREFIX) and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
-        elif name.startswith(OLD_PREFIX) and os.path.isdir(path):
-            tag = name[len(OLD_PREFIX):].rsplit("-", 1)[0]
-            if os.path.isfile(os.path.join(save_dir, tag, MANIFEST)):
+        elif aside_tag(name) is not None and os.path.isdir(path):
+            if os.path.isfile(os.path.join(save_dir, aside_tag(name), MANIFEST)):
                 shutil.rmtree(path, ignore_errors=True)
 
 

@@ -167,3 +167,25 @@ def test_the_trainer_refuses_deepspeed_arguments_and_needs_a_config(tmp_path):
         Trainer(model=tiny_gpt2(), args=training_args(str(tmp_path)))
     with pytest.raises(ConfigError, match="does not exist"):
         Trainer(model=tiny_gpt2(), args=training_args(str(tmp_path)), zkern_config=str(tmp_path / "none.json"))
+
+
+@pytest.mark.parametrize("scheduler", [
+    {"type": "WarmupCosineLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto",
+                                           "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}},
+    {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 5}},
+    {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 5}},
+])
+def test_fill_auto_gives_each_scheduler_only_its_own_keys_and_the_config_parses(tmp_path, scheduler):
+    # WarmupLR's lr and warmup keys were planted into every scheduler section, which the strict parse then refused
+    # (ms-swift's stock zero2.json and zero3_offload.json with a WarmupCosineLR)
+    from zkern import Config
+
+    args = training_args(str(tmp_path), per_device_train_batch_size=2, learning_rate=1e-3, warmup_steps=4)
+    filled = fill_auto({"train_batch_size": "auto", "optimizer": {"type": "AdamW"}, "scheduler": scheduler,
+                        "zero_optimization": {"stage": 2}}, args, 2, 40)
+    params = filled["scheduler"]["params"]
+    if scheduler["type"] == "WarmupCosineLR":
+        assert params == {"warmup_num_steps": 4, "total_num_steps": 40, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}
+    else:
+        assert params == scheduler["params"]
+    Config.load(filled)  # parses: no key its type does not have

@@ -100,11 +100,15 @@ def fill_auto(config: dict, args: Any, world_size: int, num_training_steps: int)
     f.match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1/adam_beta2")
     f.match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
     f.match("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
-    f.match("scheduler.params.warmup_min_lr", 0, "(warmup from 0)", fill_missing=False)
-    f.match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
-    # DeepSpeed 0.19.6 refuses warmup_num_steps <= 0 (transformers keeps the filled value positive the same way)
-    f.fill("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)))
+    # The scheduler's keys, only those its type has: WarmupLR's lr and step keys planted into a WarmupCosineLR,
+    # OneCycle or LRRangeTest section were refused by the strict parse, so the Trainer could not run them.
     kind = cfg["scheduler"].get("type") if isinstance(cfg.get("scheduler"), dict) else None
+    warmup = max(1, args.get_warmup_steps(num_training_steps))  # DeepSpeed 0.19.6 refuses warmup_num_steps <= 0
+    if kind in ("WarmupLR", "WarmupDecayLR"):
+        f.match("scheduler.params.warmup_min_lr", 0, "(warmup from 0)", fill_missing=False)
+        f.match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
+    if kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        f.fill("scheduler.params.warmup_num_steps", warmup)
     if kind in ("WarmupDecayLR", "WarmupCosineLR"):
         f.fill("scheduler.params.total_num_steps", num_training_steps)
     if getattr(args, "save_on_each_node", False):  # as transformers does: each node's disk holds its own ranks'

@@ -512,3 +512,54 @@ def test_get_state_dict_at_stage_3_refuses_when_the_config_says_so(solo):
     model, optimizer, loader = acc.prepare(model, DummyOptim(model.parameters()), batches())
     with pytest.raises(ValueError, match="stage3_gather_16bit_weights_on_model_save is false"):
         acc.get_state_dict(model)
+
+
+class NoisyNet(Net):
+    """Draws from the global generator in its forward (dropout), as the script below does before it (label noise)."""
+
+    def forward(self, x, y):
+        x = x.to(self.a.weight.dtype)
+        h = torch.nn.functional.dropout(torch.tanh(self.a(x)), 0.5, training=True)
+        return torch.nn.functional.mse_loss(self.b(h).float(), y)
+
+
+def _noisy_run(config: dict, micro_steps: int, save_at: int | None = None, resume_from: str | None = None,
+               save_dir: str | None = None) -> list[float]:
+    """Micro-steps of a loop that draws label noise before each forward; saves after micro-step save_at, or resumes
+    from resume_from mid-epoch (load_state, then skip_first_batches). Returns each micro-step's loss."""
+    from zkern.hf import Accelerator
+
+    fresh_accelerate()
+    torch.manual_seed(0)
+    acc = Accelerator(zkern_config=config, gradient_accumulation_steps=2)
+    net = NoisyNet()
+    model, optimizer, loader = acc.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2), batches(12))
+    done = 0
+    if resume_from is not None:
+        acc.load_state(resume_from)
+        done = save_at
+        loader = acc.skip_first_batches(loader, save_at)
+    losses = []
+    for x, y in loader:
+        if done == micro_steps:
+            break
+        y = y + 0.1 * torch.randn_like(y)  # a draw between load_state and the forward
+        with acc.accumulate(model):
+            loss = model(x, y)
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(loss))
+        done += 1
+        if resume_from is None and done == save_at:
+            acc.save_state(save_dir)
+    return losses
+
+
+def test_load_state_restores_the_generators_once_and_a_resumed_loop_draws_what_the_saving_one_did(solo, tmp_path):
+    # load_state restored the generators, and the engine's next forward restored them again, undoing what the
+    # script drew in between (here label noise): every loss after a resume differed from the run that saved
+    config = stage_config(2)
+    straight = _noisy_run(config, 8, save_at=4, save_dir=str(tmp_path))
+    resumed = _noisy_run(config, 8, save_at=4, resume_from=str(tmp_path))
+    assert resumed == straight[4:], (resumed, straight[4:])

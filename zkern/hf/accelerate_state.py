@@ -244,11 +244,10 @@ def load(acc, input_dir: str, kwargs: dict) -> None:
     states = own["rng"]
     rank = acc.process_index
     if rank < len(states):
+        # Once, here, as Accelerate does: whatever the script draws from now on (label masking, augmentation,
+        # dropout) is what the saving run drew after its save. (An iterator made by skip_first_batches leaves the
+        # generators as they are: accelerator.py.)
         set_rng_state(states[rank])
-        # Resuming draws what the saving run had drawn already: a DataLoader iterator made after this load takes
-        # its base seed from the generator, skip_first_batches makes one. The engine's next forward restores the
-        # generators once more (accelerator.py), so its dropout masks are those the saving run drew next.
-        acc._rng_at_next_forward = states[rank]
     else:
         log.warning(f"the checkpoint {input_dir} was saved by {len(states)} processes; process {rank}'s random "
                     f"generators continue from where they are", main_process_only=False)

@@ -48,7 +48,7 @@ from zkern.engine.engine import Engine
 from zkern.hf import accelerate_state
 from zkern.hf.accelerate_glue import EngineWrapper, OptimizerWrapper, ZkernPlugin
 from zkern.hf.auto import AUTO, read_config
-from zkern.hf.rng import set_rng_state
+from zkern.hf.rng import rng_state, set_rng_state
 
 # The config schedulers DeepSpeed hands to its engine when the script built one itself (zkern has the same classes).
 _CONFIG_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
@@ -188,7 +188,6 @@ class Accelerator(accelerate.Accelerator):
             if scheduler is not None and type(scheduler).__name__ in _CONFIG_SCHEDULERS:
                 build["lr_scheduler"] = scheduler
         engine = Engine(model, config, **build)
-        engine.register_forward_pre_hook(self._restore_rng_once)
         wrapper = EngineWrapper(engine)
         self.deepspeed_engine_wrapped = wrapper
         wrapped_optimizer = None if optimizer is None else OptimizerWrapper(engine.optimizer, wrapper)
@@ -214,13 +213,12 @@ class Accelerator(accelerate.Accelerator):
             self._schedulers.append(wrapped_scheduler)
         return tuple(result)
 
-    def _restore_rng_once(self, module, args) -> None:
-        """load_state's random generator states, applied again at the first forward after it (see
-        accelerate_state.load)."""
-        state = getattr(self, "_rng_at_next_forward", None)
-        if state is not None:
-            self._rng_at_next_forward = None
-            set_rng_state(state)
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """Accelerate's, with one difference: making the skipping loader's iterator leaves the random generators as
+        they were. A resumed run then draws (label masking, dropout) exactly what the run that saved drew after its
+        save: that run made its iterator at the epoch's start, before the state load_state restored, and a second
+        iterator's draw of its base seed would shift every draw after it."""
+        return _GeneratorNeutral(super().skip_first_batches(dataloader, num_batches))
 
     def _micro_batch(self, plugin, loaders: list) -> int | None:
         """train_micro_batch_size_per_gpu: the config's number, or for "auto" the prepared loaders' batch size
@@ -434,3 +432,32 @@ def _check_pairing(config: dict, optimizer, scheduler) -> None:
     if isinstance(optimizer, DummyOptim) and scheduler is not None and not isinstance(scheduler, DummyScheduler):
         raise ValueError("with DummyOptim the scheduler must be a DummyScheduler (the optimizer only exists inside "
                          "the engine)")
+
+
+class _GeneratorNeutral:
+    """A loader whose iterator is made without moving the random generators (Accelerator.skip_first_batches); every
+    other attribute is the wrapped loader's. (A dataset whose items draw at random would see its first batch's
+    draws undone too: the saving run had drawn those before its save.)"""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __iter__(self):
+        # Accelerate's loaders make their inner iterator (and draw its base seed) at the first next(), and fetch the
+        # first batch then: that call, not iter(), is the one to keep neutral.
+        iterator = iter(self._loader)
+        state = rng_state()
+        try:
+            first = next(iterator)
+        except StopIteration:
+            return
+        finally:
+            set_rng_state(state)
+        yield first
+        yield from iterator
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self._loader, name)

@@ -563,3 +563,40 @@ def test_load_state_restores_the_generators_once_and_a_resumed_loop_draws_what_t
     straight = _noisy_run(config, 8, save_at=4, save_dir=str(tmp_path))
     resumed = _noisy_run(config, 8, save_at=4, resume_from=str(tmp_path))
     assert resumed == straight[4:], (resumed, straight[4:])
+
+
+def _damaged_rng_worker(rank: int, world: int, root: str) -> dict:
+    import json
+
+    from zkern.checkpoint.manifest import manifest_bytes
+    from zkern.errors import CheckpointError
+
+    fresh_accelerate()
+    acc, model, optimizer, loader, scheduler = prepared(stage_config(2))
+    train(acc, model, optimizer, loader, scheduler, 2)
+    acc.save_state(root)
+    if rank == 0:  # rank 1's generator entry damaged, the manifest signed again: the lie is in the content
+        path = os.path.join(root, "pytorch_model", "manifest.json")
+        with open(path) as f:
+            outer = json.load(f)
+        outer["manifest"]["client_state"]["zkern.hf.Accelerator"]["rng"][1]["cpu"] = "not base64 at all!"
+        with open(path, "wb") as f:
+            f.write(manifest_bytes(outer["manifest"]))
+    torch.distributed.barrier()
+    train(acc, model, optimizer, loader, scheduler, 2)
+    before, lr = acc.engine.full_state_dict(), scheduler.get_last_lr()
+    try:
+        acc.load_state(root)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    after = acc.engine.full_state_dict()
+    return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "lr_unchanged": scheduler.get_last_lr() == lr}
+
+
+@pytest.mark.dist
+def test_a_damaged_accelerate_entry_on_one_rank_fails_every_rank_before_anything_changes(tmp_path):
+    for rank, r in enumerate(spawn(_damaged_rng_worker, 2, str(tmp_path), timeout=300)):
+        assert r["error"] is not None and "process 1's random generators" in r["error"], (rank, r["error"])
+        assert r["unchanged"] and r["lr_unchanged"], rank

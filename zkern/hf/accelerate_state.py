@@ -30,7 +30,7 @@ from accelerate.utils.deepspeed import DeepSpeedSchedulerWrapper
 
 from zkern.checkpoint.tensorfile import file_sha256
 from zkern.errors import CheckpointError
-from zkern.hf.rng import rng_state, set_rng_state
+from zkern.hf.rng import check_rng_state, rng_state, set_rng_state
 
 TAG = "pytorch_model"  # Accelerate's tag for the first model's DeepSpeed checkpoint
 TENSORS = "accelerate_state.safetensors"
@@ -209,6 +209,13 @@ def _write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
 
 # -- load ---------------------------------------------------------------------------------------------------------
 def load(acc, input_dir: str, kwargs: dict) -> None:
+    """The engine loader's protocol for the whole of it: Accelerate's part read, checked and decoded on every rank
+    and agreed first, then the engine's checkpoint (which verifies and agrees in turn), then everything applied. A
+    damaged entry is a CheckpointError on every rank with nothing changed (it was decoded after the engine's weights
+    had been replaced, and at world N a rank whose own generator entry was bad raised alone)."""
+    from zkern.checkpoint.control import all_gather_json
+    from zkern.checkpoint.manifest import read_manifest, tag_dir
+
     allowed = {"load_module_strict", "load_optimizer_states", "load_lr_scheduler_states", "load_module_only"}
     unknown = set(kwargs) - allowed - {"map_location"}
     if unknown:
@@ -218,41 +225,75 @@ def load(acc, input_dir: str, kwargs: dict) -> None:
         raise ValueError("load_state before prepare(): prepare the model, optimizer and scheduler first, then load")
     for hook in acc._load_model_state_pre_hook.values():
         hook([], input_dir)
-    path, client = engine.load_checkpoint(input_dir, tag=TAG, **{k: v for k, v in kwargs.items() if k in allowed})
-    if path is None:
+    status, staged = {}, None
+    try:
+        path = tag_dir(input_dir, TAG) if os.path.isdir(input_dir) else None
+        if path is None:
+            status["missing"] = True
+        else:
+            staged = _stage(acc, read_manifest(path), path, input_dir)
+    except (CheckpointError, OSError) as e:
+        status["error"] = str(e)
+    except Exception as e:  # whatever else a damaged entry provokes reaches every rank as an error
+        status["error"] = f"{input_dir}: the Accelerate state cannot be read ({type(e).__name__}: {e})"
+    statuses = all_gather_json(engine._checkpoint_group(), status, "load_state: every rank's outcome")
+    errors = [f"rank {r}: {st['error']}" for r, st in enumerate(statuses) if "error" in st]
+    if errors:
+        raise CheckpointError(f"load_state({input_dir!r}) failed; nothing was changed. {'; '.join(errors)}")
+    if any("missing" in st for st in statuses):
         raise FileNotFoundError(f"load_state: {input_dir!r} holds no zkern checkpoint ({TAG}/ is missing); "
                                 f"zkern.hf.Accelerator loads what its save_state wrote")
-    own = (client or {}).get(KEY)
+    engine.load_checkpoint(input_dir, tag=TAG, **{k: v for k, v in kwargs.items() if k in allowed})
+    _apply(acc, staged, input_dir)
+
+
+def _stage(acc, manifest: dict, path: str, input_dir: str) -> dict:
+    """Accelerate's part of the checkpoint, checked and decoded, nothing applied."""
+    own = (manifest.get("client_state") or {}).get(KEY)
     if not isinstance(own, dict):
         raise CheckpointError(f"{path}: a zkern checkpoint, but not one zkern.hf.Accelerator.save_state wrote (its "
                               f"client state has no {KEY!r} entry)")
+    for key, kind in (("schedulers", list), ("custom", list), ("dataloaders", list), ("rng", list), ("step", int)):
+        if not isinstance(own.get(key), kind) or isinstance(own.get(key), bool):
+            raise CheckpointError(f"{path}: its Accelerate state's {key!r} is missing or not a {kind.__name__}")
     tensors = _read_tensors(os.path.join(input_dir, TENSORS), own.get("tensors_sha256"))
     schedulers = _accelerate_schedulers(acc)
     _expect(len(own["schedulers"]), len(schedulers), "schedulers Accelerate steps", input_dir)
     _expect(len(own["custom"]), len(acc._custom_objects), "objects registered for checkpointing", input_dir)
     _expect(len(own["dataloaders"]), len(acc._dataloaders), "prepared dataloaders", input_dir)
-    for scheduler, state in zip(schedulers, own["schedulers"]):
-        scheduler.scheduler.load_state_dict(decode(state, tensors))
-    for loader, state in zip(acc._dataloaders, own["dataloaders"]):
-        state = decode(state, tensors)
+    loaders = [decode(state, tensors) for state in own["dataloaders"]]
+    for state in loaders:
+        if not isinstance(state, dict) or ("sampler" in state and not (
+                isinstance(state["sampler"], dict) and {"epoch", "initial_seed"} <= set(state["sampler"]))):
+            raise CheckpointError(f"{path}: a saved dataloader state is not one zkern wrote: {str(state)[:120]!r}")
+    rank = acc.process_index
+    rng = own["rng"][rank] if rank < len(own["rng"]) else None
+    if rng is not None:
+        check_rng_state(rng, f"{path}: process {rank}'s random generators")
+    return {"step": own["step"], "schedulers": [decode(st, tensors) for st in own["schedulers"]], "loaders": loaders,
+            "custom": [decode(st, tensors) for st in own["custom"]], "rng": rng, "saved_processes": len(own["rng"])}
+
+
+def _apply(acc, staged: dict, input_dir: str) -> None:
+    for scheduler, state in zip(_accelerate_schedulers(acc), staged["schedulers"]):
+        scheduler.scheduler.load_state_dict(state)
+    for loader, state in zip(acc._dataloaders, staged["loaders"]):
         if "sampler" in state:
             sampler = loader.get_sampler()
             sampler.epoch, sampler.initial_seed = state["sampler"]["epoch"], state["sampler"]["initial_seed"]
         if "loader" in state:
             loader.load_state_dict(state["loader"])
-    acc.step = own["step"]
-    states = own["rng"]
-    rank = acc.process_index
-    if rank < len(states):
+    acc.step = staged["step"]
+    if staged["rng"] is not None:
         # Once, here, as Accelerate does: whatever the script draws from now on (label masking, augmentation,
         # dropout) is what the saving run drew after its save. (An iterator made by skip_first_batches leaves the
         # generators as they are: accelerator.py.)
-        set_rng_state(states[rank])
+        set_rng_state(staged["rng"])
     else:
-        log.warning(f"the checkpoint {input_dir} was saved by {len(states)} processes; process {rank}'s random "
-                    f"generators continue from where they are", main_process_only=False)
-    for obj, state in zip(acc._custom_objects, own["custom"]):
-        obj.load_state_dict(decode(state, tensors))
+        log.warning(f"the checkpoint {input_dir} was saved by {staged['saved_processes']} processes; process "
+                    f"{acc.process_index}'s random generators continue from where they are", main_process_only=False)
+    for obj, state in zip(acc._custom_objects, staged["custom"]):
+        obj.load_state_dict(state)
 
 
 def _expect(saved: int, here: int, what: str, where: str) -> None:

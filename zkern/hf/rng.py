@@ -44,3 +44,22 @@ def set_rng_state(state: dict) -> None:
         saved = state["cuda"] if isinstance(state["cuda"], list) else [state["cuda"]]
         for device, s in enumerate(saved[:torch.cuda.device_count()]):
             torch.cuda.set_rng_state(_tensor(s), device)
+
+
+def check_rng_state(state, where: str) -> None:
+    """Raise CheckpointError unless state is what rng_state() writes, decodable into every generator's state (read
+    from a checkpoint: checked on every rank before anything is applied)."""
+    from zkern.errors import CheckpointError
+
+    try:
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.RandomState().set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        if _tensor(state["cpu"]).numel() != torch.get_rng_state().numel():
+            raise ValueError("the CPU generator's state has the wrong size")
+        cuda = state.get("cuda", [])
+        for s in cuda if isinstance(cuda, list) else [cuda]:
+            _tensor(s)
+    except Exception as e:
+        raise CheckpointError(f"{where}: not a generator state zkern wrote ({type(e).__name__}: {e})") from None

@@ -11,7 +11,7 @@ endif
 STAMP := .setup-stamp
 BENCH_ARGS ?=
 
-.PHONY: setup test bench gate fuzz verify lint clean
+.PHONY: setup test bench gate fuzz mutants verify lint clean
 
 setup: $(STAMP)
 
@@ -64,6 +64,11 @@ FUZZ_DRAWS ?= 2000
 FUZZ_SEED ?= 0
 fuzz: setup
 	$(PY) -m zkern.verify.fuzz --draws $(FUZZ_DRAWS) --seed $(FUZZ_SEED) --json fuzz-$(FUZZ_SEED).json
+
+# The fuzzer's own test (zkern/verify/mutants.py): each planted bug in turn, draws run until one fails; a mutant no
+# draw kills is a hole in the net (exit 1). The record: which draw killed which mutant.
+mutants: setup
+	$(PY) -m zkern.verify.mutants --draws 40 --json mutants.json
 
 # zkern's self-test on this machine (python -m zkern.verify): a short matrix against the single-process reference.
 verify: setup

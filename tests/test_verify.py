@@ -114,3 +114,52 @@ def test_python_m_zkern_verify_runs_and_says_pass():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "PASS  stage 1 fp32" in run.stdout and "1 of 1 passed" in run.stdout
+
+
+def test_every_mutant_is_killed_by_the_draw_the_record_names():
+    """The net's own test (zkern/verify/mutants.py): each planted bug, replayed on the draw `make mutants` found
+    killing it, fails that draw; the same draws pass without it (they are among the targeted ones below)."""
+    from zkern.verify import mutants
+
+    assert set(mutants.KILLERS) == set(mutants.MUTANTS) and len(mutants.MUTANTS) >= 25
+    survivors = []
+    for name, index in mutants.KILLERS.items():
+        result = mutants.hunt(name, [Draw.from_json(mutants.TARGETED[index])])
+        if not result["killed"]:
+            survivors.append(name)
+    assert not survivors, f"mutants no longer killed by their draws: {survivors}"
+
+
+@pytest.mark.slow
+def test_the_targeted_draws_pass_without_a_mutant():
+    from zkern.verify.mutants import TARGETED
+
+    failed = [o for o in (verify_draw(Draw.from_json(t)) for t in TARGETED) if not o.ok]
+    assert not failed, [(o.draw.to_json(), o.failures[:3]) for o in failed]
+
+
+def test_the_fp16_reference_follows_deepspeeds_loss_scale_rules():
+    # an overflow halves the scale, every third clean step since doubles it (initial 2^12, hysteresis 1, window 3)
+    from zkern.verify.single import LossScale
+
+    s = LossScale()
+    seen = []
+    for overflow in (False, True, False, False, False, False, False):
+        s.update(overflow)
+        seen.append(s.scale)
+    assert seen == [4096, 2048, 2048, 2048, 4096, 4096, 4096]
+    assert reference(Draw(world=1, stage=1, precision="fp16", overflow_at=1, steps=4).checked())["loss_scale"] == 2048
+
+
+def test_new_draw_dimensions_are_drawn_and_refused_where_they_clash():
+    rng = random.Random(3)
+    draws = [random_draw(rng) for _ in range(300)]
+    assert {d.world for d in draws} == {1, 2, 3, 4} and all(d.global_size == 6 for d in draws if d.world == 3)
+    for field in ("dropped_at", "eval_at"):
+        assert any(getattr(d, field) >= 0 for d in draws), field
+    assert any(not d.overlap for d in draws) and any(not d.reduce_scatter for d in draws)
+    assert any(d.block_units for d in draws) and any(d.max_live for d in draws) and any(d.fp32_comm for d in draws)
+    with pytest.raises(ValueError, match="qgZ needs reduce_scatter"):
+        Draw(stage=2, world=2, qgz=True, reduce_scatter=False).checked()
+    with pytest.raises(ValueError, match="fp32_comm is for 16-bit draws"):
+        Draw(fp32_comm=True).checked()

@@ -85,14 +85,16 @@ class FlatGroup:
         self.grad_flat = self.grad_shard = None
         self._grad_views = None
         self.keep_grads = spec.zero.keep_gradient_buffers
+        alloc = torch.zeros if self.keep_grads else torch.empty  # empty: no page is touched before it goes
         if stage < 2:
-            self.grad_flat = torch.zeros(layout.total, dtype=self.accum_dtype, device=device)
+            self.grad_flat = alloc(layout.total, dtype=self.accum_dtype, device=device)
             if self.accum_dtype == dtype:
                 self._grad_views = [self._param_view(self.grad_flat, i) for i in range(len(self.params))]
         else:
-            self.grad_shard = torch.zeros(layout.shard_numel, dtype=self.accum_dtype, device=device)
+            self.grad_shard = alloc(layout.shard_numel, dtype=self.accum_dtype, device=device)
         self.grads_live = True
-        self._attach_grad_views()
+        if self.keep_grads:
+            self._attach_grad_views()
         self._bucket_capacity = max(b.padded for b in layout.buckets)  # every stage-2 bucket buffer's size
         self._free_buffers: list[torch.Tensor] = []  # stage 2 bucket buffers not in use
         self._buffer_count = 0

@@ -97,7 +97,10 @@ def allocate(rt: Stage3Runtime, spec: RuntimeSpec, store: ShardStore, param_file
         # offload_param without offload_optimizer keeps the optimizer on the device: an fp32 master there (in fp32
         # runs too), whose step writes each updated chunk to the host shard
         rt.master = store.allocate(shard, spec.master_dtype, "device")
-    rt.grad_shard = torch.zeros(shard, dtype=spec.accum_dtype, device=device)  # data_types.grad_accum_dtype
+    # data_types.grad_accum_dtype; empty unless kept between steps (its memory goes before the first backward, and
+    # comes back zeroed: GradReducer.ensure_grads)
+    alloc = torch.zeros if spec.zero.keep_gradient_buffers else torch.empty
+    rt.grad_shard = alloc(shard, dtype=spec.accum_dtype, device=device)
     rt._empty = torch.empty(0, dtype=dtype, device=device)
     if frozen_units:
         store.keep_int8(FrozenStore({u.index: u.bucket.chunk for u in frozen_units}, zero.zeropp_weight_group_size,

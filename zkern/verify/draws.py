@@ -8,7 +8,9 @@ sequences per step, split over `world` ranks and `accumulation` micro-steps. Eve
 GatheredParameters write from rank 0, a save (sync or async) followed by a load (into the same live engine after a
 stray micro-step, or into a fresh engine, possibly of another world size and stage, and possibly with layers frozen
 from then on), an fp16 overflow (the loss times inf). Everything a draw holds is chosen so that the run is defined
-on any CPU: world 1, 2 or 4 over gloo.
+on any CPU: world 1, 2, 3 or 4 over gloo. Besides forward, backward, step, a draw may drop a batch's backward with
+engine.zero_grad() or run an eval forward under no_grad; knobs that must change nothing the reference sees (overlap,
+reduce-scatter, bucket sizes, predivide, fp32 communication, stage 3's fetch units and live bound) are drawn too.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import json
 import random
 from dataclasses import dataclass
 
-GLOBAL = 4  # sequences per optimizer step, whatever the world size and accumulation
-WORLDS = (1, 2, 4)
+GLOBAL = 4  # sequences per optimizer step, whatever the world size and accumulation (6 when a phase runs at world 3)
+WORLDS = (1, 2, 3, 4)
 CHECKPOINT_FLAVOURS = ("", "non_reentrant", "zkern")
 BF16_STATES = ("states", "states_sr", "master", "master_sr")
 
@@ -54,12 +56,28 @@ class Draw:
     load_into: str = "fresh"  # live (the same engine, after one stray micro-step) | fresh (a new engine)
     world_after: int = 0  # fresh loads: the world size after the load (0: the same)
     stage_after: int = -1  # fresh loads: the stage after the load (-1: the same)
+    # call orders a training loop makes besides forward, backward, step
+    dropped_at: int = -1  # this step begins with a batch whose backward is then dropped by engine.zero_grad()
+    eval_at: int = -1  # this step begins with an eval forward under torch.no_grad() (engine.eval(), then train())
+    # knobs that must change nothing the reference can see (16-bit dtypes within the 16-bit bar)
+    overlap: bool = True  # overlap_comm
+    reduce_scatter: bool = True
+    bucket: int = 3000  # reduce_bucket_size (stage 3's prefetch bucket too)
+    predivide: float = 0.0  # gradient_predivide_factor (0: the default, the world size)
+    fp32_comm: bool = False  # communication_data_type fp32 and data_types.grad_accum_dtype fp32 (16-bit draws)
+    block_units: bool = False  # stage 3: stage3_fetch_units ["Block"]
+    max_live: int = 0  # stage 3: stage3_max_live_parameters (0: the default)
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property
     def exact(self) -> bool:
         """Comparable with the fp32 reference to float32 rounding (no 16-bit math, no quantized collective)."""
         return self.precision == "fp32" and not (self.qwz or self.qgz)
+
+    @property
+    def global_size(self) -> int:
+        """Sequences per optimizer step: 4, or 6 where a phase runs at world 3."""
+        return 6 if any(w == 3 for w, _, _, _ in self.phases) else GLOBAL
 
     @property
     def phases(self) -> list[tuple[int, int, int, int]]:
@@ -90,8 +108,8 @@ class Draw:
         """The draw if it is a valid combination, else ValueError naming the clash."""
         problems = []
         for world in {w for w, _, _, _ in self.phases}:
-            if world not in WORLDS or GLOBAL % (world * self.accumulation):
-                problems.append(f"world {world} x accumulation {self.accumulation} must divide {GLOBAL}")
+            if world not in WORLDS or self.global_size % (world * self.accumulation):
+                problems.append(f"world {world} x accumulation {self.accumulation} must divide {self.global_size}")
         stages = {s for _, s, _, _ in self.phases}
         if self.offload_optimizer != "none" and 0 in stages:
             problems.append("offload_optimizer needs stage 1-3")
@@ -111,7 +129,13 @@ class Draw:
             problems.append("another world or stage after the load needs a load into a fresh engine")
         if self.save_at >= 0 and not 0 <= self.save_at < self.steps - 1:
             problems.append("save_at must leave at least one step after it")
-        for name in ("write_at", "overflow_at"):
+        if self.fp32_comm and self.precision == "fp32":
+            problems.append("fp32_comm is for 16-bit draws")
+        if (self.block_units or self.max_live) and stages != {3}:
+            problems.append("block_units and max_live need stage 3 throughout")
+        if not self.reduce_scatter and self.qgz:
+            problems.append("qgZ needs reduce_scatter")
+        for name in ("write_at", "overflow_at", "dropped_at", "eval_at"):
             if getattr(self, name) >= self.steps:
                 problems.append(f"{name} beyond the last step")
         if self.bf16_state and (self.bf16_state not in BF16_STATES or self.precision != "bf16" or 0 in stages):
@@ -159,6 +183,21 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
                 values["stage_after"] = rng.choice((0, 1, 2, 3))
         if precision == "bf16" and stage > 0 and rng.random() < 0.4:
             values["bf16_state"] = rng.choice(BF16_STATES)
+        if rng.random() < 0.2:
+            values["dropped_at"] = rng.randrange(steps)
+        if rng.random() < 0.2:
+            values["eval_at"] = rng.randrange(steps)
+        values["overlap"] = rng.random() < 0.8
+        values["reduce_scatter"] = rng.random() < 0.85
+        values["bucket"] = rng.choice((3000, 3000, 1000, 50_000))
+        if world > 1 and rng.random() < 0.15:
+            values["predivide"] = rng.choice((1.0, 2.0))
+        if precision != "fp32" and rng.random() < 0.25:
+            values["fp32_comm"] = True
+        if stage == 3:
+            values["block_units"] = rng.random() < 0.3
+            if rng.random() < 0.2:
+                values["max_live"] = rng.choice((20_000, 60_000))
         try:
             return Draw(**values).checked()
         except ValueError:

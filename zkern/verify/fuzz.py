@@ -25,7 +25,7 @@ import traceback
 from zkern.testing.ranks import spawn
 from zkern.verify.check import compare, compare_runs
 from zkern.verify.draws import WORLDS, Draw, random_draw
-from zkern.verify.harness import Outcome, twin_without_checkpoint, verify_draw
+from zkern.verify.harness import Outcome, compare_loco, loco_twin, twin_without_checkpoint, verify_draw
 from zkern.verify.runner import run_phases
 from zkern.verify.single import reference
 
@@ -53,6 +53,8 @@ def _batch(draws: list[Draw], root: str, timeout: float) -> list[Outcome]:
         twin = twin_without_checkpoint(draw)
         if twin is not None:
             variants.append(("twin", twin))
+        if loco_twin(draw) is not None:
+            variants.append(("noloco", loco_twin(draw)))
         for name, d in variants:
             where = os.path.join(root, f"{i}-{name}")
             worlds = [w for w, _, _, _ in d.phases]
@@ -71,7 +73,7 @@ def _batch(draws: list[Draw], root: str, timeout: float) -> list[Outcome]:
     outcomes = []
     for i, draw in enumerate(draws):
         outcome = Outcome(draw)
-        for key in ((i, "run"), (i, "twin")):
+        for key in ((i, "run"), (i, "twin"), (i, "noloco")):
             for phase in runs.get(key, []):
                 errors = [r for r in phase if isinstance(r, str)]
                 if errors:
@@ -81,6 +83,8 @@ def _batch(draws: list[Draw], root: str, timeout: float) -> list[Outcome]:
             if (i, "twin") in runs:
                 outcome.failures += compare_runs(runs[(i, "run")], runs[(i, "twin")],
                                                  "with vs without the save and load")
+            if (i, "noloco") in runs:
+                outcome.failures += compare_loco(runs[(i, "run")], runs[(i, "noloco")])
         outcomes.append(outcome)
     seconds = (time.perf_counter() - start) / max(1, len(draws))
     for o in outcomes:
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zkern.verify.fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--draws", type=int, default=200, help="how many random draws (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="the first draw's seed (draws are a function of it)")
-    parser.add_argument("--worlds", default="1,2,4", help="world sizes to draw from (default 1,2,4)")
+    parser.add_argument("--worlds", default="1,2,3,4", help="world sizes to draw from (default 1,2,3,4)")
     parser.add_argument("--draw", default=None, help="run this one draw (JSON, as a failure prints it)")
     parser.add_argument("--no-nvme", action="store_true", help="draw no NVMe offload (a slow or small disk)")
     parser.add_argument("--json", default=None, help="write every outcome to this file")

@@ -15,6 +15,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+import torch
+
 from zkern.testing.ranks import spawn
 from zkern.verify.check import compare, compare_runs
 from zkern.verify.draws import Draw
@@ -53,6 +55,19 @@ def twin_without_checkpoint(draw: Draw) -> Draw | None:
     return dataclasses.replace(draw, save_at=-1, async_save=False, load_into="fresh", world_after=0, stage_after=-1)
 
 
+def loco_twin(draw: Draw) -> Draw | None:
+    """A LoCo draw's twin without LoCo: qgZ's int4 noise keeps both within the bar, so the bar alone cannot tell a
+    LoCo that does nothing; the two runs must differ (compare_loco)."""
+    return dataclasses.replace(draw, loco=False) if draw.loco else None
+
+
+def compare_loco(run: list[list[dict]], without: list[list[dict]]) -> list[str]:
+    a, b = run[-1][0]["state"], without[-1][0]["state"]
+    if all(torch.equal(a[k], b[k]) for k in a):
+        return ["LoCo changed nothing: the weights equal those of the same draw without it, bit for bit"]
+    return []
+
+
 def verify_draw(draw: Draw, root: str | None = None, timeout: float = 300.0) -> Outcome:
     """The draw's failures (empty when it passes); an exception inside a run is a failure with its traceback."""
     start = time.perf_counter()
@@ -66,6 +81,9 @@ def verify_draw(draw: Draw, root: str | None = None, timeout: float = 300.0) -> 
         if twin is not None:
             twin_runs = _engine_runs(twin, os.path.join(scratch, "twin"), timeout)
             outcome.failures += compare_runs(runs, twin_runs, "with vs without the save and load")
+        plain = loco_twin(draw)
+        if plain is not None:
+            outcome.failures += compare_loco(runs, _engine_runs(plain, os.path.join(scratch, "noloco"), timeout))
     except Exception as e:  # a crash, a hang past the timeout, an error a rank raised: all are findings
         outcome.failures.append(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
     finally:

@@ -11,7 +11,7 @@ import os
 import torch
 
 from zkern.testing.models import TinyGPT, TinyMoE, make_batches
-from zkern.verify.draws import GLOBAL, Draw
+from zkern.verify.draws import Draw
 
 VOCAB, SEQ, DIM = 67, 16, 32
 FROZEN = ("qkv", "proj")  # the layers a draw freezes (at the start, or from the load on)
@@ -49,9 +49,10 @@ def written_value(shape: torch.Size) -> torch.Tensor:
 
 
 def global_batches(draw: Draw) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """[step] -> (idx, tgt) of the GLOBAL sequences of that step."""
-    batches = make_batches(draw.seed + 1, draw.steps, 1, 1, GLOBAL, SEQ, VOCAB)
-    return [b[0][0] for b in batches]
+    """[step] -> (idx, tgt) of the draw's global batch of that step; after them one more, the batch a draw drops."""
+    batches = make_batches(draw.seed + 1, draw.steps, 1, 1, draw.global_size, SEQ, VOCAB)
+    dropped = make_batches(draw.seed + 2, 1, 1, 1, draw.global_size, SEQ, VOCAB)
+    return [b[0][0] for b in batches + dropped]
 
 
 def groups(model: torch.nn.Module) -> list[dict]:
@@ -62,8 +63,13 @@ def groups(model: torch.nn.Module) -> list[dict]:
 
 
 def config(draw: Draw, world: int, stage: int, root: str, device: str) -> dict:
-    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 100, "reduce_bucket_size": 3000,
-                  "stage3_prefetch_bucket_size": 3000}
+    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 100, "reduce_bucket_size": draw.bucket,
+                  "stage3_prefetch_bucket_size": draw.bucket, "overlap_comm": draw.overlap,
+                  "reduce_scatter": draw.reduce_scatter}
+    if stage == 3 and draw.block_units:
+        zero["stage3_fetch_units"] = ["MoEBlock" if draw.arch == "moe" else "Block"]
+    if stage == 3 and draw.max_live:
+        zero["stage3_max_live_parameters"] = draw.max_live
     nvme = os.path.join(root, "nvme")
     if draw.offload_optimizer != "none" and stage > 0:
         zero["offload_optimizer"] = {"device": draw.offload_optimizer, "nvme_path": nvme, "buffer_count": 3}
@@ -76,13 +82,18 @@ def config(draw: Draw, world: int, stage: int, root: str, device: str) -> dict:
         zero["zero_quantized_gradients"] = True
         if draw.loco:
             zero["zeropp_loco_param"] = {"err_beta": 0.8, "reset_T": 1024}
-    cfg = {"train_micro_batch_size_per_gpu": GLOBAL // (world * draw.accumulation),
+    cfg = {"train_micro_batch_size_per_gpu": draw.global_size // (world * draw.accumulation),
            "gradient_accumulation_steps": draw.accumulation, "gradient_clipping": draw.clip,
            "optimizer": {"type": "AdamW", "params": {"lr": draw.lr, "weight_decay": 0.01, "eps": ADAM_EPS}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": draw.lr / 4, "warmup_max_lr": draw.lr,
                                                          "warmup_num_steps": WARMUP, "warmup_type": "linear"}},
            "zero_optimization": zero, "steps_per_print": 0, "comm_timeout_s": 120, "device": device,
            "ranks_per_node": 2 if world >= 2 and world % 2 == 0 else world}
+    if draw.predivide:
+        cfg["gradient_predivide_factor"] = draw.predivide
+    if draw.fp32_comm:
+        cfg["communication_data_type"] = "fp32"
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if draw.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
         if draw.bf16_state:
@@ -106,13 +117,23 @@ def build(draw: Draw, world: int, stage: int, root: str, frozen: bool, device: s
 
 def micro_batches(batch, world: int, rank: int, accumulation: int):
     idx, tgt = batch
-    per = GLOBAL // (world * accumulation)
+    per = idx.shape[0] // (world * accumulation)
     for micro in range(accumulation):
         lo = (micro * world + rank) * per
         yield idx[lo:lo + per], tgt[lo:lo + per]
 
 
-def train_step(engine, draw: Draw, step: int, batch, world: int, rank: int, out: dict) -> None:
+def train_step(engine, draw: Draw, step: int, batch, world: int, rank: int, out: dict, dropped=None) -> None:
+    if step == draw.eval_at:  # an evaluation between steps: no gradient, no state moves
+        engine.eval()
+        with torch.no_grad():
+            idx, tgt = next(micro_batches(batch, world, rank, 1))
+            engine(idx.to(engine.device), tgt.to(engine.device))
+        engine.train()
+    if step == draw.dropped_at and dropped is not None:  # a bad batch: its backward, then zero_grad drops it
+        idx, tgt = next(micro_batches(dropped, world, rank, draw.accumulation))
+        engine.backward(engine(idx.to(engine.device), tgt.to(engine.device)) * 3.0)
+        engine.zero_grad()
     total = 0.0
     for micro, (idx, tgt) in enumerate(micro_batches(batch, world, rank, draw.accumulation)):
         loss = engine(idx.to(engine.device), tgt.to(engine.device))
@@ -123,6 +144,20 @@ def train_step(engine, draw: Draw, step: int, batch, world: int, rank: int, out:
         engine.step()
     out["losses"][step] = total / draw.accumulation
     out["grad_norms"][step] = engine.last_grad_norm
+    out.setdefault("hashes", {})[step] = working_digest(engine)
+
+
+def working_digest(engine) -> str:
+    """A digest of the working parameters this rank holds whole (stages 0-2: all of them; stage 3: the persistent
+    units): every rank computes with them, so every rank's must be the same after each step."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in engine.module.named_parameters():
+        if p.numel():
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def write(engine, draw: Draw, rank: int) -> None:
@@ -145,8 +180,16 @@ def stray_micro_step(engine, draw: Draw, batch, world: int, rank: int) -> None:
 
 def run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int], device: str = "cpu") -> dict:
     """Run the draw's phases listed (indices into draw.phases) on this rank; returns losses and gradient norms per
-    step, counters, and (rank 0) the final fp32 weights."""
-    out = {"losses": {}, "grad_norms": {}}
+    step, counters, and (rank 0) the final fp32 weights. With ZKERN_MUTANT set, that planted bug is in the engine
+    meanwhile (mutants.py: the fuzzer's own test)."""
+    from zkern.verify.mutants import planted
+
+    with planted():
+        return _run_phases(rank, world, draw, root, phases, device)
+
+
+def _run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int], device: str) -> dict:
+    out = {"losses": {}, "grad_norms": {}, "hashes": {}}
     batches = global_batches(draw)
     ckpt = os.path.join(root, "ckpt")
     engine = None
@@ -163,7 +206,7 @@ def run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int], 
         for step in range(first, last):
             if step == draw.write_at:
                 write(engine, draw, rank)
-            train_step(engine, draw, step, batches[step], world, rank, out)
+            train_step(engine, draw, step, batches[step], world, rank, out, dropped=batches[draw.steps])
             if step == draw.save_at:
                 engine.save_checkpoint(ckpt, async_save=draw.async_save)
                 if draw.load_into == "live":

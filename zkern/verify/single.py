@@ -46,6 +46,7 @@ def reference(draw: Draw) -> dict:
                             lr=draw.lr, weight_decay=0.01, eps=ADAM_EPS)
     batches = global_batches(draw)
     losses, norms, skipped, applied = {}, {}, 0, 0
+    scale = LossScale() if draw.precision == "fp16" else None
     for step in range(draw.steps):
         if step == draw.write_at:
             with torch.no_grad():
@@ -55,6 +56,8 @@ def reference(draw: Draw) -> dict:
         idx, tgt = batches[step]
         loss = model(idx, tgt)
         losses[step] = loss.item()
+        if scale is not None:
+            scale.update(step == draw.overflow_at)
         if step == draw.overflow_at:  # every rank skips it: no update, no Adam step, no scheduler step
             skipped += 1
             norms[step] = None
@@ -74,4 +77,23 @@ def reference(draw: Draw) -> dict:
                 if not p.requires_grad:
                     p.grad = None
     return {"losses": losses, "grad_norms": norms, "skipped": skipped,
+            "loss_scale": None if scale is None else scale.scale,
             "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()}}
+
+
+class LossScale:
+    """DeepSpeed's dynamic loss scale under the draws' fp16 settings (runner.config: initial_scale_power 12,
+    hysteresis 1, loss_scale_window 3), written out: an overflow halves it; every third optimizer step since the last
+    overflow (or since the start) doubles it. The fp16 draws overflow only where a draw plants one (runner.train_step),
+    so this is the whole trajectory."""
+
+    def __init__(self):
+        self.scale, self.iter, self.last_overflow = 2.0 ** 12, 0, -1
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.scale / 2, 1.0)
+            self.last_overflow = self.iter
+        elif (self.iter - self.last_overflow) % 3 == 0:
+            self.scale *= 2
+        self.iter += 1

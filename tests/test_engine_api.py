@@ -135,8 +135,9 @@ def test_config_scheduler_drives_the_lr_and_waits_on_skipped_steps():
 
 def test_misuse_gets_clear_errors():
     cfg = base_config(optimizer={"type": "AdamW"})
-    with pytest.raises(ConfigError, match="no optimizer"):
-        zkern.Engine(TinyGPT(), base_config())
+    forward_only = zkern.Engine(TinyGPT(), base_config())  # no optimizer: a reference model (DeepSpeed's meaning)
+    with pytest.raises(RuntimeError, match="built without an optimizer"):
+        forward_only.step()
     model = TinyGPT()
     with pytest.raises(ConfigError, match="an optimizer is given twice"):
         zkern.Engine(model, cfg, optimizer=torch.optim.AdamW(model.parameters()))

@@ -98,6 +98,19 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    # Read-only dict access, as frameworks read DeepSpeed's engine.config: cfg["zero_optimization"]["stage"].
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
+
+    def get(self, key: str, default=None):
+        return self.to_dict().get(key, default)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.to_dict()
+
+    def keys(self):
+        return self.to_dict().keys()
+
 
 def read_json(path: str | os.PathLike, what: str) -> dict:
     """A JSON object from a file; ConfigError naming `what` and the path when it is missing, invalid or no object."""

@@ -187,6 +187,25 @@ def _other_optimizer(cfg: Config, shard_groups: list[ShardGroup], requested: lis
     return cls([{"params": g.pieces, **base, **ov} for g, ov in zip(shard_groups, overrides)], **base)
 
 
+def optimizer_side(engine, client, lr_scheduler, requested: list[dict] | None):
+    """(host_step, optimizer, lr_scheduler) of a built engine: with offload the optimizer sees the host staging's
+    shard groups (host master, gradient and parameter buffers); an engine without an optimizer has none of them."""
+    from zkern.offload.host import HostStep
+
+    if engine.inference:
+        return None, None, None
+    spec, zero = engine.spec, engine.config.zero_optimization
+    shard_groups, host_step = engine.runtime.shard_groups, None
+    if engine.offload:
+        host_step = HostStep(shard_groups, pin=spec.pin_optimizer, out_on_host=zero.offload_param_device != "none",
+                             store=engine.store)
+        shard_groups = host_step.host_groups
+    optimizer = build_optimizer(engine.config, client, shard_groups, requested, nvme=engine.nvme, rank=engine.rank,
+                                spec=spec)
+    attach_layout(optimizer, engine.runtime, engine.comm, zero.stage)
+    return host_step, optimizer, build_scheduler_for(engine.config, lr_scheduler, optimizer)
+
+
 def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_groups: list[ShardGroup],
                     requested: list[dict] | None = None, nvme=None, *, rank: int = 0,
                     spec: RuntimeSpec | None = None) -> torch.optim.Optimizer:
@@ -267,7 +286,7 @@ def _check_bf16_state_optimizer(cfg: Config, client) -> None:
 def attach_layout(optimizer: torch.optim.Optimizer, runtime, comm: Comm, stage: int) -> None:
     """Lamb's norms are per parameter: tell it which parameter each shard piece belongs to, and how to sum the norms
     over the ranks that hold the other pieces (none at stage 0: every rank holds every piece)."""
-    if not isinstance(optimizer, Lamb):
+    if optimizer is None or not isinstance(optimizer, Lamb):
         return
     owner = [[index for index, _, _ in group] for group in runtime.shard_map().pieces]
 
@@ -295,10 +314,28 @@ def build_scheduler_for(cfg: Config, client_scheduler, optimizer: torch.optim.Op
     return client_scheduler
 
 
+def _inference_groups(model: torch.nn.Module, lr_scheduler, model_parameters, spec: RuntimeSpec) -> list[list]:
+    """An engine without an optimizer (forward only): its parameters frozen, nothing only training uses asked of it."""
+    model.requires_grad_(False)
+    if lr_scheduler is not None:
+        raise ConfigError("an lr_scheduler was given but no optimizer (no 'optimizer' section, no optimizer=): an "
+                          "engine without an optimizer runs forward only")
+    if model_parameters is not None:
+        log.info("zkern: model_parameters are the config optimizer's groups; this engine has no optimizer, so they "
+                 "choose nothing")
+    if spec.offload_optimizer != "none":
+        log.info("zkern: offload_optimizer has nothing to move: this engine has no optimizer")
+    return [[]]
+
+
 def checked_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, model_parameters,
-                   spec: RuntimeSpec) -> tuple[list[list[torch.nn.Parameter]], list[dict] | None]:
+                   spec: RuntimeSpec, *, lr_scheduler=None, inference: bool = False,
+                   ) -> tuple[list[list[torch.nn.Parameter]], list[dict] | None]:
     """The trainable parameters per optimizer group (the client optimizer's groups, the requested model_parameters
-    groups, or one group), and the requested groups; ValueError for what cannot train as asked."""
+    groups, or one group), and the requested groups; ValueError for what cannot train as asked. inference: no
+    optimizer anywhere (every parameter frozen, one empty group)."""
+    if inference:
+        return _inference_groups(model, lr_scheduler, model_parameters, spec), None
     if model_parameters is not None and optimizer is not None:
         raise ValueError("model_parameters and optimizer are both given; model_parameters are the param groups "
                          "of the config's optimizer: pass the groups to your torch optimizer instead")

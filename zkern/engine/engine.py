@@ -26,9 +26,9 @@ from zkern.core.spec import RuntimeSpec
 from zkern.engine import build, reporting, saving, stepping, weights
 from zkern.engine.engine_state import build_registry
 from zkern.engine.precision import LossScaler
+from zkern.engine.replicated import ReplicatedRuntime
 from zkern.engine.reporting import Reporter
 from zkern.offload import nvme
-from zkern.offload.host import HostStep
 from zkern.offload.store import ShardStore
 from zkern.stage3.sharded_init import release_freed_memory
 from zkern.stage3.units import declare_known_readers
@@ -76,8 +76,12 @@ class Engine(torch.nn.Module):
 
         self.spec = spec = RuntimeSpec.resolve(cfg, self.device)
         self.dtype = spec.dtype
-        groups, requested = build.checked_groups(model, optimizer, model_parameters, spec)
-        self.offload = spec.offloaded
+        # No optimizer anywhere: a reference, teacher or eval model (TRL, OpenRLHF, Accelerate's eval models). Its
+        # parameters are frozen; at stage 3 they stay partitioned and are gathered per forward, below it whole.
+        self.inference = optimizer is None and cfg.optimizer is None
+        groups, requested = build.checked_groups(model, optimizer, model_parameters, spec, lr_scheduler=lr_scheduler,
+                                                 inference=self.inference)
+        self.offload = spec.offloaded and not self.inference
         # ZeRO-Infinity: the fp32 master and moments in files of this rank's own (offload/nvme.py), made before the
         # runtime, which writes the initial masters into them as it partitions.
         self.nvme = nvme.shard_from_config(cfg, rank, master_dtype=spec.master_dtype, state_dtype=spec.state_dtype) \
@@ -87,22 +91,15 @@ class Engine(torch.nn.Module):
         # a bucket or a unit at a time, from the fp32 values; then what is still whole (buffers, frozen parameters,
         # stage 3's empty stand-ins) moves to the device and the working dtype. The model is never whole on the
         # device first (at stage 3 it never is).
-        self.runtime: Runtime = build.make_runtime(model, groups, spec, cfg, comm=self.comm, store=self.store)
+        self.runtime: Runtime = ReplicatedRuntime(model) if self.inference and zero.stage < 3 else \
+            build.make_runtime(model, groups, spec, cfg, comm=self.comm, store=self.store)
         model.to(self.device).to(self.dtype)
         release_freed_memory()
         reporting.log_layout(self)
-        shard_groups = self.runtime.shard_groups
-        self.host_step = None
-        if self.offload:
-            # The optimizer sees host shard groups: host master, host gradient and parameter staging buffers.
-            self.host_step = HostStep(shard_groups, pin=spec.pin_optimizer,
-                                      out_on_host=zero.offload_param_device != "none", store=self.store)
-            shard_groups = self.host_step.host_groups
-        self.optimizer = build.build_optimizer(cfg, optimizer, shard_groups, requested, nvme=self.nvme, rank=rank,
-                                               spec=spec)
-        build.attach_layout(self.optimizer, self.runtime, self.comm, zero.stage)
+        # The optimizer over the shard groups (with offload: the host staging's), none for an inference engine.
+        self.host_step, self.optimizer, self.lr_scheduler = build.optimizer_side(self, optimizer, lr_scheduler,
+                                                                                 requested)
         reporting.log_offload(self)
-        self.lr_scheduler = build.build_scheduler_for(cfg, lr_scheduler, self.optimizer)
         self.scaler = LossScaler.from_config(cfg)
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.micro_steps = 0
@@ -130,6 +127,20 @@ class Engine(torch.nn.Module):
             self.runtime.abort_pass(e)  # stage 3: release what the failed pass gathered
             raise
 
+    def __getattr__(self, name: str):
+        """What the engine lacks, the wrapped module's (engine.generate, a model method), as DeepSpeed forwards it."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    def zero_optimization_stage(self) -> int:
+        """DeepSpeed's accessor: the ZeRO stage this engine runs."""
+        return self.config.zero_optimization.stage
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next step() will update the parameters."""
         if self._boundary is not None:
@@ -146,15 +157,9 @@ class Engine(torch.nn.Module):
         self._boundary = is_boundary
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients held since the last optimizer step, as torch's zero_grad does: a backward whose step()
-        has not run (a loop that skips a bad batch), or the micro-steps of an accumulation so far. The accumulation
-        keeps counting, as DeepSpeed's does: zero_grad after micro-step 2 of 4 steps at micro-step 4 with micro-steps
-        3-4's gradients. step() clears what it applied, so right after a step this does nothing."""
-        if self.pending_micro_steps or self.backward_unstepped:
-            self.runtime.zero_grad()
-            self.runtime.skipped_step()  # qgZ's LoCo: the errors of the dropped reductions go with them
-            self.reporter.losses.clear()
-            self.backward_unstepped = False
+        """Drop the gradients held since the last step, as torch's zero_grad does; the accumulation keeps counting,
+        as DeepSpeed's does (stepping.drop_gradients)."""
+        stepping.drop_gradients(self)
 
     def _reset_accumulation(self) -> None:
         """No micro-step accumulated, and the accumulation boundary back to counting (the registry's reset)."""
@@ -197,6 +202,7 @@ class Engine(torch.nn.Module):
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate loss (scaled for fp16, divided by the accumulation steps); reduce gradients as the
         stage prescribes (at the boundary for stages 0/1, every micro-step for stage 2)."""
+        _trainable(self, "backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
@@ -221,6 +227,7 @@ class Engine(torch.nn.Module):
     def step(self) -> None:
         """At the accumulation boundary: overflow check, clipping, optimizer, loss-scale and LR update.
         Between boundaries: a no-op (gradients keep accumulating)."""
+        _trainable(self, "step")
         boundary = self.is_gradient_accumulation_boundary()
         self.backward_unstepped = False
         self.micro_steps += 1
@@ -275,14 +282,7 @@ class Engine(torch.nn.Module):
         load_checkpoint. The checkpoint loads at any world size, stage and offload setting. async_save: copy the
         state to host buffers and write in a background thread (returns None; wait_checkpoint() gives the path,
         the next save or load waits for it, and its error surfaces there). Returns the tag's directory."""
-        from zkern.errors import CheckpointError
-
-        if self.pending_micro_steps or self.backward_unstepped:
-            where = (f"micro-step {self.pending_micro_steps} of an accumulation of {self.gradient_accumulation_steps}"
-                     if self.pending_micro_steps else "a backward whose engine.step() has not run")
-            raise CheckpointError(
-                f"save_checkpoint after {where}: the gradients held since the last optimizer step are not part of a "
-                f"checkpoint; save after the engine.step() that ends an accumulation")
+        saving.check_save(self)
         return self._write_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
 
     def _write_checkpoint(self, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool,
@@ -309,9 +309,8 @@ class Engine(torch.nn.Module):
 
     @property
     def checkpoint_in_flight(self) -> bool:
-        """Whether an asynchronous save is still writing on any rank: the same answer on every rank (a collective,
-        so every rank must ask it at the same point). A rank asking only its own writer may see it finish a step
-        before another rank does, and ranks that branch on that take different numbers of steps."""
+        """Whether an asynchronous save is still writing on any rank: one answer on every rank (a collective: a rank
+        asking only its own writer could branch apart from the others)."""
         return saving.checkpoint_in_flight(self)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
@@ -324,6 +323,7 @@ class Engine(torch.nn.Module):
         are); load_optimizer_states=False: fresh optimizer state."""
         from zkern.checkpoint.load import load
 
+        saving.check_load(self, load_module_only)
         self.wait_checkpoint()
         return load(self, self._checkpoint_group(), load_dir, tag, strict=load_module_strict,
                     load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
@@ -341,3 +341,10 @@ class Engine(torch.nn.Module):
 
 def _to_half(x):
     return x.half() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _trainable(engine: Engine, call: str) -> None:
+    if engine.inference:
+        raise RuntimeError(f"zkern: {call}() on an engine built without an optimizer (no 'optimizer' section, no "
+                           f"optimizer= argument): it runs forward only, for a reference, teacher or eval model; give "
+                           f"it an optimizer to train it")

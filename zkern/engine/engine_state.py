@@ -21,7 +21,8 @@ def build_registry(engine) -> StateRegistry:
     for component in engine.runtime.state_components():
         registry.add(component)
     registry.add(_module(engine))
-    registry.add(_optimizer(engine.optimizer, engine.store))
+    if engine.optimizer is not None:  # an engine without one runs forward only
+        registry.add(_optimizer(engine.optimizer, engine.store))
     if engine.lr_scheduler is not None:
         registry.add(_scheduler(engine.lr_scheduler))
     registry.add(_scaler(engine))

@@ -244,7 +244,9 @@ def measured(device: torch.device, accounted: int) -> dict:
     return out
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
     if isinstance(optimizer, ShardAdam):
         return optimizer.state_bytes()
     seen, total = set(), 0

@@ -76,6 +76,16 @@ def optimizer_step(engine: Engine) -> None:
     engine.runtime.zero_grad()
 
 
+def drop_gradients(engine: Engine) -> None:
+    """Engine.zero_grad: the gradients held since the last step go (a backward whose step() has not run, or the
+    accumulation's micro-steps so far); the accumulation's count stays."""
+    if engine.pending_micro_steps or engine.backward_unstepped:
+        engine.runtime.zero_grad()
+        engine.runtime.skipped_step()  # qgZ's LoCo: the errors of the dropped reductions go with them
+        engine.reporter.losses.clear()
+        engine.backward_unstepped = False
+
+
 def skip(engine: Engine, norm: float) -> None:
     engine.skipped_steps += 1
     engine.runtime.skipped_step()

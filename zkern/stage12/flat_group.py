@@ -79,9 +79,7 @@ class FlatGroup:
         # Gradients: stages 0-1 a full flat buffer, stage 2 a shard, in the accumulation dtype. Where that is the
         # working dtype, the flat buffer's views are the parameters' .grad and autograd accumulates into them;
         # otherwise each gradient is added into the buffer as it arrives and freed.
-        # The buffers exist from the first backward after a step to the step (ensure_grads, free_grads), as torch's
-        # gradients do: the forward that follows a step holds none (stage 0 at 1B: 1.6 GiB of bf16). Their tensor
-        # objects stay, their storage is resized, so the optimizer's chunk views never go stale.
+        # They exist from a step's first backward to the step (ensure_grads, free_grads), under stable views.
         self.grad_flat = self.grad_shard = None
         self._grad_views = None
         self.keep_grads = spec.zero.keep_gradient_buffers
@@ -134,8 +132,7 @@ class FlatGroup:
         self._attach_grad_views()
         self.grads_live = True
 
-    def free_grads(self) -> None:
-        """Let the gradient buffer's memory go (at the step, or zero_grad): .grad is None, as torch leaves it."""
+    def free_grads(self) -> None:  # at the step, or zero_grad: .grad is None, as torch leaves it
         for p in self.params:
             p.grad = None
         for t in (self.grad_flat, self.grad_shard):
@@ -281,9 +278,8 @@ class FlatGroup:
         return torch.empty(self._bucket_capacity, dtype=self.comm_dtype, device=self.param_flat.device)
 
     def abort_backward(self) -> None:
-        """loss.backward() raised: forget this pass's reductions without folding them (a later drain would have
-        added them into the gradient shard), keep the bucket buffers not yet launched, and let the pool take the
-        receive buffers back as their transfers end. A buffer an abandoned reduction still reads is dropped."""
+        """loss.backward() raised: forget this pass's reductions (a later drain would have folded them in), keep the
+        bucket buffers not yet launched; a buffer an abandoned reduction still reads is dropped."""
         dropped = self.reducer.held_count()
         self.reducer.clear()
         self._free_buffers += self._open.values()

@@ -178,8 +178,7 @@ class Stage12Runtime:
         """The model raised inside forward: stages 0-2 hold nothing per pass."""
 
     def abort_backward(self) -> None:
-        """loss.backward() raised: the reductions it launched are forgotten, and the next backward starts over
-        (begin_backward resets the pass state)."""
+        """loss.backward() raised: its reductions are forgotten; the next backward starts over."""
         for g in self.groups:
             g.abort_backward()
         self._reducing = self._in_pass = False

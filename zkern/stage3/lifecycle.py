@@ -13,7 +13,8 @@ Who keeps a unit gathered is counted, never guessed: `refs` (forward frames of m
 carries the shard version it was gathered from; every optimizer step advances the version, so a copy older
 than the shard is recognised and never used (Unit.check_fresh).
 
-Pure bookkeeping: no torch calls besides holding the buffer, no communication.
+Pure bookkeeping: no torch calls besides holding the buffer, no communication. Each data transition also sets the
+parameters' `ds_status` (DeepSpeed's attribute, ds_attributes.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from zkern.comm.collectives import Work
 from zkern.core.partition import Bucket
+from zkern.stage3.ds_attributes import mark
 from zkern.stage3.units import UnitPlan
 
 
@@ -114,16 +116,19 @@ class Unit:
         if self.data is not DataState.REST:
             raise self._fail("an all-gather was issued for a unit that is not at rest")
         self.data, self.buffer, self.work, self.version = DataState.INFLIGHT, buffer, work, version
+        mark(self.plan.params, "INFLIGHT")
 
     def arrive(self) -> None:
         if self.data is not DataState.INFLIGHT or self.work is not None:
             raise self._fail("marked gathered before its all-gather was waited for")
         self.data = DataState.GATHERED
+        mark(self.plan.params, "AVAILABLE")
 
     def rest(self) -> None:
         if self.data is DataState.REST or self.persistent or not self.idle or self.work is not None:
             raise self._fail("put to rest while held, persistent, in flight or already at rest")
         self.data, self.buffer, self.prefetched, self.lingering = DataState.REST, None, False, False
+        mark(self.plan.params, "NOT_AVAILABLE")
 
     def check_fresh(self, version: int) -> None:
         """A gathered copy from before the last optimizer step must never be used."""

@@ -38,7 +38,7 @@ from zkern.core.runtime import ShardMap
 from zkern.core.spec import RuntimeSpec
 from zkern.core.state import Component
 from zkern.offload.store import ShardStore
-from zkern.stage3 import full, layout, pinning, report
+from zkern.stage3 import ds_attributes, full, layout, pinning, report
 from zkern.stage3.gatherer import Gatherer
 from zkern.stage3.hooks import Stage3Hooks
 from zkern.stage3.lifecycle import DataState, Unit, check_pass_end
@@ -102,6 +102,7 @@ class Stage3Runtime:
                 self._handles.append(module.register_state_dict_pre_hook(self._state_dict_guard))
                 self._handles.append(module.register_load_state_dict_pre_hook(self._load_guard))
         self.shard_groups = layout.make_shard_groups(self, groups)
+        ds_attributes.attach(self)  # ds_id, ds_shape, ds_numel, ds_tensor, ds_status: what frameworks read
         if not zero.keep_gradient_buffers:  # until the first backward (its chunk views exist now)
             self.reducer.free_grads()
         register_owner(self.all_params, self)

@@ -17,7 +17,8 @@ them are not.
   compare   compare_params / assert_params_close (parameter by parameter), assert_within (an element-wise
             bound), assert_f32_rounding (to float32 rounding), adam_drift_bound, fp32_sum_rtol (tolerances derived
             from the arithmetic, never from one machine's output), same_bits_or_nan
-  memory    allocation_peak (every allocation through torch's allocators during a call, replayed: its peak),
+  memory    allocation_peak (every allocation through torch's allocators during a call, replayed: its peak, an
+            AllocationPeak),
             rss_bytes / peak_rss_bytes / reset_peak_rss / peaks / reset_peaks, model_state_bytes
 """
 

@@ -133,3 +133,63 @@ def test_the_engine_stands_for_its_module_and_reads_as_deepspeeds():
     with pytest.raises(AttributeError):
         _ = engine.no_such_attribute
 
+
+
+def _stream_worker(rank, world, stage, precision, zero, bucket_bytes):
+    from zkern.testing import allocation_peak
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=67, dim=64, n_layer=4, n_head=4, seq=16)
+    cfg = _config(stage, optimizer={"type": "AdamW", "params": {"lr": 1e-2}},
+                  zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0, **zero})
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine = zkern.Engine(model, cfg)
+    idx = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(idx, idx))
+    engine.step()
+    whole = engine.full_working_state_dict()
+    buckets = []
+
+    def consume():
+        for bucket in engine.stream_full_weights(bucket_bytes=bucket_bytes):
+            buckets.append(bucket)  # fresh copies already: the caller keeps them
+            del bucket
+
+    _, measured = allocation_peak(consume)
+    units = [u.bucket.padded for u in engine.runtime.units] if stage == 3 else [0]
+    width = 2 if precision == "bf16" else 4
+    streamed = [(n, t) for b in buckets for n, t in b]
+    sizes = [(sum(t.numel() * t.element_size() for t in {id(t): t for _, t in b}.values()), len(b)) for b in buckets]
+    first_names = [n for n, p in model.named_parameters()]  # one name per tensor, in the model's order
+    callback = []
+    engine.stream_full_weights(bucket_bytes=bucket_bytes, rank0_only=True,
+                               on=lambda b: callback.append([n for n, _ in b]))
+    engine.destroy()
+    return {"whole": whole, "streamed": streamed, "sizes": sizes, "peak": measured.peak["cpu"],
+            "kept": sum(t.numel() * t.element_size() for _, t in streamed), "unit_bytes": max(units) * width,
+            "callback": callback, "params": [n for n, _ in model.named_parameters(remove_duplicate=False)],
+            "first_names": first_names}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage, precision, zero", [
+    (0, "fp32", {}), (1, "bf16", {}), (2, "bf16", {}), (3, "fp32", {}), (3, "bf16", {}),
+    (3, "bf16", {"zero_quantized_weights": True}), (3, "bf16", {"stage3_fetch_units": ["Block"]})])
+def test_weights_stream_out_in_buckets_equal_to_the_whole_weights(stage, precision, zero):
+    bucket_bytes = 40_000
+    for rank, r in enumerate(spawn(_stream_worker, 2, stage, precision, zero, bucket_bytes)):
+        streamed = dict(r["streamed"])
+        names = [n for n, _ in r["streamed"]]
+        # every name once (a tied tensor under both of its names, one after the other), the tensors in the model's
+        # order
+        assert sorted(names) == sorted(r["params"]) and len(set(names)) == len(names)
+        assert [n for n in names if n in r["first_names"]] == r["first_names"]
+        for name, value in streamed.items():  # the working weights, exactly (qwZ: the exact gather, not int8)
+            assert torch.equal(value, r["whole"][name]), (rank, name)
+        # no bucket past the size asked, but a parameter larger than it, which comes alone
+        assert all(size <= bucket_bytes or count <= 2 for size, count in r["sizes"]), r["sizes"]
+        # memory: the caller kept every bucket (kept); beyond it the stream held at most a bucket and a unit
+        assert r["peak"] <= r["kept"] + bucket_bytes + r["unit_bytes"] + 4096, (r["peak"], r["kept"])
+        # rank0_only: the others take part in the gathers and get empty buckets
+        assert (sum(map(len, r["callback"])) == len(r["params"])) == (rank == 0)

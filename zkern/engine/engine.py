@@ -23,7 +23,7 @@ from zkern.config import Config
 from zkern.config.resolve import node_size
 from zkern.core.runtime import Runtime
 from zkern.core.spec import RuntimeSpec
-from zkern.engine import build, reporting, saving, stepping, weights
+from zkern.engine import build, reporting, saving, stepping, streaming, weights
 from zkern.engine.engine_state import build_registry
 from zkern.engine.precision import LossScaler
 from zkern.engine.replicated import ReplicatedRuntime
@@ -168,16 +168,16 @@ class Engine(torch.nn.Module):
         self.backward_unstepped = False
 
     def gathered_for_generation(self):
-        """Stage 3: gather every unit once and keep it whole until the block ends (a collective on entry and exit),
-        so that generate()'s many short forwards read whole weights instead of gathering and freeing each unit per
-        token. Within stage3_max_live_parameters: units that do not fit keep their per-use gathers. For inference:
-        the block runs under torch.no_grad(). Stages 0-2 hold whole parameters already; there it only disables
-        gradients.
-
-            with engine.gathered_for_generation():
-                out = engine.module.generate(input_ids, max_new_tokens=32)
-        """
+        """Stage 3: every unit gathered once and whole until the block ends (a collective on entry and exit; within
+        stage3_max_live_parameters), under torch.no_grad(): generate()'s many short forwards gather nothing.
+        `with engine.gathered_for_generation(): engine.module.generate(ids)`."""
         return weights.gathered_for_generation(self)
+
+    def stream_full_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
+                            rank0_only: bool = False, on=None):
+        """The whole parameters in buckets of at most bucket_bytes, gathered a unit at a time (a collective: every
+        rank iterates to the end): a generator of [(name, tensor)], or with on=callback each bucket handed to it."""
+        return streaming.stream_full_weights(self, bucket_bytes, dtype, rank0_only, on)
 
     def state_dict(self, *args, **kwargs):
         raise RuntimeError(

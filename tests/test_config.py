@@ -11,7 +11,9 @@ def load(**kw):
 
 def test_defaults_are_deepspeed_code_defaults():
     cfg = load().resolve(world_size=1)
-    assert cfg.gradient_clipping == 0.0
+    assert cfg.gradient_clipping == 1.0  # DeepSpeed's since 0.19.2 (it was 0.0), named in the start-up block
+    assert ("gradient_clipping", "1.0 (absent: DeepSpeed's default since 0.19.2; 0 turns clipping off)") in \
+        cfg.notes.filled
     assert cfg.zero_optimization.stage == 0
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
     assert cfg.zero_optimization.allgather_bucket_size == 500_000_000
@@ -217,7 +219,7 @@ def test_auto_values():
     cfg = load(gradient_clipping="auto", optimizer={"type": "AdamW", "params": {"lr": "auto"}},
                fp16={"enabled": "auto"},
                zero_optimization={"stage": 3, "stage3_gather_16bit_weights_on_model_save": "auto"})
-    assert cfg.gradient_clipping == 0.0 and cfg.optimizer.lr == 1e-3 and not cfg.fp16.enabled
+    assert cfg.gradient_clipping == 1.0 and cfg.optimizer.lr == 1e-3 and not cfg.fp16.enabled
     assert not cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save
     filled = dict(cfg.notes.filled)
     assert {"gradient_clipping", "optimizer.params.lr", "fp16.enabled",

@@ -69,10 +69,12 @@ def _bool(default):
 
 
 TOP = {
-    "train_batch_size": _int(None, 1, auto=True),
-    "train_micro_batch_size_per_gpu": _int(None, 1, auto=True),
-    "gradient_accumulation_steps": _int(None, 1, auto=True),
-    "gradient_clipping": _float(0.0, 0.0),
+    # Counts a run can reach (an int32): 1e+30 was taken as a count, and an engine waiting for that many micro-steps
+    # before its first step never answered.
+    "train_batch_size": _int(None, 1, 2**31 - 1, auto=True),
+    "train_micro_batch_size_per_gpu": _int(None, 1, 2**31 - 1, auto=True),
+    "gradient_accumulation_steps": _int(None, 1, 2**31 - 1, auto=True),
+    "gradient_clipping": _float(1.0, 0.0),
     "optimizer": Key("section"),
     "scheduler": Key("section"),
     "fp16": Key("section"),
@@ -158,6 +160,10 @@ BF16 = {
     "immediate_grad_update": Inert("zkern folds each micro-step's gradients into the shard as they are reduced"),
     "bf16_master_weights_and_grads": _bool(False),
     "bf16_optimizer_states": _bool(False),
+    # Older DeepSpeed took both in a bf16 section (configs in the wild have them): auto_cast casts the forward's
+    # float inputs to bf16 as fp16.auto_cast does to fp16; a loss scale is meaningless in bf16, which never scales.
+    "auto_cast": _bool(False),
+    "loss_scale": Inert("bf16 needs no loss scaling; DeepSpeed's bf16 ignores it too"),
 }
 
 ZERO = {
@@ -312,12 +318,12 @@ MISSING_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb", "muadam", "muad
 _LAST = {"last_batch_iteration": _int(-1, -1)}
 # WarmupLR's warmup_max_lr defaults to each param group's own lr (DeepSpeed 0.19), WarmupDecayLR's to 1e-3.
 _WARMUP = {"warmup_min_lr": _float(0.0, 0.0), "warmup_max_lr": Key("float_or_null", None, 0.0),
-           "warmup_num_steps": _int(1000, 1), "warmup_type": Key("str", "log"), **_LAST}
+           "warmup_num_steps": _int(1000, 0), "warmup_type": Key("str", "log"), **_LAST}
 SCHEDULERS = {
     "WarmupLR": _WARMUP,
     "WarmupDecayLR": {**_WARMUP, "warmup_max_lr": _float(1e-3, 0.0), "total_num_steps": _int(None, 1)},
     "WarmupCosineLR": {"total_num_steps": _int(None, 1), "warmup_min_ratio": _float(0.0, 0.0, 1.0),
-                       "warmup_num_steps": _int(1000, 1), "cos_min_ratio": _float(0.0001, 0.0, 1.0),
+                       "warmup_num_steps": _int(1000, 0), "cos_min_ratio": _float(0.0001, 0.0, 1.0),
                        "warmup_type": Key("str", "log"), **_LAST},
     "OneCycle": {"cycle_min_lr": _float(None, 0.0), "cycle_max_lr": _float(None, 0.0),
                  "decay_lr_rate": _float(0.0, 0.0), "cycle_first_step_size": _int(2000, 1),

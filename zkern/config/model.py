@@ -45,7 +45,7 @@ class Config:
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
-    gradient_clipping: float = 0.0  # DeepSpeed's code default (its docs say 1.0)
+    gradient_clipping: float = 1.0  # DeepSpeed's default since 0.19.2 (0.0 before): absent, gradients are clipped
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = field(default_factory=FP16Config)

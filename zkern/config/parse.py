@@ -255,7 +255,7 @@ def parse_config(raw: dict) -> dict[str, Any]:
         train_batch_size=top.get("train_batch_size"),
         train_micro_batch_size_per_gpu=top.get("train_micro_batch_size_per_gpu"),
         gradient_accumulation_steps=top.get("gradient_accumulation_steps"),
-        gradient_clipping=top.get("gradient_clipping", 0.0),
+        gradient_clipping=_clipping(top, notes),
         optimizer=opt, scheduler=sched,
         fp16=FP16Config(**fp16), bf16=BF16Config(**bf16), zero_optimization=zero,
         steps_per_print=top.get("steps_per_print", 10),
@@ -429,6 +429,8 @@ def _scheduler(raw: Any, notes: Notes) -> SchedulerConfig | None:
     for key, spec in table.items():
         if full[key] is None and not spec.kind.endswith("_or_null"):
             raise ConfigError(f"'scheduler.params.{key}' is required by {kind}")
+    if full.get("warmup_num_steps") == 0:  # older DeepSpeed took 0 and warmed up over its minimum of 2 steps
+        notes.filled.append(("scheduler.params.warmup_num_steps", "0: warmup over 2 steps (DeepSpeed's minimum)"))
     if kind == "OneCycle" and full["cycle_max_lr"] < full["cycle_min_lr"]:
         raise ConfigError(f"'scheduler.params.cycle_max_lr' ({full['cycle_max_lr']}) is below cycle_min_lr "
                           f"({full['cycle_min_lr']})")
@@ -475,3 +477,12 @@ def _checkpoint(raw: Any, notes: Notes) -> CheckpointConfig:
         raise ConfigError(f"'checkpoint.tag_validation' must be \"Ignore\", \"Warn\" or \"Fail\", got {mode!r}")
     return CheckpointConfig(tag_validation=mode.upper(),
                             use_node_local_storage=values.get("use_node_local_storage", False))
+
+
+def _clipping(top: dict, notes) -> float:
+    """gradient_clipping, or DeepSpeed's default when the config has none: 1.0 since DeepSpeed 0.19.2 (0.0 before,
+    so the same file clipped or not by version): said in the start-up block."""
+    if "gradient_clipping" in top:
+        return top["gradient_clipping"]
+    notes.filled.append(("gradient_clipping", "1.0 (absent: DeepSpeed's default since 0.19.2; 0 turns clipping off)"))
+    return 1.0

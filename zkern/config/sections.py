@@ -56,6 +56,7 @@ class BF16Config:
     enabled: bool = False
     bf16_master_weights_and_grads: bool = False  # the optimizer's master shard in bf16 (no fp32 copy)
     bf16_optimizer_states: bool = False  # exp_avg / exp_avg_sq in bf16
+    auto_cast: bool = False  # the forward's float inputs cast to bf16 (older DeepSpeed's key)
 
 @dataclass(frozen=True)
 class ZeroConfig:

@@ -244,8 +244,8 @@ def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_gro
             return NvmeAdam(shard_groups, options, nvme, rounding_seed=seed)
         return ShardAdam(shard_groups, options, state_dtype=state_dtype, rounding_seed=seed)
     stage = cfg.zero_optimization.stage
-    if stage >= 1 and not isinstance(client, (torch.optim.Adam, torch.optim.AdamW)) \
-            and not cfg.zero_allow_untested_optimizer:
+    tested = isinstance(client, (torch.optim.Adam, torch.optim.AdamW)) or type(client).__module__.startswith("zkern.")
+    if stage >= 1 and not tested and not cfg.zero_allow_untested_optimizer:  # zkern's own (zkern.cpu.CPUAdam): tested
         raise ConfigError(
             f"{type(client).__name__} is an untested ZeRO optimizer: at stage {stage} zkern steps 1-D pieces of "
             f"each rank's shard, which is exact only for element-wise optimizers (Adam, AdamW, SGD, ...). If yours "
@@ -336,9 +336,10 @@ def checked_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     optimizer anywhere (every parameter frozen, one empty group)."""
     if inference:
         return _inference_groups(model, lr_scheduler, model_parameters, spec), None
-    if model_parameters is not None and optimizer is not None:
-        raise ValueError("model_parameters and optimizer are both given; model_parameters are the param groups "
-                         "of the config's optimizer: pass the groups to your torch optimizer instead")
+    if model_parameters is not None and optimizer is not None:  # DeepSpeed ignores them beside a client optimizer
+        log.warning("zkern: model_parameters are the config optimizer's groups; beside an optimizer= they choose "
+                    "nothing (the optimizer's own groups decide, as under DeepSpeed)")
+        model_parameters = None
     requested = requested_groups(model_parameters) if model_parameters is not None else None
     groups = trainable_groups(model, optimizer, requested)
     if not any(groups):

@@ -87,10 +87,8 @@ class Engine(torch.nn.Module):
         self.nvme = nvme.shard_from_config(cfg, rank, master_dtype=spec.master_dtype, state_dtype=spec.state_dtype) \
             if zero.offload_optimizer_device == "nvme" else None
         self.store = ShardStore(self.device, nvme=self.nvme)  # where every shard lives (offload/store.py)
-        # The runtimes build their buffers on the device from the parameters where they are (the host, typically),
-        # a bucket or a unit at a time, from the fp32 values; then what is still whole (buffers, frozen parameters,
-        # stage 3's empty stand-ins) moves to the device and the working dtype. The model is never whole on the
-        # device first (at stage 3 it never is).
+        # The runtimes build their buffers on the device from the parameters where they are (the host, typically), a
+        # bucket or unit at a time; then what is still whole moves. The model is never whole on the device first.
         self.runtime: Runtime = ReplicatedRuntime(model) if self.inference and zero.stage < 3 else \
             build.make_runtime(model, groups, spec, cfg, comm=self.comm, store=self.store)
         model.to(self.device).to(self.dtype)
@@ -118,8 +116,9 @@ class Engine(torch.nn.Module):
 
     # -- the training loop ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if self.config.fp16.enabled and self.config.fp16.auto_cast:  # DeepSpeed's fp16.auto_cast: the inputs too
-            args, kwargs = tree_map(_to_half, (args, kwargs))
+        cast = _input_cast(self.config)  # fp16 or bf16 auto_cast: the float inputs in the training dtype
+        if cast is not None:
+            args, kwargs = tree_map(cast, (args, kwargs))
         try:
             with self.reporter.phase("forward"):
                 return self.reporter.forward(self.module, args, kwargs)
@@ -339,8 +338,13 @@ class Engine(torch.nn.Module):
 
 
 
-def _to_half(x):
-    return x.half() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+def _input_cast(cfg: Config):
+    """DeepSpeed's fp16.auto_cast (and older DeepSpeed's bf16.auto_cast): the forward's float inputs cast."""
+    dtype = torch.float16 if cfg.fp16.enabled and cfg.fp16.auto_cast else \
+        torch.bfloat16 if cfg.bf16.enabled and cfg.bf16.auto_cast else None
+    if dtype is None:
+        return None
+    return lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
 def _trainable(engine: Engine, call: str) -> None:

@@ -55,12 +55,18 @@ def declare_known_readers(model: torch.nn.Module) -> None:
                 register_external_parameter(m, p)
 
 
+def _is_fetch_class(m: torch.nn.Module, fetch_classes: tuple[str, ...]) -> bool:
+    """m is an instance of a class named in fetch_classes, or of a subclass of one (DeepSpeed's leaf modules match
+    with isinstance)."""
+    return any(c.__name__ in fetch_classes for c in type(m).__mro__)
+
+
 def plan_units(model: torch.nn.Module, fetch_classes: tuple[str, ...], persistence_threshold: int
                ) -> tuple[list[UnitPlan], dict[torch.nn.Module, list[int]]]:
     """(units, needs): the fetch units in first-owner order (the persistent unit, if any, last), and for every
     module that must gather something before it runs, the indices of the non-persistent units it needs."""
     modules = dict(model.named_modules())
-    present = {type(m).__name__ for m in modules.values()}
+    present = {c.__name__ for m in modules.values() for c in type(m).__mro__}  # a base class names its subclasses
     missing = [c for c in fetch_classes if c not in present]
     if missing:
         raise ValueError(f"zero_optimization.stage3_fetch_units names module classes {missing} that the model does "
@@ -75,7 +81,7 @@ def plan_units(model: torch.nn.Module, fetch_classes: tuple[str, ...], persisten
     # Unit roots: outermost instances of the fetch classes; every other owner module is a root of its own.
     roots: list[str] = []
     for mname, m in modules.items():
-        if type(m).__name__ in fetch_classes and not any(_inside(mname, r) for r in roots):
+        if _is_fetch_class(m, fetch_classes) and not any(_inside(mname, r) for r in roots):
             roots.append(mname)
     root_of: dict[int, str] = {}
     for pid, mname in owner.items():

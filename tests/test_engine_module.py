@@ -68,6 +68,7 @@ def config(stage: int, small_units: bool = False) -> dict:
     if small_units:
         zero.update(reduce_bucket_size=64, stage3_param_persistence_threshold=0)
     return {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "gradient_clipping": 0.0,  # the reference is torch's AdamW, unclipped (DeepSpeed's default clips at 1)
             "zero_optimization": zero, "device": "cpu"}
 
 

@@ -50,7 +50,7 @@ def engine_worker(rank: int, world: int, name: str) -> dict:
     import zkern
 
     model = build(name)
-    config = {"train_micro_batch_size_per_gpu": PER_RANK, "steps_per_print": 0,
+    config = {"train_micro_batch_size_per_gpu": PER_RANK, "steps_per_print": 0, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
               "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "stage3_prefetch_bucket_size": 1000,
                                     "stage3_param_persistence_threshold": 10}}

@@ -22,6 +22,8 @@ _EXPORTS = {
     "init_sharded": "zkern.stage3.sharded_init",
     "register_external_parameter": "zkern.stage3.units",
     "CheckpointError": "zkern.errors",
+    "safe_get_full_grad": "zkern.engine.param_views",
+    "safe_get_full_fp32_param": "zkern.engine.param_views",
 }
 _MODULES = {"checkpointing", "ops", "checkpoint", "hf"}
 

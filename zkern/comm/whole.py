@@ -26,12 +26,16 @@ class WholeBucket:
 
 
 def gather_whole(comm: Comm, world: int, buckets: list[WholeBucket], chunk_of: Callable[[int], torch.Tensor],
-                 dtype: torch.dtype, device: torch.device, purpose: str, keep: bool = True) -> dict[int, torch.Tensor]:
+                 dtype: torch.dtype, device: torch.device, purpose: str, keep: bool = True,
+                 only: set[int] | None = None) -> dict[int, torch.Tensor]:
     """key -> the whole tensor in `dtype` (a collective over `world` ranks; world 1 copies). chunk_of(i) is this
     rank's chunk of bucket i, wherever it lives (a host shard is copied up first); what is kept is on the host.
-    keep=False gathers (every rank must take part) and keeps nothing."""
+    keep=False gathers (every rank must take part) and keeps nothing. only: these keys alone, gathering just the
+    buckets that hold them (every rank must pass the same set)."""
     values: dict[int, torch.Tensor] = {}
     for i, bucket in enumerate(buckets):
+        if only is not None and not any(key in only for key, _, _ in bucket.entries):
+            continue
         mine = chunk_of(i).to(device, dtype)
         if world == 1:
             data = mine
@@ -41,5 +45,7 @@ def gather_whole(comm: Comm, world: int, buckets: list[WholeBucket], chunk_of: C
         if keep:
             host = data.cpu()  # one copy down per bucket (the same tensor where it is on the host already)
             for key, offset, shape in bucket.entries:
+                if only is not None and key not in only:
+                    continue
                 values[key] = host[offset:offset + shape.numel()].clone().view(shape)
     return values

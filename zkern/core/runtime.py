@@ -96,14 +96,14 @@ class Runtime(Protocol):
         """The step is over: the next micro-step's gradients start from zero."""
 
     # -- whole values and accounting ----------------------------------------------------------------------------
-    def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
-        """id(parameter) -> fp32 weights (a collective)."""
+    def full_fp32(self, rank0_only: bool, only: set[int] | None = None) -> dict[int, torch.Tensor] | None:
+        """id(parameter) -> fp32 weights (a collective; only: these parameters alone, gathering what holds them)."""
 
     def full_working(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> weights in the working dtype (a collective)."""
 
-    def full_grads(self) -> dict[int, torch.Tensor]:
-        """id(parameter) -> reduced gradients as the optimizer reads them (a collective)."""
+    def full_grads(self, only: set[int] | None = None) -> dict[int, torch.Tensor]:
+        """id(parameter) -> reduced gradients as the optimizer reads them (a collective; only: as full_fp32's)."""
 
     def memory(self) -> dict[str, int]:
         """Bytes held: params, grads, master, comm_buffers, and host_params (parameter shards resting on the host;

@@ -23,7 +23,8 @@ from zkern.config import Config
 from zkern.config.resolve import node_size
 from zkern.core.runtime import Runtime
 from zkern.core.spec import RuntimeSpec
-from zkern.engine import build, reporting, saving, stepping, streaming, weights
+from zkern.engine import build, param_views, reporting, resident, saving, stepping, streaming, weights
+from zkern.engine.ds_surface import Count, DeepSpeedSurface
 from zkern.engine.engine_state import build_registry
 from zkern.engine.precision import LossScaler
 from zkern.engine.replicated import ReplicatedRuntime
@@ -36,7 +37,7 @@ from zkern.stage3.units import declare_known_readers
 log = logging.getLogger("zkern")
 
 
-class Engine(torch.nn.Module):
+class Engine(DeepSpeedSurface, torch.nn.Module):
     """Train `model` with ZeRO stage 0, 1, 2 or 3 as the DeepSpeed-style `config` says.
 
     Engine(model, config, optimizer=None, lr_scheduler=None, model_parameters=None): config is a dict, a JSON path
@@ -99,7 +100,7 @@ class Engine(torch.nn.Module):
                                                                                  requested)
         reporting.log_offload(self)
         self.scaler = LossScaler.from_config(cfg)
-        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.gradient_accumulation_steps = Count(cfg.gradient_accumulation_steps)  # DeepSpeed's is a method
         self.micro_steps = 0
         self.pending_micro_steps = 0  # micro-steps accumulated since the last optimizer step
         self.backward_unstepped = False  # a backward ran whose step() has not (its gradients are held)
@@ -107,15 +108,19 @@ class Engine(torch.nn.Module):
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self._step_applied = False  # was_step_applied(): the last step() updated the parameters
+        self._offloaded = None  # offload_states(): what it moved to the host (resident.py)
         self._checkpoint_comm = None  # the checkpoint's own process group, made by the first save or load
         self._pending_save = None  # an asynchronous save in flight
         # What the config asks to report beside training (timers, monitors, profiler, comms logger): no cost when off.
         self.reporter = Reporter(self)
         # Every stateful piece, with how it resets: loads, zero_grad and the tests walk this (core/state.py).
         self.state = build_registry(self)
+        param_views.register(self)  # zkern.safe_get_full_grad(p) finds p's engine
 
     # -- the training loop ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        resident.require(self, "forward", reads=("lp_params",))
         cast = _input_cast(self.config)  # fp16 or bf16 auto_cast: the float inputs in the training dtype
         if cast is not None:
             args, kwargs = tree_map(cast, (args, kwargs))
@@ -125,20 +130,6 @@ class Engine(torch.nn.Module):
         except BaseException as e:
             self.runtime.abort_pass(e)  # stage 3: release what the failed pass gathered
             raise
-
-    def __getattr__(self, name: str):
-        """What the engine lacks, the wrapped module's (engine.generate, a model method), as DeepSpeed forwards it."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            module = self.__dict__.get("_modules", {}).get("module")
-            if module is None:
-                raise
-            return getattr(module, name)
-
-    def zero_optimization_stage(self) -> int:
-        """DeepSpeed's accessor: the ZeRO stage this engine runs."""
-        return self.config.zero_optimization.stage
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next step() will update the parameters."""
@@ -170,12 +161,14 @@ class Engine(torch.nn.Module):
         """Stage 3: every unit gathered once and whole until the block ends (a collective on entry and exit; within
         stage3_max_live_parameters), under torch.no_grad(): generate()'s many short forwards gather nothing.
         `with engine.gathered_for_generation(): engine.module.generate(ids)`."""
+        resident.require(self, "gathered_for_generation", reads=("lp_params",))
         return weights.gathered_for_generation(self)
 
     def stream_full_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
                             rank0_only: bool = False, on=None):
         """The whole parameters in buckets of at most bucket_bytes, gathered a unit at a time (a collective: every
         rank iterates to the end): a generator of [(name, tensor)], or with on=callback each bucket handed to it."""
+        resident.require(self, "stream_full_weights", reads=("lp_params",))
         return streaming.stream_full_weights(self, bucket_bytes, dtype, rank0_only, on)
 
     def state_dict(self, *args, **kwargs):
@@ -202,6 +195,7 @@ class Engine(torch.nn.Module):
         """Backpropagate loss (scaled for fp16, divided by the accumulation steps); reduce gradients as the
         stage prescribes (at the boundary for stages 0/1, every micro-step for stage 2)."""
         _trainable(self, "backward")
+        resident.require(self, "backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
@@ -227,7 +221,9 @@ class Engine(torch.nn.Module):
         """At the accumulation boundary: overflow check, clipping, optimizer, loss-scale and LR update.
         Between boundaries: a no-op (gradients keep accumulating)."""
         _trainable(self, "step")
+        resident.require(self, "step")
         boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False
         self.backward_unstepped = False
         self.micro_steps += 1
         self.pending_micro_steps += 1
@@ -263,6 +259,7 @@ class Engine(torch.nn.Module):
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> str:
         """Save the weights in the training dtype with model.state_dict()'s names, as DeepSpeed's method does (a
         collective; rank 0 writes). Stage 3 gathers them only when the config allows it."""
+        resident.require(self, "save_16bit_model", reads=("lp_params",))
         return weights.save_16bit_model(self, save_dir, save_filename)
 
     def full_working_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
@@ -270,6 +267,7 @@ class Engine(torch.nn.Module):
         names, on the host: what DeepSpeed's 16-bit consolidation gives (a collective: call it on every rank). With
         rank0_only, other ranks return None and, at stage 3, hold one unit at a time. Tensors one parameter shares
         under two names (tied embeddings) stay one tensor."""
+        resident.require(self, "full_working_state_dict", reads=("lp_params",))
         return weights.full_working_state_dict(self, rank0_only)
 
     # -- checkpoints (zkern/checkpoint/) ----------------------------------------------------------------------
@@ -282,6 +280,7 @@ class Engine(torch.nn.Module):
         state to host buffers and write in a background thread (returns None; wait_checkpoint() gives the path,
         the next save or load waits for it, and its error surfaces there). Returns the tag's directory."""
         saving.check_save(self)
+        resident.require(self, "save_checkpoint")
         return self._write_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
 
     def _write_checkpoint(self, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool,
@@ -323,6 +322,7 @@ class Engine(torch.nn.Module):
         from zkern.checkpoint.load import load
 
         saving.check_load(self, load_module_only)
+        resident.require(self, "load_checkpoint")
         self.wait_checkpoint()
         return load(self, self._checkpoint_group(), load_dir, tag, strict=load_module_strict,
                     load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
@@ -334,8 +334,8 @@ class Engine(torch.nn.Module):
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """fp32 weights with model.state_dict()'s names, on the host (a collective: call it on every rank). The
         device holds one bucket at a time; with rank0_only, other ranks return None."""
+        resident.require(self, "full_state_dict")
         return weights.full_state_dict(self, rank0_only)
-
 
 
 def _input_cast(cfg: Config):

@@ -75,13 +75,13 @@ class ReplicatedRuntime:
     def zero_grad(self) -> None:
         pass
 
-    def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
+    def full_fp32(self, rank0_only: bool, only: set[int] | None = None) -> dict[int, torch.Tensor] | None:
         return {}  # every tensor is whole here: full_state_dict reads them from the module
 
     def full_working(self) -> dict[int, torch.Tensor]:
         return {}
 
-    def full_grads(self) -> dict[int, torch.Tensor]:
+    def full_grads(self, only: set[int] | None = None) -> dict[int, torch.Tensor]:
         return {}
 
     def memory(self) -> dict[str, int]:

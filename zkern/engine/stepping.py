@@ -73,6 +73,7 @@ def optimizer_step(engine: Engine) -> None:
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.step()
         engine.runtime.after_step()
+        engine._step_applied = True  # was_step_applied()
     engine.runtime.zero_grad()
 
 

@@ -17,30 +17,31 @@ if TYPE_CHECKING:
     from zkern.stage12.flat_group import FlatGroup
 
 
-def whole(g: FlatGroup, what: str, keep: bool) -> dict[int, torch.Tensor]:
+def whole(g: FlatGroup, what: str, keep: bool, only: set[int] | None = None) -> dict[int, torch.Tensor]:
     """id(parameter) -> whole value (collective where shards must be gathered): "fp32" weights, "working"
     weights, or the reduced "grads" as the optimizer reads them (loss-scaled, summed over ranks). Parameters
-    are whole on every rank at stages 0-2, so only the fp32 master and the gradient shards are gathered."""
+    are whole on every rank at stages 0-2, so only the fp32 master and the gradient shards are gathered. only: these
+    parameters' buckets alone (every rank the same set)."""
     device = g.param_flat.device
     match what:
         case "fp32" if g.master is not None:
             return gather_whole(g.comm, g.shard_world, whole_buckets(g, False),
                                 lambda i: master_chunk(g, i), torch.float32, device,
-                                "fp32 weights", keep)
+                                "fp32 weights", keep, only)
         case "fp32" | "working":
             dtype = torch.float32 if what == "fp32" else g.dtype
             return gather_whole(g.comm, 1, whole_buckets(g, True), lambda i: bucket_of(g, g.param_flat, i),
-                                dtype, device, f"{what} weights", keep)
+                                dtype, device, f"{what} weights", keep, only)
         case "grads" if not g.grads_live:  # freed since the last step: every gradient is zero
             g.ensure_grads()
-            return whole(g, what, keep)
+            return whole(g, what, keep, only)
         case "grads" if g.stage == 0:
             return gather_whole(g.comm, 1, whole_buckets(g, True), lambda i: bucket_of(g, g.grad_flat, i),
-                                g.accum_dtype, device, "gradients", keep)
+                                g.accum_dtype, device, "gradients", keep, only)
         case "grads":
             return gather_whole(g.comm, g.shard_world, whole_buckets(g, False),
                                 lambda i: g.grad_chunk(g.layout.buckets[i]), g.accum_dtype, device,
-                                "reduced gradients", keep)
+                                "reduced gradients", keep, only)
         case _:
             raise ValueError(f"whole() takes 'fp32', 'working' or 'grads', got {what!r}")
 

@@ -242,21 +242,21 @@ class Stage12Runtime:
         for g in self.groups:
             g.zero_grad()
 
-    def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
-        """id(parameter) -> its fp32 value (collective; None off rank 0 with rank0_only)."""
+    def full_fp32(self, rank0_only: bool, only: set[int] | None = None) -> dict[int, torch.Tensor] | None:
+        """id(parameter) -> its fp32 value (collective; None off rank 0 with rank0_only; only: these ids alone)."""
         keep = not rank0_only or self.groups[0].comm.rank == 0
-        values = {k: v for g in self.groups for k, v in group_state.whole(g, "fp32", keep).items()}
+        values = {k: v for g in self.groups for k, v in group_state.whole(g, "fp32", keep, only).items()}
         return values if keep else None
 
     def full_working(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> value in the working dtype, for saving 16-bit weights."""
         return {k: v for g in self.groups for k, v in group_state.whole(g, "working", True).items()}
 
-    def full_grads(self) -> dict[int, torch.Tensor]:
+    def full_grads(self, only: set[int] | None = None) -> dict[int, torch.Tensor]:
         """id(parameter) -> the reduced gradient as the optimizer reads it: the sum over ranks of loss_scale /
         gradient_predivide_factor times each rank's gradient, in the accumulation dtype (a collective; for tests
         and debugging, between the last backward and step())."""
-        return {k: v for g in self.groups for k, v in group_state.whole(g, "grads", True).items()}
+        return {k: v for g in self.groups for k, v in group_state.whole(g, "grads", True, only).items()}
 
     # -- GatheredParameters (gathered.py) ---------------------------------------------------------------------
     def pin(self, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list:

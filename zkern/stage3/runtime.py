@@ -249,14 +249,14 @@ class Stage3Runtime:
             self._unguarded = False
 
     # -- whole weights ----------------------------------------------------------------------------------------
-    def full_fp32(self, rank0_only: bool) -> dict[int, torch.Tensor] | None:
-        return full.full_fp32(self, rank0_only)
+    def full_fp32(self, rank0_only: bool, only: set[int] | None = None) -> dict[int, torch.Tensor] | None:
+        return full.full_fp32(self, rank0_only, only)
 
     def full_working(self, rank0_only: bool = False) -> dict[int, torch.Tensor] | None:
         return full.full_working(self, rank0_only)
 
-    def full_grads(self) -> dict[int, torch.Tensor]:
-        return full.full_grads(self)
+    def full_grads(self, only: set[int] | None = None) -> dict[int, torch.Tensor]:
+        return full.full_grads(self, only)
 
     # -- state (core/state.py) ------------------------------------------------------------------------------
     def state_components(self) -> list[Component]:

@@ -1,0 +1,244 @@
+"""DeepSpeed's engine accessors, per-parameter views and offload_states/reload_states on zkern's engine, as the
+frameworks built on DeepSpeed call them (HF Trainer, Accelerate, TRL, OpenRLHF): answers from the config and the
+counters, one parameter's gradient against a plain single-process run, and state moved off the device and back
+with training continuing bit for bit.
+
+    python -m pytest tests/test_engine_surface.py -q
+"""
+
+import pytest
+import torch
+
+import zkern
+from zkern.testing import TinyGPT, spawn
+
+
+def _config(stage: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "device": "cpu",
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.8, 0.9]}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra}
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def test_accessors_answer_as_deepspeeds_engine_does():
+    cfg = _config(2, gradient_accumulation_steps=2, gradient_clipping=0.5, bf16={"enabled": True},
+                  scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2}})
+    engine = zkern.Engine(TinyGPT(), cfg)
+    assert engine.train_batch_size() == 4 and engine.train_micro_batch_size_per_gpu() == 2
+    assert engine.gradient_accumulation_steps() == 2 and engine.gradient_accumulation_steps == 2
+    assert engine.get_gradient_accumulation_steps() == 2
+    assert engine.bf16_enabled() and not engine.fp16_enabled() and engine.gradient_clipping() == 0.5
+    assert engine.get_data_types() == (torch.bfloat16, torch.bfloat16)
+    assert engine.zero_optimization_partition_gradients() and not engine.zero_optimization_partition_weights()
+    assert not engine.zero_offload_optimizer() and not engine.zero_offload_param() and not engine.zero_cpu_offload()
+    assert engine.local_rank == 0 and engine.dp_world_size == 1 and engine.mp_world_size == 1
+    assert engine.get_mom() == [(0.8, 0.9)]
+    assert engine.was_step_applied() is False and engine.get_global_grad_norm() is None
+    lrs = []
+    for step in range(4):  # two optimizer steps of two micro-steps
+        engine.backward(engine(_batch(step), _batch(step)))
+        engine.step()
+        lrs.append(engine.get_lr())
+        assert engine.was_step_applied() == (step % 2 == 1), step  # False between boundaries
+    # the learning rate moves at each optimizer step only (WarmupLR), and is the optimizer's own
+    assert lrs[1] == lrs[2] != lrs[3] == [g["lr"] for g in engine.optimizer.param_groups], lrs
+    assert engine.global_steps == 2 and engine.global_samples == 8
+    assert engine.get_global_grad_norm() == engine.last_grad_norm > 0
+    with pytest.raises(RuntimeError, match="stage 2"):
+        engine.no_sync()
+    with pytest.raises(ValueError, match="ZeRO stage 3"):
+        engine._zero3_consolidated_16bit_state_dict()
+    with zkern.Engine(TinyGPT(), _config(1)).no_sync():  # stages 0-1 reduce at the boundary anyway
+        pass
+
+
+def test_was_step_applied_is_false_after_an_overflow():
+    engine = zkern.Engine(TinyGPT(), _config(1, fp16={"enabled": True, "initial_scale_power": 8}))
+    engine.backward(engine(_batch(0), _batch(0)))
+    engine.step()
+    assert engine.was_step_applied()
+    engine.backward(engine(_batch(1), _batch(1)) * float("inf"))
+    engine.step()
+    assert not engine.was_step_applied() and engine.skipped_steps == 1
+
+
+def _consolidated_worker(rank, world):
+    torch.manual_seed(0)
+    model = TinyGPT(frozen=("fc",))
+    engine = zkern.Engine(model, _config(3, bf16={"enabled": True}, zero_optimization={
+        "stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}))
+    engine.backward(engine(_batch(rank), _batch(rank)))
+    engine.step()
+    whole = engine.full_working_state_dict()
+    consolidated = engine._zero3_consolidated_16bit_state_dict()
+    trained_only = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    return {"whole": whole, "consolidated": consolidated, "trained_only": trained_only,
+            "gather": engine.zero_gather_16bit_weights_on_model_save()}
+
+
+@pytest.mark.dist
+def test_accelerates_stage3_consolidation_gives_the_working_weights_on_rank_0():
+    results = spawn(_consolidated_worker, 2)
+    r0 = results[0]
+    assert results[1]["consolidated"] is None and results[1]["trained_only"] is None and r0["gather"]
+    assert r0["consolidated"].keys() == r0["whole"].keys()
+    for name, value in r0["whole"].items():
+        assert value.dtype == torch.bfloat16 or not value.is_floating_point(), name
+        assert torch.equal(r0["consolidated"][name], value), name
+    assert "blocks.0.fc.weight" not in r0["trained_only"] and "blocks.0.qkv.weight" in r0["trained_only"]
+
+
+# -- one parameter's whole gradient and fp32 value ------------------------------------------------------------------
+def _grad_worker(rank, world, stage, fp16):
+    torch.manual_seed(0)
+    model = TinyGPT(frozen=("proj",))
+    extra = {"fp16": {"enabled": True, "initial_scale_power": 10}} if fp16 else {}
+    engine = zkern.Engine(model, _config(stage, gradient_accumulation_steps=2, gradient_clipping=0.0,
+                                         **extra))
+    names = ["tok.weight", "blocks.1.fc.weight", "ln_f.bias", "blocks.0.proj.weight"]
+    params = dict(model.named_parameters())
+    out = {"mid": None, "grads": {}, "fp32": {}}
+    for micro in range(2):
+        seed = 100 * rank + micro
+        engine.backward(engine(_batch(seed), _batch(seed)))
+        if micro == 0:
+            try:
+                zkern.safe_get_full_grad(params["ln_f.bias"])
+            except RuntimeError as e:
+                out["mid"] = str(e)
+            engine.step()  # between boundaries: no update
+    for name in names:
+        g = zkern.safe_get_full_grad(params[name])
+        out["grads"][name] = None if g is None else g.cpu()
+    engine.step()
+    whole = engine.full_state_dict()
+    for name in names:
+        out["fp32"][name] = (zkern.safe_get_full_fp32_param(params[name]).cpu(), whole[name])
+    return out
+
+
+def _reference_grads(world: int, fp16: bool) -> dict[str, torch.Tensor]:
+    """A plain process: the mean of every rank's micro-batch losses over the global batch, its p.grad."""
+    torch.manual_seed(0)
+    model = TinyGPT(frozen=("proj",))
+    losses = [model(_batch(100 * r + m), _batch(100 * r + m)) for r in range(world) for m in range(2)]
+    torch.stack(losses).mean().backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage, fp16", [(0, False), (1, False), (2, False), (3, False), (3, True), (2, True)])
+def test_safe_get_full_grad_is_a_plain_runs_gradient(stage, fp16):
+    expected = _reference_grads(2, fp16)
+    for r in spawn(_grad_worker, 2, stage, fp16):
+        assert r["mid"] is not None and "micro-step 1 of 2" in r["mid"]
+        assert r["grads"]["blocks.0.proj.weight"] is None  # frozen
+        for name in ("tok.weight", "blocks.1.fc.weight", "ln_f.bias"):
+            actual, want = r["grads"][name], expected[name]
+            assert actual.dtype == torch.float32 and actual.shape == want.shape, name
+            # fp32: the same sum in another order, a few roundings of the largest term; fp16: the working weights
+            # and activations are fp16, half precision relative to the gradient's scale
+            tol = (2e-3 if fp16 else 1e-5) * want.abs().max().item()
+            assert (actual - want).abs().max().item() <= tol, (name, (actual - want).abs().max().item(), tol)
+        for name, (value, whole) in r["fp32"].items():
+            assert value.dtype == torch.float32 and torch.equal(value, whole), name
+
+
+def test_safe_get_full_grad_names_a_foreign_parameter_and_the_time_to_call_it():
+    engine = zkern.Engine(TinyGPT(), _config(0))
+    with pytest.raises(ValueError, match="no zkern engine"):
+        zkern.safe_get_full_grad(torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(RuntimeError, match="no backward since its last step"):
+        zkern.safe_get_full_grad(engine.module.ln_f.bias)
+
+
+# -- offload_states / reload_states -------------------------------------------------------------------------------
+def _device_bytes(engine) -> dict[tuple[str, torch.dtype], int]:
+    """What the engine's state holds on its device, by kind of state and dtype: storages the allocator gave it,
+    each counted once."""
+    seen, out = set(), {}
+    for c in engine.state:
+        for t in c.tensors():
+            s = t.untyped_storage()
+            if t.device == engine.device and s.nbytes() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                out[c.kind, t.dtype] = out.get((c.kind, t.dtype), 0) + s.nbytes()
+    return out
+
+
+def _offload_worker(rank, world, stage, precision, include):
+    def build():
+        torch.manual_seed(0)
+        cfg = _config(stage, gradient_accumulation_steps=2)
+        if precision == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        return zkern.Engine(TinyGPT(), cfg)
+
+    engines = {"offloaded": build(), "plain": build()}
+    out = {"losses": {k: [] for k in engines}}
+    for step in range(4):
+        for micro in range(2):
+            seed = 100 * rank + 10 * step + micro
+            for key, engine in engines.items():
+                loss = engine(_batch(seed), _batch(seed))
+                engine.backward(loss)
+                out["losses"][key].append(loss.item())
+                if key == "offloaded" and step == 1 and micro == 0:  # mid-accumulation: gradients move too
+                    before = _device_bytes(engine)
+                    engine.offload_states(include=include)
+                    out["during"], out["before"] = _device_bytes(engine), before
+                    try:
+                        with torch.no_grad():
+                            engine(_batch(seed))
+                        out["forward"] = None
+                    except RuntimeError as e:
+                        out["forward"] = str(e)
+                    try:
+                        engine.step()
+                        out["step"] = None
+                    except RuntimeError as e:
+                        out["step"] = str(e)
+                    engine.reload_states()
+                    out["after"] = _device_bytes(engine)
+                engine.step()
+    out["weights"] = {k: e.full_state_dict() for k, e in engines.items()}
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16"), (3, "fp32")])
+def test_offload_states_frees_the_device_and_training_continues_bit_for_bit(stage, precision):
+    for r in spawn(_offload_worker, 2, stage, precision, None):
+        kinds = {kind for kind, _ in r["before"]}
+        assert {"optimizer", "weights", "transient"} <= kinds, r["before"]  # transient: the accumulation's gradients
+        assert r["during"] == {}, r["during"]  # nothing of the engine's state left on its device
+        assert r["after"] == r["before"]
+        assert "reload_states" in r["forward"] and "reload_states" in r["step"]
+        assert r["losses"]["offloaded"] == r["losses"]["plain"]
+        for name, value in r["weights"]["plain"].items():
+            assert torch.equal(r["weights"]["offloaded"][name], value), name
+
+
+@pytest.mark.dist
+def test_offload_states_moves_only_what_include_names():
+    for r in spawn(_offload_worker, 2, 3, "bf16", ["optim_states", "hp_params"]):
+        # the moments and the fp32 master left; the bf16 working shard, the buffers and the gradients stayed
+        assert r["before"]["optimizer", torch.float32] > 0 and r["before"]["weights", torch.float32] > 0
+        moved = {("optimizer", torch.float32), ("weights", torch.float32)}
+        assert r["during"] == {k: v for k, v in r["before"].items() if k not in moved}, r["during"]
+        assert ("weights", torch.bfloat16) in r["during"] and any(k == "transient" for k, _ in r["during"])
+        assert r["forward"] is None and "reload_states" in r["step"]  # a forward reads only what stayed
+        assert r["losses"]["offloaded"] == r["losses"]["plain"]
+
+
+def test_offload_states_refuses_what_it_cannot_do():
+    engine = zkern.Engine(TinyGPT(), _config(1))
+    with pytest.raises(ValueError, match="optim_state"):
+        engine.offload_states(include=["optim_state"])
+    with pytest.raises(ValueError, match="host only"):
+        engine.offload_states(device="nvme")
+    engine.reload_states()  # nothing moved: nothing to do
+    engine.empty_partition_cache()

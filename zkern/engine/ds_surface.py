@@ -1,0 +1,176 @@
+"""The accessors of DeepSpeed's engine that the frameworks built on it call (HF Trainer, Accelerate, TRL,
+OpenRLHF, LLaMA-Factory, Lightning): batch sizes, learning rates, the last norm, which precision and offload, the
+16-bit consolidation Accelerate saves with, no_sync, the partition cache and the offload of states between
+rollouts. Each answers what zkern does, under DeepSpeed's name and calling convention (methods where DeepSpeed has
+methods); the README's compatibility table lists them with what is not provided.
+
+    python -m pytest tests/test_engine_frameworks.py -q -k surface
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from zkern.engine import resident, weights
+
+
+class Count(int):
+    """An int DeepSpeed exposes as a method: `engine.gradient_accumulation_steps` reads as the count zkern's own
+    code uses and `engine.gradient_accumulation_steps()` calls as DeepSpeed's engine does."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
+class DeepSpeedSurface:
+    """Mixed into zkern.Engine: DeepSpeed's engine methods frameworks call, answered from the engine's config and
+    counters, and the module's attributes for what the engine lacks. Only no_sync, empty_partition_cache and
+    offload_states/reload_states act, and none changes what training computes."""
+
+    def __getattr__(self, name: str):
+        """What the engine lacks, the wrapped module's (engine.generate, a model method), as DeepSpeed forwards it."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    # -- batch and step counters ---------------------------------------------------------------------------------
+    def zero_optimization_stage(self) -> int:
+        """DeepSpeed's accessor: the ZeRO stage this engine runs."""
+        return self.config.zero_optimization.stage
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def get_gradient_accumulation_steps(self) -> int:
+        return int(self.gradient_accumulation_steps)
+
+    @property
+    def global_samples(self) -> int:
+        """Samples trained: train_batch_size per optimizer step taken (skipped steps included, as DeepSpeed)."""
+        return self.global_steps * self.config.train_batch_size
+
+    def was_step_applied(self) -> bool:
+        """Whether the last step() updated the parameters (False between boundaries and after a skipped step)."""
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last boundary step, before clipping (inf after an overflow; None before any)."""
+        return self.last_grad_norm
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    # -- the optimizer's hyper-parameters ------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self._groups("get_lr")]
+
+    def get_mom(self) -> list:
+        """Per group: Adam's betas, or the momentum of optimizers that have one (DeepSpeed's get_mom)."""
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in self._groups("get_mom")]
+
+    def _groups(self, what: str) -> list[dict]:
+        if self.optimizer is None:
+            raise RuntimeError(f"engine.{what}(): this engine has no optimizer (built without one, it runs forward "
+                               f"only)")
+        return self.optimizer.param_groups
+
+    # -- what the config chose -------------------------------------------------------------------------------------
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bf16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the working dtype, the dtype gradients accumulate in), as DeepSpeed returns them."""
+        return self.spec.dtype, self.spec.accum_dtype
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.config.zero_optimization.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.config.zero_optimization.stage == 3
+
+    def zero_offload_optimizer(self) -> bool:
+        return self.config.zero_optimization.offload_optimizer_device != "none"
+
+    def zero_offload_param(self) -> bool:
+        return self.config.zero_optimization.offload_param_device != "none"
+
+    def zero_cpu_offload(self) -> bool:
+        return self.config.zero_optimization.offload_optimizer_device == "cpu"
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    @property
+    def local_rank(self) -> int:
+        """The rank within its node: the CUDA device index the engine trains on, else torchrun's LOCAL_RANK."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            return self.device.index
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1  # zkern has no tensor or pipeline parallelism: every rank is a data-parallel rank
+
+    # -- calls with effects ----------------------------------------------------------------------------------------
+    def no_sync(self):
+        """Stages 0-1 reduce at the accumulation boundary only, so every micro-step before it is already without
+        synchronisation: a context that changes nothing. Stages 2-3 reduce each micro-step's gradients into their
+        partitions as backward produces them (that is what partitioning gradients means), so, as in DeepSpeed,
+        no_sync is refused there; set gradient_accumulation_steps and let the engine decide the boundary."""
+        stage = self.config.zero_optimization.stage
+        if stage >= 2:
+            raise RuntimeError(
+                f"engine.no_sync() cannot hold back reductions at ZeRO stage {stage}: gradients are reduced into "
+                f"their partitions during every backward. The engine already accumulates over "
+                f"gradient_accumulation_steps ({int(self.gradient_accumulation_steps)}) micro-steps; use "
+                f"set_gradient_accumulation_boundary() for a short accumulation")
+        return contextlib.nullcontext()
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """DeepSpeed's 16-bit consolidation at stage 3, as Accelerate's get_state_dict calls it: the working-dtype
+        weights under the model's names on rank 0 (None on the others), one unit at a time (a collective)."""
+        if self.config.zero_optimization.stage != 3:
+            raise ValueError("_zero3_consolidated_16bit_state_dict is ZeRO stage 3's; below it call "
+                             "engine.full_working_state_dict()")
+        values = weights.full_working_state_dict(self, rank0_only=True)
+        if values is not None and exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            values = {k: v for k, v in values.items() if k not in frozen}
+        return values
+
+    def empty_partition_cache(self) -> None:
+        """Give back the memory zkern keeps between steps for reuse: the receive buffers of host reduce-scatters.
+        Gathered stage-3 units are already released at the end of every pass (persistent ones stay whole, as in
+        DeepSpeed); the next step allocates what it needs again."""
+        self.comm.scratch.free.clear()
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
+        """Move the training state on the device to host memory, freeing the device for something else (an RL
+        rollout) until reload_states(); the engine refuses to train or save meanwhile. include: DeepSpeed's
+        OffloadStateTypeEnum members or their names ("optim_states", "hp_params", "lp_params", "lp_grads",
+        "contiguous_grad_buffer"); None moves all."""
+        resident.offload(self, include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what offload_states moved; training continues bit for bit."""
+        resident.reload(self, non_blocking)

@@ -1,0 +1,116 @@
+"""engine.offload_states() / reload_states(): the engine's device memory moved to the host and back, as colocated
+RLHF frees the GPU for its rollouts (OpenRLHF, verl) with DeepSpeed's calls of the same names.
+
+    python -m pytest tests/test_engine_frameworks.py -q -k offload_states
+
+What moves is found through the state registry, which claims every tensor the engine owns (tests/test_state.py
+fails on one it does not): each storage on the engine's device, whole, copied into a host buffer (pinned on CUDA)
+and resized to nothing, so the allocator gets its bytes back while every view of it (parameters, optimizer pieces,
+bucket views) stays the same object. reload_states() gives each storage its size back and copies the bytes in:
+training continues bit for bit. In between, the engine refuses every call that would read the moved state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from zkern.engine.engine import Engine
+
+# DeepSpeed's OffloadStateTypeEnum values, and which of zkern's state kinds each covers.
+STATE_TYPES = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
+
+
+@dataclass
+class Moved:
+    storage: torch.UntypedStorage
+    host: torch.Tensor  # the bytes, uint8
+    device: torch.device
+    types: set[str]  # the DeepSpeed state types it holds
+
+
+def offload(engine: Engine, include, device, pin_memory: bool, non_blocking: bool) -> None:
+    target = getattr(device, "value", device)
+    if str(target) != "cpu":
+        raise ValueError(f"offload_states moves state to the host only (device='cpu'), got {device!r}")
+    wanted = _state_types(include)
+    moved = engine._offloaded or []
+    seen = {m.storage.data_ptr() for m in moved}
+    pin = pin_memory and engine.device.type == "cuda"
+    for storage, types in _storages(engine):
+        if not types & wanted or storage.data_ptr() in seen:
+            continue
+        data = _bytes(storage, engine.device)
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+        host.copy_(data, non_blocking=non_blocking and pin)
+        seen.add(storage.data_ptr())
+        storage.resize_(0)  # the caching allocator may reuse the block: the copy above is ordered before any reuse
+        moved.append(Moved(storage, host, engine.device, types))
+    engine._offloaded = moved
+
+
+def reload(engine: Engine, non_blocking: bool) -> None:
+    for m in engine._offloaded or ():
+        m.storage.resize_(m.host.numel())
+        _bytes(m.storage, m.device).copy_(m.host, non_blocking=non_blocking and m.host.is_pinned())
+    engine._offloaded = None
+
+
+def require(engine: Engine, what: str, reads: tuple[str, ...] = STATE_TYPES) -> None:
+    """Refuse `what` while state it reads is on the host (reads: DeepSpeed state types; a forward reads only the
+    working weights, lp_params): it would read storages that hold nothing."""
+    if engine._offloaded is not None and any(m.types & set(reads) for m in engine._offloaded):
+        raise RuntimeError(f"engine.{what}: offload_states() moved this engine's state to the host; call "
+                           f"engine.reload_states() first")
+
+
+def _state_types(include) -> set[str]:
+    if include is None:
+        return set(STATE_TYPES)
+    names = {str(getattr(i, "value", i)) for i in include}
+    unknown = names - set(STATE_TYPES)
+    if unknown:
+        raise ValueError(f"offload_states(include=...): {sorted(unknown)} not among {list(STATE_TYPES)}")
+    return names
+
+
+def _storages(engine: Engine) -> list[tuple[torch.UntypedStorage, set[str]]]:
+    """Every non-empty storage on the engine's device that the registry's components own, with the DeepSpeed state
+    types it holds: weights in fp32 beside a 16-bit working copy are hp_params, weights in the working dtype (and
+    the copies derived from them) lp_params, an fp32 run's one copy both."""
+    mixed = engine.spec.dtype != torch.float32
+    found: dict[int, tuple[torch.UntypedStorage, set[str]]] = {}
+    for component in engine.state:
+        for t in component.tensors():
+            if t.device != engine.device:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            types = _types_of(component.kind, t.dtype, mixed)
+            entry = found.setdefault(storage.data_ptr(), (storage, set()))
+            entry[1].update(types)
+    return list(found.values())
+
+
+def _types_of(kind: str, dtype: torch.dtype, mixed: bool) -> set[str]:
+    match kind:
+        case "optimizer":
+            return {"optim_states"}
+        case "transient":
+            return {"lp_grads"}
+        case "scratch":
+            return {"contiguous_grad_buffer"}
+        case "weights" if dtype == torch.float32:
+            return {"hp_params"} if mixed else {"hp_params", "lp_params"}
+        case "weights" | "derived":
+            return {"lp_params"}
+        case _:
+            return set()
+
+
+def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)

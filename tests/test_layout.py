@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("zkern.cpu", "zkern.triton", "zkern.cuda"),
     ("zkern.ops",),
     ("zkern.config",),
-    ("zkern.monitor", "zkern.checkpointing"),
+    ("zkern.monitor", "zkern.activation_checkpointing", "zkern.checkpointing"),
     ("zkern.core",),
     ("zkern.comm",),
     ("zkern.optim",),
@@ -213,3 +213,16 @@ def test_zkern_testing_names_are_its_documented_api():
     missing = [n for n in testing.__all__ if not hasattr(testing, n)]
     undocumented = [n for n in testing.__all__ if n not in doc]
     assert not missing and not undocumented, (missing, undocumented)
+
+
+def test_the_public_errors_live_in_errors_py():
+    """One place for what zkern raises on purpose: every exception class zkern exports is defined in zkern/errors.py
+    (the modules that raise them import it from there)."""
+    import zkern
+
+    errors = [n for n in zkern.__all__ if isinstance(getattr(zkern, n), type)
+              and issubclass(getattr(zkern, n), BaseException)]
+    assert {"ConfigError", "CommError", "CheckpointError", "LossScaleAtMinimum", "InvariantError"} <= set(errors)
+    homes = {n: getattr(zkern, n).__module__ for n in errors}
+    elsewhere = [f"{n} in {home}" for n, home in homes.items() if home != "zkern.errors"]
+    assert not elsewhere, elsewhere

@@ -15,8 +15,8 @@ _EXPORTS = {
     "Config": "zkern.config",
     "ConfigError": "zkern.errors",
     "CommError": "zkern.errors",
-    "InvariantError": "zkern.stage3.lifecycle",
-    "LossScaleAtMinimum": "zkern.engine.precision",
+    "InvariantError": "zkern.errors",
+    "LossScaleAtMinimum": "zkern.errors",
     "GatheredParameters": "zkern.stage3.gathered",
     "estimate_memory": "zkern.core.partition",
     "init_sharded": "zkern.stage3.sharded_init",
@@ -25,7 +25,7 @@ _EXPORTS = {
     "safe_get_full_grad": "zkern.engine.param_views",
     "safe_get_full_fp32_param": "zkern.engine.param_views",
 }
-_MODULES = {"checkpointing", "ops", "checkpoint", "hf"}
+_MODULES = {"activation_checkpointing", "checkpointing", "ops", "checkpoint", "hf"}
 
 __all__ = [*_EXPORTS, *sorted(_MODULES)]
 __version__ = "0.1.0"

@@ -1,7 +1,8 @@
 """The errors zkern raises on purpose; each message names what was wrong and what to do.
 
 Every layer raises these (the config parser, the collectives, the checkpoint reader), so they sit at the bottom of
-the house and import nothing. The public names are zkern.ConfigError, zkern.CommError and zkern.CheckpointError.
+the house and import nothing. The public names are zkern.ConfigError, zkern.CommError, zkern.CheckpointError,
+zkern.LossScaleAtMinimum and zkern.InvariantError.
 """
 
 
@@ -15,3 +16,13 @@ class CommError(RuntimeError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded: missing, damaged, from another model, or not plain data."""
+
+
+class LossScaleAtMinimum(RuntimeError):
+    """fp16 overflowed with the loss scale already at fp16.min_loss_scale."""
+
+
+class InvariantError(RuntimeError):
+    """Stage 3's unit bookkeeping broke (a hook that never ran, a stale gathered copy, a unit left gathered at the
+    end of a pass). The message names the unit and the modules that gather it. Training past it would use wrong
+    weights or leak memory, so zkern stops instead."""

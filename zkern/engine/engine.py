@@ -17,7 +17,7 @@ import os
 import torch
 from torch.utils._pytree import tree_map
 
-from zkern import checkpointing
+from zkern import activation_checkpointing
 from zkern.comm.collectives import Comm, backend_for, init_distributed
 from zkern.config import Config
 from zkern.config.resolve import node_size
@@ -60,7 +60,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             raise TypeError(f"zkern.Engine trains a torch.nn.Module, got {type(model).__name__}")
         cfg = Config.load(config)
         if cfg.activation_checkpointing is not None:
-            checkpointing.configure(None, deepspeed_config=cfg)
+            activation_checkpointing.configure(None, deepspeed_config=cfg)
         declare_known_readers(model)
         self.device = build.pick_device(model, cfg.device)
         group, rank, world = init_distributed(self.device, cfg.comm_timeout_s)

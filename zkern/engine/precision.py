@@ -9,12 +9,9 @@ import logging
 from dataclasses import dataclass
 
 from zkern.config import Config
+from zkern.errors import LossScaleAtMinimum
 
 log = logging.getLogger("zkern")
-
-
-class LossScaleAtMinimum(RuntimeError):
-    """fp16 overflowed with the loss scale already at fp16.min_loss_scale."""
 
 
 @dataclass

@@ -27,7 +27,8 @@ from zkern.comm.collectives import Comm
 from zkern.comm.divergence import fold_signature
 from zkern.comm.zeropp import FrozenStore, Secondary, quantized_all_gather
 from zkern.core.buffers import release, restore
-from zkern.stage3.lifecycle import DataState, GradState, InvariantError, Unit
+from zkern.errors import InvariantError
+from zkern.stage3.lifecycle import DataState, GradState, Unit
 from zkern.stage3.order import OrderRecord
 
 log = logging.getLogger("zkern")

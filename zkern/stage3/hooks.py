@@ -35,10 +35,11 @@ from zkern.comm.divergence import (
     TagKind,
     path_under,
 )
+from zkern.errors import InvariantError
 from zkern.stage3 import agreement
 from zkern.stage3.external import WatchAtRest
 from zkern.stage3.gatherer import Gatherer
-from zkern.stage3.lifecycle import DataState, GradState, InvariantError, Unit, check_pass_end
+from zkern.stage3.lifecycle import DataState, GradState, Unit, check_pass_end
 
 log = logging.getLogger("zkern")
 

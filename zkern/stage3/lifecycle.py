@@ -26,14 +26,9 @@ import torch
 
 from zkern.comm.collectives import Work
 from zkern.core.partition import Bucket
+from zkern.errors import InvariantError
 from zkern.stage3.ds_attributes import mark
 from zkern.stage3.units import UnitPlan
-
-
-class InvariantError(RuntimeError):
-    """Stage 3's unit bookkeeping broke (a hook that never ran, a stale gathered copy, a unit left gathered at the
-    end of a pass). The message names the unit and the modules that gather it. Training past it would use wrong
-    weights or leak memory, so zkern stops instead."""
 
 
 class DataState(enum.Enum):

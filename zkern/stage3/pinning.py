@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from zkern.comm.divergence import TagKind, describe_mismatch, exchange_tags
-from zkern.errors import CommError
-from zkern.stage3.lifecycle import DataState, InvariantError, Unit
+from zkern.errors import CommError, InvariantError
+from zkern.stage3.lifecycle import DataState, Unit
 
 if TYPE_CHECKING:
     from zkern.stage3.runtime import Stage3Runtime

@@ -1,4 +1,5 @@
-"""zkern.checkpointing: DeepSpeed's activation checkpointing API and config section."""
+"""Activation checkpointing (zkern.activation_checkpointing; zkern.checkpointing is DeepSpeed's name for the same
+module): its API and config section."""
 
 import logging
 
@@ -19,6 +20,16 @@ def fresh_settings():
     checkpointing.reset()
     yield
     checkpointing.reset()
+
+
+def test_deepspeeds_name_is_the_same_module_and_shares_its_settings():
+    import zkern.activation_checkpointing as activation_checkpointing
+    import zkern.checkpointing as deepspeed_name
+
+    assert deepspeed_name is activation_checkpointing is zkern.checkpointing is zkern.activation_checkpointing
+    assert not activation_checkpointing.is_configured()
+    deepspeed_name.configure(None, checkpoint_in_cpu=True)
+    assert activation_checkpointing.is_configured()
 
 
 def test_the_section_parses_with_deepspeed_meanings_and_bad_keys_are_named():

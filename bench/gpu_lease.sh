@@ -6,7 +6,7 @@
 #
 #   bash bench/gpu_lease.sh BUDGET_S STEP...
 #
-# Steps, cheap to dear (what each proves is in the README's GPU section):
+# Steps, cheap to dear (what each proves is in docs/gpu.md):
 #   bw        the machine's ceilings: device copy, host<->device, bf16 matmul, host memory (gpu_probe.py bw)
 #   memory    zkern stages 0 and 3, FSDP2 and DDP (fused AdamW) at 1b: the allocator's figures by phase, the peak's
 #             sites from an allocator trace (gpu_probe.py variants --snapshot)

@@ -1,5 +1,5 @@
 """Stage 3 under activation checkpointing, every flavour users run, against single-process AdamW without it; and
-the gather counts the README states, counted.
+the gather counts docs/stage3.md states, counted.
 
 Flavours: torch's non-reentrant checkpoint (its default early stop, and without it), the reentrant one, zkern's
 DeepSpeed-style zkern.checkpointing.checkpoint, Hugging Face's gradient_checkpointing_enable() on GPT-2, and
@@ -74,7 +74,7 @@ def count_worker(rank, world, model_kwargs, zero, steps):
 
 
 def expected_gathers(model: TinyGPT, checkpoint: str) -> dict[str, int]:
-    """The README's count, from the model's structure: a unit is gathered once per forward use (the tied
+    """docs/stage3.md's count, from the model's structure: a unit is gathered once per forward use (the tied
     embedding twice: by the embedding and by the head) and once in backward (a checkpointed block's units by its
     recomputation, which their backward then uses; the tied embedding once, held from the head's backward to the
     embedding's). Units of the persistent unit are never gathered in a pass."""

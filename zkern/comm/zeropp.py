@@ -24,7 +24,7 @@ LoCo  zeropp_loco_param {err_beta, reset_T}: before each quantization the kept e
       compensated gradient (the LoCo paper's rule); reset to zero every reset_T optimizer steps. One buffer per
       hop and reduction bucket, in the reduction dtype.
 
-Group sizes (zkern's own keys zeropp_weight_group_size, zeropp_grad_group_size; the README's ZeRO++ section has
+Group sizes (zkern's own keys zeropp_weight_group_size, zeropp_grad_group_size; docs/zeropp.md has
 the measurement): int8 weights at 2048 elements per scale cost 0.2% more bytes and trained as plain stage 3 did;
 int4 gradients at 64 cost 12.5% more bytes than the bare 4 bits, and at 512 the loss trailed plain stage 3's by
 12% after 300 steps where at 64 it came within 2%.

@@ -2,7 +2,7 @@
 OpenRLHF, LLaMA-Factory, Lightning): batch sizes, learning rates, the last norm, which precision and offload, the
 16-bit consolidation Accelerate saves with, no_sync, the partition cache and the offload of states between
 rollouts. Each answers what zkern does, under DeepSpeed's name and calling convention (methods where DeepSpeed has
-methods); the README's compatibility table lists them with what is not provided.
+methods); docs/frameworks.md lists them with what is not provided.
 
     python -m pytest tests/test_engine_frameworks.py -q -k surface
 """

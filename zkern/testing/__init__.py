@@ -1,6 +1,6 @@
 """zkern.testing: public helpers for testing a ZeRO training setup against a plain single-process reference, as
 torch.testing is for tensors. zkern's own tests, its benchmark and `python -m zkern.verify` use them; so can yours.
-The names in __all__ are a stable API (changed only with a deprecation note in the README); the submodules behind
+The names in __all__ are a stable API (changed only with a deprecation note in the docs); the submodules behind
 them are not.
 
     python -c "from zkern.testing import TinyGPT; print(sum(p.numel() for p in TinyGPT().parameters()))"

@@ -95,6 +95,23 @@ def test_wall_clock_comms_and_memory_breakdowns_are_logged_every_steps_per_print
     assert engine.comm.times.on
 
 
+def test_without_steps_per_print_there_is_no_progress_line_and_the_breakdowns_come_every_step(caplog):
+    """DeepSpeed 0.19's default: steps_per_print absent prints no progress line; its timers and memory lines still
+    come every step. 0 silences everything."""
+    caplog.set_level(logging.INFO, logger="zkern")
+    cfg = config(wall_clock_breakdown=True, memory_breakdown=True)
+    del cfg["steps_per_print"]
+    engine = zkern.Engine(TinyGPT(), cfg)
+    assert engine.steps_per_print() is None
+    train(engine, 3)
+    assert caplog.text.count("zkern wall clock (ms per step, mean of 1)") == 3
+    assert caplog.text.count("zkern memory (bytes by place)") == 3
+    assert "zkern: step=" not in caplog.text
+    caplog.clear()
+    train(zkern.Engine(TinyGPT(), config(steps_per_print=0, wall_clock_breakdown=True, memory_breakdown=True)), 3)
+    assert "zkern wall clock" not in caplog.text and "zkern memory" not in caplog.text and "step=" not in caplog.text
+
+
 def comms_worker(rank: int, world: int) -> dict:
     records = []
     handler = logging.Handler()

@@ -81,7 +81,8 @@ TOP = {
     "bf16": Key("section"),
     "bfloat16": Alias("bf16"),  # DeepSpeed's older name of the section
     "zero_optimization": Key("json"),  # a section, or DeepSpeed's oldest form true/false (config.parse._zero)
-    "steps_per_print": _int(10, 0),
+    # DeepSpeed 0.19's default: no progress line (before: every 10 steps); 0 is zkern's "never anything"
+    "steps_per_print": Key("int_or_null", None, 0),
     "zero_allow_untested_optimizer": _bool(False),
     "activation_checkpointing": Key("section"),
     "gradient_predivide_factor": Key("float", None, 1e-30),

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from zkern.config import keys as K
 from zkern.config.checks import check_combinations
 from zkern.config.parse import parse_config
 from zkern.config.resolve import resolve_config
@@ -35,6 +36,7 @@ from zkern.config.sections import (
     OptimizerConfig,
     SchedulerConfig,
     ZeroConfig,
+    _default,
 )
 from zkern.errors import CheckpointError, ConfigError
 from zkern.safe_io import parse_json, read_capped
@@ -45,30 +47,35 @@ class Config:
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
-    gradient_clipping: float = 1.0  # DeepSpeed's default since 0.19.2 (0.0 before): absent, gradients are clipped
+    # DeepSpeed's default since 0.19.2 (0.0 before): absent, gradients are clipped
+    gradient_clipping: float = _default(K.TOP, "gradient_clipping")
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
-    steps_per_print: int = 10
-    zero_allow_untested_optimizer: bool = False
-    comm_timeout_s: float = 600.0  # zkern's own key: collective timeout, so a dead rank ends the job
-    bf16_stochastic_rounding: bool = False  # zkern's own key: bf16 master/moments round stochastically, not to nearest
-    device: str = "auto"  # zkern's own key: "auto" (cuda:LOCAL_RANK when CUDA is available), "cpu" or "cuda"
+    steps_per_print: int | None = _default(K.TOP, "steps_per_print")  # None: no progress lines
+    zero_allow_untested_optimizer: bool = _default(K.TOP, "zero_allow_untested_optimizer")
+    # zkern's own key: collective timeout, so a dead rank ends the job
+    comm_timeout_s: float = _default(K.TOP, "comm_timeout_s")
+    # zkern's own key: bf16 master/moments round stochastically, not to nearest
+    bf16_stochastic_rounding: bool = _default(K.TOP, "bf16_stochastic_rounding")
+    # zkern's own key: "auto" (cuda:LOCAL_RANK when CUDA is available), "cpu" or "cuda"
+    device: str = _default(K.TOP, "device")
     ranks_per_node: int | None = None  # zkern's own key: None = the launcher's LOCAL_WORLD_SIZE, else one node
     activation_checkpointing: ActivationCheckpointingConfig | None = None  # None: no section in the config
     aio: AioConfig = field(default_factory=AioConfig)
     gradient_predivide_factor: float | None = None  # None: the world size (resolve() fills it)
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the working dtype
     grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype; None: the working dtype
-    wall_clock_breakdown: bool = False  # forward / backward / step / collective times every steps_per_print
-    memory_breakdown: bool = False  # memory_report() every steps_per_print
+    # forward / backward / step / collective times every steps_per_print
+    wall_clock_breakdown: bool = _default(K.TOP, "wall_clock_breakdown")
+    memory_breakdown: bool = _default(K.TOP, "memory_breakdown")  # memory_report() every steps_per_print
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    dataloader_drop_last: bool = False  # zkern.initialize's loader
+    dataloader_drop_last: bool = _default(K.TOP, "dataloader_drop_last")  # zkern.initialize's loader
     notes: ConfigNotes = field(default_factory=ConfigNotes, compare=False)
     world_size: int | None = None  # set by resolve()
 

@@ -251,30 +251,34 @@ def parse_config(raw: dict) -> dict[str, Any]:
     if raw.get("activation_checkpointing") is not None:
         checkpointing = ActivationCheckpointingConfig(**section(
             "activation_checkpointing", raw["activation_checkpointing"], keys.ACTIVATION_CHECKPOINTING, notes))
+
+    def given(name: str):  # the file's value, else the default keys.py gives the key (its one definition)
+        return top[name] if name in top else keys.TOP[name].default
+
     return dict(
-        train_batch_size=top.get("train_batch_size"),
-        train_micro_batch_size_per_gpu=top.get("train_micro_batch_size_per_gpu"),
-        gradient_accumulation_steps=top.get("gradient_accumulation_steps"),
+        train_batch_size=given("train_batch_size"),
+        train_micro_batch_size_per_gpu=given("train_micro_batch_size_per_gpu"),
+        gradient_accumulation_steps=given("gradient_accumulation_steps"),
         gradient_clipping=_clipping(top, notes),
         optimizer=opt, scheduler=sched,
         fp16=FP16Config(**fp16), bf16=BF16Config(**bf16), zero_optimization=zero,
-        steps_per_print=top.get("steps_per_print", 10),
-        zero_allow_untested_optimizer=top.get("zero_allow_untested_optimizer", False),
-        comm_timeout_s=top.get("comm_timeout_s", 600.0), device=top.get("device", "auto"),
-        bf16_stochastic_rounding=top.get("bf16_stochastic_rounding", False),
-        ranks_per_node=top.get("ranks_per_node"), activation_checkpointing=checkpointing,
+        steps_per_print=given("steps_per_print"),
+        zero_allow_untested_optimizer=given("zero_allow_untested_optimizer"),
+        comm_timeout_s=given("comm_timeout_s"), device=given("device"),
+        bf16_stochastic_rounding=given("bf16_stochastic_rounding"),
+        ranks_per_node=given("ranks_per_node"), activation_checkpointing=checkpointing,
         aio=_aio(raw.get("aio"), notes),
-        gradient_predivide_factor=top.get("gradient_predivide_factor"),
-        communication_data_type=top.get("communication_data_type"),
+        gradient_predivide_factor=given("gradient_predivide_factor"),
+        communication_data_type=given("communication_data_type"),
         grad_accum_dtype=section("data_types", raw.get("data_types"), keys.DATA_TYPES, notes).get("grad_accum_dtype"),
-        wall_clock_breakdown=top.get("wall_clock_breakdown", False),
-        memory_breakdown=top.get("memory_breakdown", False),
+        wall_clock_breakdown=given("wall_clock_breakdown"),
+        memory_breakdown=given("memory_breakdown"),
         flops_profiler=FlopsProfilerConfig(**section("flops_profiler", raw.get("flops_profiler"),
                                                      keys.FLOPS_PROFILER, notes)),
         comms_logger=_comms_logger(raw, notes),
         monitor=_monitor(raw, notes),
         checkpoint=_checkpoint(raw.get("checkpoint"), notes),
-        dataloader_drop_last=top.get("dataloader_drop_last", False),
+        dataloader_drop_last=given("dataloader_drop_last"),
         notes=notes.frozen(),
     )
 
@@ -472,7 +476,7 @@ def _monitor(raw: dict, notes: Notes) -> MonitorConfig:
 
 def _checkpoint(raw: Any, notes: Notes) -> CheckpointConfig:
     values = section("checkpoint", raw, keys.CHECKPOINT, notes)
-    mode = values.get("tag_validation", "Warn")
+    mode = values.get("tag_validation", keys.CHECKPOINT["tag_validation"].default)
     if mode.upper() not in ("IGNORE", "WARN", "FAIL"):
         raise ConfigError(f"'checkpoint.tag_validation' must be \"Ignore\", \"Warn\" or \"Fail\", got {mode!r}")
     return CheckpointConfig(tag_validation=mode.upper(),
@@ -484,5 +488,7 @@ def _clipping(top: dict, notes) -> float:
     so the same file clipped or not by version): said in the start-up block."""
     if "gradient_clipping" in top:
         return top["gradient_clipping"]
-    notes.filled.append(("gradient_clipping", "1.0 (absent: DeepSpeed's default since 0.19.2; 0 turns clipping off)"))
-    return 1.0
+    default = keys.TOP["gradient_clipping"].default
+    notes.filled.append(("gradient_clipping", f"{default} (absent: DeepSpeed's default since 0.19.2; 0 turns clipping "
+                                              "off)"))
+    return default

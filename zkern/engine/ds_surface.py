@@ -67,7 +67,7 @@ class DeepSpeedSurface:
         """The gradient norm of the last boundary step, before clipping (inf after an overflow; None before any)."""
         return self.last_grad_norm
 
-    def steps_per_print(self) -> int:
+    def steps_per_print(self) -> int | None:
         return self.config.steps_per_print
 
     # -- the optimizer's hyper-parameters ------------------------------------------------------------------------

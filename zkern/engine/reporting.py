@@ -94,7 +94,10 @@ class Reporter:
                             samples) for p in PHASES]
             self.monitors.write(events)
         self.losses = []
-        if not cfg.steps_per_print or engine.global_steps % cfg.steps_per_print:
+        # The breakdowns every steps_per_print steps; with none given, every step (DeepSpeed's timers and memory
+        # lines ignore its None); 0 silences them.
+        every = 1 if cfg.steps_per_print is None else cfg.steps_per_print
+        if not every or engine.global_steps % every:
             return
         totals = engine.comm.times.take() if engine.comm.times.on else {}
         if self.timing and engine.rank == 0:

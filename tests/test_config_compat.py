@@ -89,3 +89,44 @@ def test_a_leaf_module_base_class_makes_its_subclasses_units():
                                                         "stage3_param_persistence_threshold": 0}})
     names = {u.name for u in engine.runtime.units}
     assert {"blocks.0", "blocks.1"} <= names  # MoEBlock is a Block: each block one unit, as isinstance matches
+
+
+def _leaf_engine(leaf: dict):
+    return zkern.Engine(zkern.testing.TinyMoE(), {
+        "train_micro_batch_size_per_gpu": 1, "device": "cpu", "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 3, "leaf_module": leaf, "stage3_param_persistence_threshold": 0}})
+
+
+def test_leaf_modules_by_name_and_by_name_suffix_are_fetch_units():
+    """DeepSpeed's leaf_module.names (a named_modules() path) and name_suffixes (a path ending) each make the module
+    picked one fetch unit with its subtree, as leaf_module.classes does."""
+    engine = _leaf_engine({"names": ["blocks.0"], "name_suffixes": [".experts"]})
+    names = {u.name for u in engine.runtime.units}
+    assert {"blocks.0", "blocks.1.experts"} <= names
+    assert not any(n.startswith("blocks.0.") or n.startswith("blocks.1.experts.") for n in names), names
+    assert "blocks.1.qkv" in names  # what nothing picked keeps its own unit
+
+
+def test_a_leaf_module_name_that_picks_nothing_is_named():
+    with pytest.raises(ValueError, match=r"\['blocks.7', '.mlp'\].*blocks.0.experts"):
+        _leaf_engine({"names": ["blocks.7"], "name_suffixes": [".mlp"]})
+
+
+def leaf_names_worker(rank: int, world: int, spec):
+    from zkern.testing import engine_run
+
+    return engine_run(rank, world, spec)
+
+
+@pytest.mark.dist
+def test_moe_blocks_picked_by_name_and_suffix_train_like_one_process():
+    from zkern.testing import TrainSpec, assert_params_close, reference_run, spawn
+
+    spec = TrainSpec(stage=3, arch="moe", steps=3, forced_routes={0: [0, 1]},
+                     zero={"leaf_module": {"names": ["blocks.0"], "name_suffixes": ["blocks.1"]},
+                           "stage3_param_persistence_threshold": 0})
+    results = spawn(leaf_names_worker, 2, spec)
+    want, _ = reference_run(spec, 2)
+    assert_params_close(results[0]["state"], want, lr=spec.lr, steps=spec.steps)
+    # each MoE block, routed experts and all, was one unit from the start: no divergence for zkern to find
+    assert not [m for m in results[0]["log"] if "now gathers its" in m]

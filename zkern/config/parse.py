@@ -331,10 +331,8 @@ def _zero(raw: Any, notes: Notes) -> ZeroConfig:
     leaf = values.pop("leaf_module", None)
     if leaf:
         leaf = section("zero_optimization.leaf_module", leaf, keys.LEAF_MODULE, notes)
-        if leaf.get("names") or leaf.get("name_suffixes"):
-            raise ConfigError("'zero_optimization.leaf_module.names'/'name_suffixes' select modules by name, which "
-                              "zkern does not implement; list their classes in 'leaf_module.classes' (zkern's "
-                              "stage3_fetch_units)")
+        values["leaf_module_names"] = tuple(dict.fromkeys(leaf.get("names", ())))
+        values["leaf_module_name_suffixes"] = tuple(dict.fromkeys(leaf.get("name_suffixes", ())))
         classes = tuple(c.rsplit(".", 1)[-1] for c in leaf.get("classes", ()))
         values["stage3_fetch_units"] = tuple(dict.fromkeys([*values.get("stage3_fetch_units", ()), *classes]))
         if classes:

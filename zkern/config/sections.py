@@ -88,6 +88,10 @@ class ZeroConfig:
     # module class names: each instance is one fetch unit
     stage3_fetch_units: tuple[str, ...] = _default(K.ZERO, "stage3_fetch_units")
     # ranks gathering different units: gather their container whole
+    # DeepSpeed's leaf_module.names / name_suffixes (module paths, path endings): units like stage3_fetch_units'
+    # classes. No key of their own: the leaf_module section fills them.
+    leaf_module_names: tuple[str, ...] = ()
+    leaf_module_name_suffixes: tuple[str, ...] = ()
     stage3_merge_divergent_modules: bool = _default(K.ZERO, "stage3_merge_divergent_modules")
     # The gradient buffers (stages 0-1: the whole 16-bit gradient; 2-3: the shard) exist from a step's first backward
     # to the step, as torch's gradients do (zero_grad(set_to_none=True)); true keeps them for the engine's life.

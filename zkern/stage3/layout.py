@@ -34,7 +34,8 @@ def plan(rt: Stage3Runtime, model: torch.nn.Module, groups: list[list[torch.nn.P
     unit (recorded while parameters are still whole: at rest .data is empty; a model built under init_sharded
     arrives at rest).
     Returns `needs`: module -> the units its forward gathers."""
-    plans, needs = plan_units(model, tuple(zero.stage3_fetch_units), zero.stage3_param_persistence_threshold)
+    plans, needs = plan_units(model, tuple(zero.stage3_fetch_units), zero.stage3_param_persistence_threshold,
+                              zero.leaf_module_names, zero.leaf_module_name_suffixes)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g}
     frozen = len(groups)
     for unit_plan in plans:  # within a unit: parameters of group 0, group 1, ..., then frozen ones

@@ -5,7 +5,8 @@
 
 A fetch unit is gathered with one all-gather and reduced with one reduce-scatter. By default each module that
 owns parameters directly is a unit of its own parameters; `fetch_classes` (config stage3_fetch_units) makes
-each outermost instance of those module classes one unit covering its whole subtree. A parameter shared by
+each outermost instance of those module classes one unit covering its whole subtree, and `fetch_names` /
+`fetch_suffixes` (leaf_module.names / name_suffixes) do the same for the modules at those paths. A parameter shared by
 several modules (tied weights) belongs to the first owner in named_modules() order, and every module that
 holds it needs that unit. Units smaller than the persistence threshold are merged into one persistent unit
 that stays gathered. plan_units and plan_reduce_groups are pure (they read the module tree and sizes); the
@@ -61,16 +62,31 @@ def _is_fetch_class(m: torch.nn.Module, fetch_classes: tuple[str, ...]) -> bool:
     return any(c.__name__ in fetch_classes for c in type(m).__mro__)
 
 
-def plan_units(model: torch.nn.Module, fetch_classes: tuple[str, ...], persistence_threshold: int
+def _named_roots(modules: dict[str, torch.nn.Module], names: tuple[str, ...], suffixes: tuple[str, ...]) -> set[str]:
+    """The modules DeepSpeed's leaf_module.names (exact named_modules() paths) and name_suffixes (path endings) pick;
+    one that picks nothing is an error naming the model's module paths."""
+    missing = [n for n in names if n not in modules]
+    missing += [s for s in suffixes if not any(m.endswith(s) for m in modules if m)]
+    if missing:
+        shown = sorted(m for m in modules if m)
+        raise ValueError(f"zero_optimization.leaf_module names {missing}, which match no module of the model; its "
+                         f"module paths (named_modules()) are {shown[:40]}{' ...' if len(shown) > 40 else ''}")
+    return {m for m in modules if m in names or (m and any(m.endswith(s) for s in suffixes))}
+
+
+def plan_units(model: torch.nn.Module, fetch_classes: tuple[str, ...], persistence_threshold: int,
+               fetch_names: tuple[str, ...] = (), fetch_suffixes: tuple[str, ...] = ()
                ) -> tuple[list[UnitPlan], dict[torch.nn.Module, list[int]]]:
     """(units, needs): the fetch units in first-owner order (the persistent unit, if any, last), and for every
-    module that must gather something before it runs, the indices of the non-persistent units it needs."""
+    module that must gather something before it runs, the indices of the non-persistent units it needs.
+    fetch_names / fetch_suffixes pick unit roots by module path, as fetch_classes does by class."""
     modules = dict(model.named_modules())
     present = {c.__name__ for m in modules.values() for c in type(m).__mro__}  # a base class names its subclasses
     missing = [c for c in fetch_classes if c not in present]
     if missing:
         raise ValueError(f"zero_optimization.stage3_fetch_units names module classes {missing} that the model does "
                          f"not contain; its classes are {sorted(present)}")
+    named = _named_roots(modules, fetch_names, fetch_suffixes)
     owner: dict[int, str] = {}  # id(param) -> name of its first owning module
     pname: dict[int, str] = {}
     for mname, m in modules.items():
@@ -81,7 +97,8 @@ def plan_units(model: torch.nn.Module, fetch_classes: tuple[str, ...], persisten
     # Unit roots: outermost instances of the fetch classes; every other owner module is a root of its own.
     roots: list[str] = []
     for mname, m in modules.items():
-        if _is_fetch_class(m, fetch_classes) and not any(_inside(mname, r) for r in roots):
+        picked = _is_fetch_class(m, fetch_classes) or mname in named
+        if picked and not any(_inside(mname, r) for r in roots):
             roots.append(mname)
     root_of: dict[int, str] = {}
     for pid, mname in owner.items():

@@ -6,6 +6,8 @@ with training continuing bit for bit.
     python -m pytest tests/test_engine_surface.py -q
 """
 
+import logging
+
 import pytest
 import torch
 
@@ -23,7 +25,7 @@ def _batch(seed: int) -> torch.Tensor:
     return torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(seed))
 
 
-def test_accessors_answer_as_deepspeeds_engine_does():
+def test_accessors_answer_as_deepspeeds_engine_does(caplog):
     cfg = _config(2, gradient_accumulation_steps=2, gradient_clipping=0.5, bf16={"enabled": True},
                   scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2}})
     engine = zkern.Engine(TinyGPT(), cfg)
@@ -47,8 +49,12 @@ def test_accessors_answer_as_deepspeeds_engine_does():
     assert lrs[1] == lrs[2] != lrs[3] == [g["lr"] for g in engine.optimizer.param_groups], lrs
     assert engine.global_steps == 2 and engine.global_samples == 8
     assert engine.get_global_grad_norm() == engine.last_grad_norm > 0
-    with pytest.raises(RuntimeError, match="stage 2"):
-        engine.no_sync()
+    with caplog.at_level(logging.INFO, logger="zkern"):
+        with engine.no_sync():  # Accelerate calls it; stage 2 still reduces, and says so once
+            pass
+        with engine.no_sync():
+            pass
+    assert caplog.text.count("no_sync() at ZeRO stage 2 still reduces") == 1
     with pytest.raises(ValueError, match="ZeRO stage 3"):
         engine._zero3_consolidated_16bit_state_dict()
     with zkern.Engine(TinyGPT(), _config(1)).no_sync():  # stages 0-1 reduce at the boundary anyway

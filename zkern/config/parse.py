@@ -252,6 +252,10 @@ def parse_config(raw: dict) -> dict[str, Any]:
         checkpointing = ActivationCheckpointingConfig(**section(
             "activation_checkpointing", raw["activation_checkpointing"], keys.ACTIVATION_CHECKPOINTING, notes))
 
+    if "steps_per_print" not in top:  # a default DeepSpeed changed: said, as gradient_clipping's is
+        notes.filled.append(("steps_per_print", "none (absent: DeepSpeed 0.19's default, no progress lines; older "
+                                                "DeepSpeed printed every 10 steps)"))
+
     def given(name: str):  # the file's value, else the default keys.py gives the key (its one definition)
         return top[name] if name in top else keys.TOP[name].default
 

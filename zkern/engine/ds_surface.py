@@ -10,11 +10,14 @@ methods); docs/frameworks.md lists them with what is not provided.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 import torch
 
 from zkern.engine import resident, weights
+
+log = logging.getLogger("zkern")
 
 
 class Count(int):
@@ -133,17 +136,18 @@ class DeepSpeedSurface:
 
     # -- calls with effects ----------------------------------------------------------------------------------------
     def no_sync(self):
-        """Stages 0-1 reduce at the accumulation boundary only, so every micro-step before it is already without
-        synchronisation: a context that changes nothing. Stages 2-3 reduce each micro-step's gradients into their
-        partitions as backward produces them (that is what partitioning gradients means), so, as in DeepSpeed,
-        no_sync is refused there; set gradient_accumulation_steps and let the engine decide the boundary."""
+        """A context for micro-steps that should not synchronise gradients (DDP's and DeepSpeed's name; Accelerate
+        calls it on every micro-step before the boundary). Stages 0-1 reduce at the accumulation boundary only, so
+        such micro-steps already do not: it changes nothing. Stages 2-3 reduce each micro-step's gradients into their
+        partitions as backward produces them (what partitioning gradients means); DeepSpeed refuses no_sync there,
+        which breaks Accelerate loops that call it, so zkern goes on, reducing as before, and says so once: the
+        accumulated gradients, and so training, are the same; only the communication is not saved."""
         stage = self.config.zero_optimization.stage
-        if stage >= 2:
-            raise RuntimeError(
-                f"engine.no_sync() cannot hold back reductions at ZeRO stage {stage}: gradients are reduced into "
-                f"their partitions during every backward. The engine already accumulates over "
-                f"gradient_accumulation_steps ({int(self.gradient_accumulation_steps)}) micro-steps; use "
-                f"set_gradient_accumulation_boundary() for a short accumulation")
+        if stage >= 2 and not getattr(self, "_said_no_sync", False):
+            self._said_no_sync = True
+            if self.rank == 0:
+                log.info("zkern: engine.no_sync() at ZeRO stage %d still reduces each micro-step's gradients into "
+                         "their partitions during backward (the accumulated result is the same; said once)", stage)
         return contextlib.nullcontext()
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):

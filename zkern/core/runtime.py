@@ -10,12 +10,11 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from zkern.optim.shard_adam import ShardGroup
+from zkern.core.shard_groups import ShardGroup
 
 
 @dataclass

@@ -17,13 +17,14 @@ from zkern.comm.collectives import Comm, device_from_config
 from zkern.comm.zeropp import QuantizedReduce
 from zkern.config import Config, ConfigError
 from zkern.core.runtime import Runtime
+from zkern.core.shard_groups import ShardGroup
 from zkern.core.spec import RuntimeSpec
 from zkern.offload import nvme
 from zkern.offload.nvme import NvmeAdam
 from zkern.offload.store import ShardStore
 from zkern.optim.lamb_lion import Lamb, Lion
 from zkern.optim.lr_schedules import build_scheduler
-from zkern.optim.shard_adam import ShardAdam, ShardGroup
+from zkern.optim.shard_adam import ShardAdam
 from zkern.stage3.runtime import Stage3Runtime
 from zkern.stage3.sharded_init import is_sharded
 from zkern.stage12.runtime import Stage12Runtime

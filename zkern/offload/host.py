@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from zkern.optim.shard_adam import Chunk, ShardAdam, ShardGroup, step_torch_optimizer
+from zkern.core.shard_groups import Chunk, ShardGroup
+from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 
 
 def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from zkern import ops
-from zkern.optim.shard_adam import ShardAdam, ShardGroup, _runs
+from zkern.core.shard_groups import ShardGroup
+from zkern.optim.shard_adam import ShardAdam, _runs
 
 log = logging.getLogger("zkern")
 

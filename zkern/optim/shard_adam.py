@@ -20,31 +20,12 @@ run is reproducible and the bits do not depend on how a chunk is split into call
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from zkern import ops
 from zkern.core.partition import ALIGN
+from zkern.core.shard_groups import Chunk, ShardGroup
 from zkern.reference import call_seed
-
-
-@dataclass
-class Chunk:
-    """One bucket chunk this rank steps: contiguous fp32 params, gradients, and optional low-precision copy."""
-
-    param: torch.Tensor  # fp32, (chunk,)
-    grad: torch.Tensor  # working dtype, (chunk,)
-    out: torch.Tensor | None  # working-dtype parameter chunk to refresh (mixed precision), else None
-    pieces: list[tuple[int, int, int]]  # (piece index within its group, start within chunk, numel)
-
-
-@dataclass
-class ShardGroup:
-    """The shard pieces and chunks of one optimizer param group."""
-
-    pieces: list[torch.Tensor]  # the optimizer's params, in shard order
-    chunks: list[Chunk]
 
 
 class ShardAdam(torch.optim.Optimizer):

@@ -18,9 +18,9 @@ from zkern.comm.reducer import BucketReducer
 from zkern.comm.schedule import fold_reduced
 from zkern.core.buffers import release, restore
 from zkern.core.partition import Bucket, Layout, plan_layout
+from zkern.core.shard_groups import Chunk, ShardGroup
 from zkern.core.spec import RuntimeSpec
 from zkern.offload.store import ShardStore
-from zkern.optim.shard_adam import Chunk, ShardGroup
 
 
 class FlatGroup:

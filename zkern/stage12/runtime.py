@@ -34,10 +34,10 @@ from zkern.comm.schedule import ReduceSchedule
 from zkern.comm.zeropp import QuantizedReduce
 from zkern.core.owners import register_owner
 from zkern.core.runtime import ShardMap
+from zkern.core.shard_groups import ShardGroup
 from zkern.core.spec import RuntimeSpec
 from zkern.core.state import Component, host_copy
 from zkern.offload.store import ShardStore
-from zkern.optim.shard_adam import ShardGroup
 from zkern.stage12 import group_state
 from zkern.stage12.flat_group import FlatGroup
 

@@ -43,10 +43,9 @@ def mark(params, status: str) -> None:
         p.ds_status = value
 
 
-def attach(rt) -> None:
-    """The static attributes of every parameter a Stage3Runtime partitions, and its status at rest or whole."""
-    from zkern.stage3.lifecycle import DataState
-
+def attach(rt, gathered: set[int]) -> None:
+    """The static attributes of every parameter a Stage3Runtime partitions, and its status: AVAILABLE for the units
+    whose index is in `gathered` (whole now), NOT_AVAILABLE for the rest."""
     shard = rt.param_shard
     rank = rt.comm.rank
     for index, p in enumerate(rt.all_params):
@@ -56,7 +55,7 @@ def attach(rt) -> None:
         p.ds_numel = shape.numel()
         p.ds_tensor = _partition(rt, p, shape.numel(), rank, shard)
     for u in rt.units:
-        mark(u.plan.params, "AVAILABLE" if u.data is DataState.GATHERED else "NOT_AVAILABLE")
+        mark(u.plan.params, "AVAILABLE" if u.index in gathered else "NOT_AVAILABLE")
 
 
 def _partition(rt, p: torch.nn.Parameter, numel: int, rank: int, shard: torch.Tensor) -> torch.Tensor:

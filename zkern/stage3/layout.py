@@ -17,9 +17,9 @@ from zkern import ops
 from zkern.comm.zeropp import FrozenStore
 from zkern.core.partition import plan_unit_layout
 from zkern.core.runtime import ShardMap
+from zkern.core.shard_groups import Chunk, ShardGroup
 from zkern.core.spec import RuntimeSpec
 from zkern.offload.store import ShardStore
-from zkern.optim.shard_adam import Chunk, ShardGroup
 from zkern.stage3.lifecycle import Unit
 from zkern.stage3.sharded_init import forget_sharding, full_shape, gather_built, is_sharded, release_freed_memory
 from zkern.stage3.units import plan_units

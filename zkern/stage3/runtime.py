@@ -102,7 +102,8 @@ class Stage3Runtime:
                 self._handles.append(module.register_state_dict_pre_hook(self._state_dict_guard))
                 self._handles.append(module.register_load_state_dict_pre_hook(self._load_guard))
         self.shard_groups = layout.make_shard_groups(self, groups)
-        ds_attributes.attach(self)  # ds_id, ds_shape, ds_numel, ds_tensor, ds_status: what frameworks read
+        # ds_id, ds_shape, ds_numel, ds_tensor, ds_status: what frameworks read
+        ds_attributes.attach(self, {u.index for u in self.units if u.data is DataState.GATHERED})
         if not zero.keep_gradient_buffers:  # until the first backward (its chunk views exist now)
             self.reducer.free_grads()
         register_owner(self.all_params, self)

@@ -181,8 +181,8 @@ def stray_micro_step(engine, draw: Draw, batch, world: int, rank: int) -> None:
 def run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int], device: str = "cpu") -> dict:
     """Run the draw's phases listed (indices into draw.phases) on this rank; returns losses and gradient norms per
     step, counters, and (rank 0) the final fp32 weights. With ZKERN_MUTANT set, that planted bug is in the engine
-    meanwhile (mutants.py: the fuzzer's own test)."""
-    from zkern.verify.mutants import planted
+    meanwhile (planted.py; mutants.py is the fuzzer's own test)."""
+    from zkern.verify.planted import planted
 
     with planted():
         return _run_phases(rank, world, draw, root, phases, device)

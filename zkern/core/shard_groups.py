@@ -1,0 +1,30 @@
+"""What an optimizer steps on a rank: its shard of each param group as pieces (one per parameter part it owns) and
+chunks (one per bucket: contiguous master, gradient and working-copy ranges). The stage runtimes build them; the
+optimizers (optim/), the host step (offload/) and the engine read them, so they live here, below all of those.
+
+    python -m pytest tests/test_optimizers.py -q
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Chunk:
+    """One bucket chunk this rank steps: contiguous fp32 params, gradients, and optional low-precision copy."""
+
+    param: torch.Tensor  # fp32, (chunk,)
+    grad: torch.Tensor  # working dtype, (chunk,)
+    out: torch.Tensor | None  # working-dtype parameter chunk to refresh (mixed precision), else None
+    pieces: list[tuple[int, int, int]]  # (piece index within its group, start within chunk, numel)
+
+
+@dataclass
+class ShardGroup:
+    """The shard pieces and chunks of one optimizer param group."""
+
+    pieces: list[torch.Tensor]  # the optimizer's params, in shard order
+    chunks: list[Chunk]

@@ -206,7 +206,7 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
 def loco_reducer(engine):
     """The engine's qgZ reduction when it keeps LoCo error buffers, else None."""
     runtime = engine.runtime
-    quantizer = getattr(runtime, "quantized", None) or getattr(runtime, "quantized_reduce", None)
+    quantizer = runtime.quantized
     return quantizer if quantizer is not None and quantizer.loco is not None else None
 
 

@@ -39,6 +39,11 @@ class Runtime(Protocol):
     params: list[torch.nn.Parameter]  # trainable parameters, in the order of `used` and `names`
     names: list[str]
     shard_groups: list[ShardGroup]  # per optimizer group, the shard pieces the optimizer steps
+    quantized: object | None  # qgZ's reduction (comm/zeropp.QuantizedReduce) when configured, else None
+    param_store: object | None  # stage 3 with offload_param nvme: the parameter files (offload/nvme_params), else None
+
+    def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        """p's whole shape (stage-3 parameters at rest are empty)."""
 
     @property
     def used(self) -> list[bool]:

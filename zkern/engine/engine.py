@@ -301,7 +301,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             self.wait_checkpoint()
         finally:
             self.reporter.close()
-            for files in (self.nvme, getattr(self.runtime, "param_store", None)):
+            for files in (self.nvme, self.runtime.param_store):
                 if files is not None:
                     files.close()
 

@@ -21,8 +21,7 @@ log = logging.getLogger("zkern")
 
 
 def _numel(engine, p: torch.nn.Parameter) -> int:
-    full = getattr(engine.runtime, "_full_shape", {}).get(id(p))
-    return int(full.numel()) if full is not None else p.numel()
+    return int(engine.runtime.full_shape(p).numel())
 
 
 def profile_forward(engine, run, args, kwargs, cfg) -> tuple[object, dict]:

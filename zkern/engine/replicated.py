@@ -22,6 +22,11 @@ class ReplicatedRuntime:
         self.model = model
         self.params: list[torch.nn.Parameter] = []
         self.shard_groups: list = []
+        self.quantized = None
+        self.param_store = None
+
+    def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        return p.shape
 
     @property
     def used(self) -> list[bool]:

@@ -148,7 +148,7 @@ def log_offload(engine: Engine) -> None:
     zero = engine.config.zero_optimization
     if engine.nvme is not None:
         engine.nvme.buffers()  # the tile size is fixed now that every region exists
-    store = getattr(engine.runtime, "param_store", None)
+    store = engine.runtime.param_store
     if engine.rank != 0:
         return
     if store is not None:

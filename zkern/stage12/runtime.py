@@ -57,6 +57,7 @@ class Stage12Runtime:
                      for g in groups]
         self.groups = [g for g in self.flat if g is not None]
         self.quantized = quantized
+        self.param_store = None  # parameters are whole on every rank: never in files
         if quantized is not None and spec.stage != 2:
             raise ValueError(f"quantized gradients (qgZ) replace stage 2's reduce-scatter, not stage {spec.stage}'s")
         for gi, g in enumerate(self.groups):
@@ -84,14 +85,12 @@ class Stage12Runtime:
             for i, p in enumerate(g.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(g, i)))
         # Which modules' forward makes a parameter able to get a gradient: its owners and declared readers.
-        readers: dict[int, list[tuple[FlatGroup, int]]] = {}
         index = self._index = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
         register_owner(model.parameters(), self)  # zkern.GatheredParameters writes through pin/unpin
         for module in model.modules():
             own = [*module.parameters(recurse=False), *module.__dict__.get("_zkern_external_params", ())]
             mine = [index[id(p)] for p in own if id(p) in index]
             if mine:
-                readers[id(module)] = mine
                 self._handles.append(module.register_forward_pre_hook(self._touch_hook(mine)))
 
     @staticmethod
@@ -198,11 +197,9 @@ class Stage12Runtime:
         return [s for g in self.groups for s in g.grad_segments()]
 
     def chunk_stepped(self, group: int, chunk: int) -> None:
-        """The optimizer finished chunk `chunk` of optimizer group `group` (a bucket): start gathering it, so the
-        all-gathers run while the optimizer steps the rest."""
-        flat = self.flat[group]
-        if flat is not None:
-            flat.gather_bucket(chunk)
+        """The optimizer finished chunk `chunk` (a bucket) of group `group`: gather it while the rest steps."""
+        if self.flat[group] is not None:
+            self.flat[group].gather_bucket(chunk)
 
     def skipped_step(self) -> None:
         """The step was skipped: LoCo's errors from its micro-steps are dropped (zeropp.QuantizedReduce)."""
@@ -223,6 +220,9 @@ class Stage12Runtime:
         """The shards were written (a step, a load): bring every whole copy up to date."""
         for g in self.groups:
             g.gather_params()
+
+    def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        return p.shape  # whole on every rank at stages 0-2
 
     def shard_map(self) -> ShardMap:
         """Stage 0 keeps every piece on every rank: bucket k (counted across groups) is written by rank k % world."""

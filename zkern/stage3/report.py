@@ -52,8 +52,8 @@ def state_components(rt: Stage3Runtime) -> list[Component]:
                                    *(p.grad for p in rt.params if p.grad is not None)]),
         Component("stage3.gathered", "derived", reset=lambda: forget_derived(rt), tensors=derived),
     ]
-    if rt.quantized_reduce is not None:
-        out += rt.quantized_reduce.state_components()
+    if rt.quantized is not None:
+        out += rt.quantized.state_components()
     return out
 
 
@@ -77,7 +77,7 @@ def memory(rt: Stage3Runtime) -> dict[str, int]:
             "master": nbytes(rt.master), "comm_buffers": live + rt.reducer.buffer_bytes(),
             "host_params": shard if rt.params_on_host else 0, **disk,
             **frozen, **(rt.secondary.memory() if rt.secondary is not None else {}),
-            **(rt.quantized_reduce.memory() if rt.quantized_reduce is not None else {})}
+            **(rt.quantized.memory() if rt.quantized is not None else {})}
 
 
 def describe(rt: Stage3Runtime) -> list[str]:

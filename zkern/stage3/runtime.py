@@ -87,13 +87,13 @@ class Stage3Runtime:
         self.hooks = Stage3Hooks(model, self.units, needs, self.gatherer, merge_divergent=self.merge_divergent)
         self._child_handles = layout.watch_optional_children(model, self.units, needs)
         reduce_comm = comm.sibling()
-        self.quantized_reduce = QuantizedReduce.from_config(reduce_comm, zero)
+        self.quantized = QuantizedReduce.from_config(reduce_comm, zero)
         self.reducer = GradReducer(self.units, reduce_comm, grad_shard=self.grad_shard,
                                    comm_dtype=spec.comm_dtype, bucket_numel=spec.bucket_numel,
                                    overlap=spec.overlap, reduce_scatter=spec.reduce_scatter, offsets=self._offset,
                                    params=self.params,
                                    names={id(p): n for p, n in zip(self.all_params, self.all_names)},
-                                   quantized=self.quantized_reduce, keep_grads=zero.keep_gradient_buffers)
+                                   quantized=self.quantized, keep_grads=zero.keep_gradient_buffers)
         self.reducer.on_complete = self.hooks.on_complete
         self._handles = [p.register_post_accumulate_grad_hook(self.reducer.on_grad) for p in self.params]
         self._unguarded = False
@@ -175,22 +175,25 @@ class Stage3Runtime:
 
     def skipped_step(self) -> None:
         """The step was skipped: LoCo's errors from its micro-steps are dropped (zeropp.QuantizedReduce)."""
-        if self.quantized_reduce is not None:
-            self.quantized_reduce.skipped_step()
+        if self.quantized is not None:
+            self.quantized.skipped_step()
 
     def loss_scale_changed(self, factor: float) -> None:
         """The fp16 loss scale was multiplied by factor: LoCo's errors (in loss-scaled units) follow."""
-        if self.quantized_reduce is not None:
-            self.quantized_reduce.rescale_errors(factor)
+        if self.quantized is not None:
+            self.quantized.rescale_errors(factor)
 
     def after_step(self) -> None:
         self.refresh()
-        if self.quantized_reduce is not None:
-            self.quantized_reduce.after_step()
+        if self.quantized is not None:
+            self.quantized.after_step()
 
     def refresh(self) -> None:
         """The shards were written (a step, a load): a new version, and the copies kept whole follow it."""
         self.gatherer.after_step()
+
+    def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        return self._full_shape.get(id(p), p.shape)
 
     def shard_map(self) -> ShardMap:
         return layout.shard_map(self)

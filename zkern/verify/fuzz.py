@@ -1,5 +1,5 @@
-"""The differential fuzzer: random draws of the crossings users combine, each run on zkern's engine (1, 2 or 4 CPU
-ranks over gloo) and compared with the single-process reference; a failing draw is printed as the command that
+"""The differential fuzzer: random draws of the crossings users combine, each run on zkern's engine (1, 2, 3 or 4
+CPU ranks over gloo) and compared with the single-process reference; a failing draw is printed as the command that
 repeats it.
 
     python -m zkern.verify.fuzz --draws 2000 --seed 0          # make fuzz

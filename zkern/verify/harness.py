@@ -57,8 +57,27 @@ def twin_without_checkpoint(draw: Draw) -> Draw | None:
 
 def loco_twin(draw: Draw) -> Draw | None:
     """A LoCo draw's twin without LoCo: qgZ's int4 noise keeps both within the bar, so the bar alone cannot tell a
-    LoCo that does nothing; the two runs must differ (compare_loco)."""
-    return dataclasses.replace(draw, loco=False) if draw.loco else None
+    LoCo that does nothing; the two runs must differ (compare_loco). None where LoCo cannot change the result."""
+    return dataclasses.replace(draw, loco=False) if draw.loco and loco_can_act(draw) else None
+
+
+def loco_can_act(draw: Draw) -> bool:
+    """Whether an error LoCo keeps can reach an update: its errors feed the next reduction of the same engine (a
+    later micro-step of the step, or the next step), and restart at zero after a skipped step, a batch dropped by
+    zero_grad (its reductions consumed them) and a load into another layout. At world 1 nothing is reduced. Counted
+    within one engine lifetime only (a load between two steps is taken to restart them: fewer draws checked, never a
+    draw held to a change that cannot happen)."""
+    for world, _, first, last in draw.phases:
+        if world < 2:
+            continue
+        for step in range(first, last):
+            if step == draw.overflow_at:
+                continue
+            if draw.accumulation >= 2:  # micro-step 1's errors go into micro-step 2's reduction
+                return True
+            if step + 1 < last and step + 1 not in (draw.overflow_at, draw.dropped_at):
+                return True
+    return False
 
 
 def compare_loco(run: list[list[dict]], without: list[list[dict]]) -> list[str]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zkern.core.owners import owner_of
 from zkern.engine import resident
 
 if TYPE_CHECKING:
@@ -32,8 +33,12 @@ def register(engine: Engine) -> None:
 
 
 def engine_of(param: torch.Tensor) -> Engine:
+    owner = owner_of(param)  # the runtime that partitions it (stages 0-3 register; a forward-only replica does not)
     for engine in list(_ENGINES):
-        if any(p is param for p in engine.module.parameters()):
+        if owner is not None and engine.runtime is owner:
+            return engine
+    for engine in list(_ENGINES):
+        if owner is None and any(p is param for p in engine.module.parameters()):
             return engine
     raise ValueError("this parameter belongs to no zkern engine: pass a parameter of the model an engine was "
                      "built over (engine.module's)")

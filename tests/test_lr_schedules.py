@@ -101,3 +101,25 @@ def test_scheduler_params_are_checked():
         scheduler("WarmupLR", opt(), warmup_num_steps=-1)  # 0 is DeepSpeed's 2-step minimum (test_config_compat)
     with pytest.raises(zkern.ConfigError, match="unknown config key 'scheduler.params.warmup_num_step'; did you mean"):
         scheduler("WarmupLR", opt(), warmup_num_step=10)
+
+
+@pytest.mark.parametrize("kind, params", [
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 2, "cycle_min_mom": 0.85,
+                  "cycle_max_mom": 0.95}),
+    ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 3}),
+    ("WarmupCosineLR", {"total_num_steps": 5, "warmup_num_steps": 2}),
+    ("LRRangeTest", {"lr_range_test_min_lr": 0.01, "lr_range_test_step_size": 2}),
+])
+def test_loading_the_count_a_scheduler_was_built_with_sets_what_it_was_built_with(kind, params):
+    # A load that leaves the scheduler behind (load_module_only, load_lr_scheduler_states=False) resets it by loading
+    # the state it was built with: the groups must then hold what a fresh engine's hold. OneCycle set beta1 to
+    # cycle_max_mom there (its cycle formula at the count before the first step) where its constructor sets
+    # cycle_min_mom, so the first step after such a load ran with another beta1 than the same step of a fresh run.
+    o = opt()
+    s = scheduler(kind, o, **params)
+    built = {k: v for k, v in o.param_groups[0].items() if k != "params"}
+    initial = s.state_dict()
+    for _ in range(3):
+        s.step()
+    s.load_state_dict(initial)
+    assert {k: v for k, v in o.param_groups[0].items() if k != "params"} == built

@@ -181,6 +181,8 @@ class OneCycle(_Schedule):
 
     def beta1(self) -> float:
         p = self.p
+        if self.last_batch_iteration < 0:  # as built: a reset or a load of a fresh count must give what __init__ set
+            return p["cycle_min_mom"]
         decay = self._decay_steps()
         if decay is None:
             return p["cycle_max_mom"] - (p["cycle_max_mom"] - p["cycle_min_mom"]) * self._scale()

@@ -122,6 +122,30 @@ def test_the_checks_fail_on_known_wrong_results():
     assert compare_runs(good, one_ulp, "runs"), "a one-ulp difference between two runs was not caught"
 
 
+# Each optimizer, scheduler and load flag beside one whose arithmetic differs: the engine's run must match its own
+# draw's reference and fail the neighbour's, so neither the engine nor the reference can ignore the dimension.
+NEIGHBOURS = [
+    *[("optimizer", o, "Adam_l2") for o in ("AdamW", "Adam", "torch_adam", "client", "Lamb", "Lion")],
+    ("optimizer", "Adam_l2", "AdamW"), ("optimizer", "SGD", "Adagrad"), ("optimizer", "Adagrad", "SGD"),
+    *[("scheduler", s, "WarmupLR") for s in ("WarmupLR_log", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                                             "LRRangeTest", "client", "none")],
+    ("scheduler", "WarmupLR", "WarmupLR_log"),
+    *[("load_flags", f, "") for f in ("no_optimizer", "no_scheduler", "module_only")],
+]
+
+
+@pytest.mark.parametrize("field, value, other", NEIGHBOURS)
+def test_each_optimizer_scheduler_and_load_flag_is_held_to_its_own_arithmetic(tmp_path, field, value, other):
+    base = {"world": 1, "stage": 1, "steps": 5, "seed": 31}
+    if field == "load_flags":
+        base.update(save_at=1, load_into="live")
+    draw = Draw(**base, **{field: value}).checked()
+    runs = [[run_phases(0, 1, draw, str(tmp_path), [0])]]
+    assert compare(draw, runs, reference(draw)) == []
+    wrong = reference(Draw(**base, **{field: other}).checked())
+    assert compare(draw, runs, wrong), f"{field} {value!r} passes against the reference of {other!r}"
+
+
 def test_a_reintroduced_bug_is_caught(monkeypatch):
     """A load that kept the gradients accumulated before it (the bug the state registry fixed): the draw that loads a
     live engine mid-accumulation fails, and its twin without the load shows where."""
@@ -187,3 +211,19 @@ def test_new_draw_dimensions_are_drawn_and_refused_where_they_clash():
         Draw(stage=2, world=2, qgz=True, reduce_scatter=False).checked()
     with pytest.raises(ValueError, match="fp32_comm is for 16-bit draws"):
         Draw(fp32_comm=True).checked()
+    from zkern.verify.draws import LOAD_FLAGS, OPTIMIZERS, SCHEDULERS
+
+    assert {d.optimizer for d in draws} == set(OPTIMIZERS) and {d.scheduler for d in draws} == set(SCHEDULERS)
+    assert {d.load_flags for d in draws} == set(LOAD_FLAGS)
+    overflows = [d for d in draws if d.overflow_at >= 0]
+    assert any(d.overflow_rank > 0 for d in overflows) and any(d.overflow_micro > 0 for d in overflows)
+    assert any(d.overflow_nan for d in overflows)
+    assert all(d.exact for d in draws if d.optimizer == "Lion")
+    with pytest.raises(ValueError, match="Lion is drawn in exact draws only"):
+        Draw(optimizer="Lion", precision="bf16").checked()
+    with pytest.raises(ValueError, match="need zkern's Adam"):
+        Draw(optimizer="SGD", stage=2, offload_optimizer="nvme").checked()
+    with pytest.raises(ValueError, match="load_flags need a save and load"):
+        Draw(load_flags="module_only").checked()
+    with pytest.raises(ValueError, match="overflow_rank must be a rank of every phase"):
+        Draw(world=2, overflow_at=1, overflow_rank=2).checked()

@@ -317,8 +317,8 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         """Load a checkpoint saved at any world size, stage or offload setting (a collective). tag None: the one
         `latest` names. Returns (its directory, client_state), or (None, None) with a warning when there is nothing
         to load. Everything is verified (checksums, names, shapes) before the engine changes; on any error no
-        rank's state changes. load_module_only: weights only (optimizer, scaler, scheduler and counters as they
-        are); load_optimizer_states=False: fresh optimizer state."""
+        rank's state changes. What a load does not restore is first reset to a fresh engine's value (load_module_only:
+        weights only; load_optimizer_states=False: fresh optimizer state), as docs/checkpoints.md says."""
         from zkern.checkpoint.load import load
 
         saving.check_load(self, load_module_only)

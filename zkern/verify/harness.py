@@ -47,8 +47,8 @@ def _engine_runs(draw: Draw, root: str, timeout: float) -> list[list[dict]]:
 
 def twin_without_checkpoint(draw: Draw) -> Draw | None:
     """The same draw without its save and load, when the load keeps the layout (so the two runs must be equal bit for
-    bit); None otherwise."""
-    if draw.save_at < 0 or draw.frozen == "load":
+    bit); None otherwise (also where the load leaves the optimizer or the scheduler behind)."""
+    if draw.save_at < 0 or draw.frozen == "load" or draw.load_flags:
         return None
     if draw.load_into == "fresh" and len({(w, s) for w, s, _, _ in draw.phases}) > 1:
         return None

@@ -17,7 +17,8 @@ import os
 from zkern.verify.planted import ENV, MUTANTS, planted  # noqa: F401  (planted: this module's public name before)
 
 # Draws chosen to reach every mutant's code: exact fp32 runs of each stage (clipping, accumulation), fp16 with a
-# planted overflow, save and load, qgZ with LoCo, qwZ, hpZ, ZeRO-Offload and NVMe. `make mutants` tries them first,
+# planted overflow, save and load, qgZ with LoCo, qwZ, hpZ, ZeRO-Offload and NVMe, a load that leaves the optimizer
+# behind, torch's SGD and zkern's Lamb over the shard pieces. `make mutants` tries them first,
 # then random draws; KILLERS records which of them kills which mutant (the CI test replays exactly those).
 TARGETED = [
     '{"accumulation": 2, "clip": 0.05, "seed": 11, "stage": 2, "world": 2}',
@@ -30,6 +31,9 @@ TARGETED = [
     '{"hpz": true, "seed": 18, "stage": 3, "world": 4}',
     '{"offload_optimizer": "cpu", "seed": 19, "stage": 2, "world": 2}',
     '{"offload_optimizer": "nvme", "seed": 20, "stage": 2, "world": 2}',
+    '{"load_flags": "no_optimizer", "save_at": 1, "seed": 21, "stage": 2, "world": 2}',
+    '{"accumulation": 2, "clip": 0.05, "optimizer": "SGD", "seed": 22, "stage": 1, "world": 2}',
+    '{"optimizer": "Lamb", "seed": 23, "stage": 2, "world": 2}',
 ]
 
 
@@ -46,6 +50,7 @@ KILLERS = {
     "ckpt.moments_not_restored": 4, "ckpt.step_count_plus_one": 4, "ckpt.scheduler_not_restored": 4,
     "loco.no_feedback": 5, "qgz.hop_drops_ranks": 5, "qwz.scales_dropped": 5,  # LoCo dequantizes what it sends
     "hpz.always_fresh": 7, "offload.not_uploaded": 8, "nvme.last_tile_skipped": 9,
+    "ckpt.load_flags_ignored": 10, "torch_optimizer.grad_scale_dropped": 11, "lamb.norms_local": 12,
 }
 
 

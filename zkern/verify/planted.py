@@ -233,6 +233,43 @@ def _scheduler_not_restored(p: _Patches) -> None:
     p.set(lr_schedules._Schedule, "load_state_dict", lambda self, state: None)
 
 
+def _load_flags_ignored(p: _Patches) -> None:
+    """load_checkpoint restores the optimizer and the scheduler whatever its flags say."""
+    from zkern.checkpoint import load
+
+    def make(original):
+        def load_all(*args, **kw):
+            kw.update(load_optimizer_states=True, load_lr_scheduler_states=True, load_module_only=False)
+            return original(*args, **kw)
+        return load_all
+    p.wrap(load, "load", make)
+
+
+# -- the other optimizers (torch's and zkern's Lamb and Lion over the shard pieces) ---------------------------------
+def _torch_grad_scale_dropped(p: _Patches) -> None:
+    """A torch optimizer stepping the shard pieces gets the gradients without the unscale/clip/average factor."""
+    from zkern.engine import stepping
+    from zkern.offload import host
+
+    for module in (stepping, host):
+        def make(original):
+            def step(optimizer, groups, *, grad_scale, **kw):
+                return original(optimizer, groups, grad_scale=1.0, **kw)
+            return step
+        p.wrap(module, "step_torch_optimizer", make)
+
+
+def _lamb_norms_local(p: _Patches) -> None:
+    """Lamb's per-parameter norms are each rank's own pieces' (never summed over the ranks)."""
+    from zkern.optim.lamb_lion import Lamb
+
+    def make(original):
+        def set_layout(self, owner, count, reduce):
+            return original(self, owner, count, None)
+        return set_layout
+    p.wrap(Lamb, "set_layout", make)
+
+
 # -- ZeRO++ ----------------------------------------------------------------------------------------------------------
 def _loco_no_feedback(p: _Patches) -> None:
     """LoCo keeps its errors but never adds them back."""
@@ -329,6 +366,10 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "ckpt.moments_not_restored": ("a load keeps the optimizer's moments as they were", _moments_not_restored),
     "ckpt.step_count_plus_one": ("a load sets each piece's step count one too high", _step_count_plus_one),
     "ckpt.scheduler_not_restored": ("a load leaves the LR schedule where it was", _scheduler_not_restored),
+    "ckpt.load_flags_ignored": ("a load restores the optimizer and scheduler whatever its flags", _load_flags_ignored),
+    "torch_optimizer.grad_scale_dropped": ("a torch optimizer's gradients miss the unscale/clip/average factor",
+                                           _torch_grad_scale_dropped),
+    "lamb.norms_local": ("Lamb's trust ratio from each rank's own pieces", _lamb_norms_local),
     "loco.no_feedback": ("LoCo never adds its error back", _loco_no_feedback),
     "qgz.hop_drops_ranks": ("qgZ's hop sums only the rank's own section", _qgz_one_hop_dropped),
     "qwz.scales_dropped": ("qwZ dequantizes with scale 1", _qwz_scales_dropped),

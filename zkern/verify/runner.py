@@ -11,16 +11,11 @@ import os
 import torch
 
 from zkern.testing.models import TinyGPT, TinyMoE, make_batches
+from zkern.verify import recipes
 from zkern.verify.draws import Draw
 
 VOCAB, SEQ, DIM = 67, 16, 32
 FROZEN = ("qkv", "proj")  # the layers a draw freezes (at the start, or from the load on)
-WARMUP = 3  # WarmupLR's steps: lr goes from lr / 4 to lr over the first applied steps
-# Adam's eps in draws. Adam's step lr * g / (|g| + eps) turns a rounding difference dg of a gradient element into
-# up to lr * dg / eps: with torch's 1e-8, an element whose gradient is about 1e-9 (a routed expert's, in the step it
-# first gets one) moved 1.3% of a step apart between two exact implementations (summation order alone). At 1e-6 that
-# amplification stays below float32 rounding's share of the bar, and a wrong update (of order lr) still shows.
-ADAM_EPS = 1e-6
 
 
 def make_model(draw: Draw, checkpoint: str = "") -> torch.nn.Module:
@@ -84,11 +79,10 @@ def config(draw: Draw, world: int, stage: int, root: str, device: str) -> dict:
             zero["zeropp_loco_param"] = {"err_beta": 0.8, "reset_T": 1024}
     cfg = {"train_micro_batch_size_per_gpu": draw.global_size // (world * draw.accumulation),
            "gradient_accumulation_steps": draw.accumulation, "gradient_clipping": draw.clip,
-           "optimizer": {"type": "AdamW", "params": {"lr": draw.lr, "weight_decay": 0.01, "eps": ADAM_EPS}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": draw.lr / 4, "warmup_max_lr": draw.lr,
-                                                         "warmup_num_steps": WARMUP, "warmup_type": "linear"}},
            "zero_optimization": zero, "steps_per_print": 0, "comm_timeout_s": 120, "device": device,
            "ranks_per_node": 2 if world >= 2 and world % 2 == 0 else world}
+    sections = {"optimizer": recipes.optimizer_section(draw), "scheduler": recipes.scheduler_section(draw)}
+    cfg.update({key: section for key, section in sections.items() if section is not None})
     if draw.predivide:
         cfg["gradient_predivide_factor"] = draw.predivide
     if draw.fp32_comm:
@@ -111,8 +105,14 @@ def build(draw: Draw, world: int, stage: int, root: str, frozen: bool, device: s
     model = make_model(draw, draw.checkpoint)
     if frozen:
         freeze(model)
-    return zkern.Engine(model, config(draw, world, stage, root, device),
-                        model_parameters=groups(model) if draw.groups else None)
+    cfg = config(draw, world, stage, root, device)
+    params = groups(model) if draw.groups else None
+    client = None
+    if draw.optimizer == "client":  # the user's own AdamW, built on the groups (or the trainable parameters)
+        client = recipes.client_optimizer(draw, params or [p for p in model.parameters() if p.requires_grad])
+        params = None
+    scheduler = recipes.client_scheduler if draw.scheduler == "client" else None
+    return zkern.Engine(model, cfg, optimizer=client, lr_scheduler=scheduler, model_parameters=params)
 
 
 def micro_batches(batch, world: int, rank: int, accumulation: int):
@@ -138,8 +138,8 @@ def train_step(engine, draw: Draw, step: int, batch, world: int, rank: int, out:
     for micro, (idx, tgt) in enumerate(micro_batches(batch, world, rank, draw.accumulation)):
         loss = engine(idx.to(engine.device), tgt.to(engine.device))
         total += loss.item()
-        if step == draw.overflow_at and micro == 0 and rank == 0:
-            loss = loss * float("inf")  # a spike on one rank: every rank must skip the step
+        if step == draw.overflow_at and micro == draw.overflow_micro and rank == draw.overflow_rank:
+            loss = loss * float("nan" if draw.overflow_nan else "inf")  # a spike on one rank: every rank skips
         engine.backward(loss)
         engine.step()
     out["losses"][step] = total / draw.accumulation
@@ -178,6 +178,13 @@ def stray_micro_step(engine, draw: Draw, batch, world: int, rank: int) -> None:
         engine.step()  # micro-step 1 of the accumulation: no update yet
 
 
+def load_flags(draw: Draw) -> dict:
+    """load_checkpoint's flags for the draw's load."""
+    return {"": {}, "no_optimizer": {"load_optimizer_states": False},
+            "no_scheduler": {"load_lr_scheduler_states": False},
+            "module_only": {"load_module_only": True}}[draw.load_flags]
+
+
 def run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int], device: str = "cpu") -> dict:
     """Run the draw's phases listed (indices into draw.phases) on this rank; returns losses and gradient norms per
     step, counters, and (rank 0) the final fp32 weights. With ZKERN_MUTANT set, that planted bug is in the engine
@@ -202,7 +209,7 @@ def _run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int],
             engine.destroy()
         engine = build(draw, world, stage, root, frozen, device)
         if index == 1:
-            engine.load_checkpoint(ckpt)
+            engine.load_checkpoint(ckpt, **load_flags(draw))
         for step in range(first, last):
             if step == draw.write_at:
                 write(engine, draw, rank)
@@ -212,7 +219,7 @@ def _run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int],
                 if draw.load_into == "live":
                     stray_micro_step(engine, draw, batches[step], world, rank)
                     engine.wait_checkpoint()
-                    engine.load_checkpoint(ckpt)
+                    engine.load_checkpoint(ckpt, **load_flags(draw))
                 else:
                     if draw.async_save:  # training goes on while the writer writes; the fresh engine resumes at the
                         scratch = {"losses": {}, "grad_norms": {}}  # save, so this step is thrown away

@@ -1,6 +1,9 @@
 """The independent reference of a draw: plain single-process torch on the whole global batch of each step, fp32,
-torch.optim.AdamW, torch.nn.utils.clip_grad_norm_, the scheduler's formula written out here. None of zkern's engine
-runs in it: checkpoints, offload, sharding and quantization must change nothing, so the reference has none of them.
+the draw's optimizer (torch's AdamW, Adam, SGD, Adagrad, or Lion and Lamb written out in reference_math.py),
+torch.nn.utils.clip_grad_norm_, the scheduler's formula written out in reference_math.py. None of zkern's engine,
+optimizers or schedulers runs in it: checkpoints, offload, sharding and quantization must change nothing, so the
+reference has none of them; a load that leaves the optimizer, the scheduler or everything but the weights behind
+starts those afresh here at the same step.
 
     python -c "from zkern.verify.single import reference; from zkern.verify.draws import Draw; print(reference(Draw()))"
 """
@@ -12,40 +15,27 @@ import math
 import torch
 
 from zkern.verify.draws import Draw
-from zkern.verify.runner import (
-    ADAM_EPS,
-    WARMUP,
-    freeze,
-    global_batches,
-    groups,
-    make_model,
-    written_name,
-    written_value,
-)
+from zkern.verify.recipes import WEIGHT_DECAY
+from zkern.verify.reference_math import hyper_at, make_optimizer, set_hyper
+from zkern.verify.runner import freeze, global_batches, groups, make_model, written_name, written_value
 
 
-def warmup_lr(draw: Draw, applied: int) -> float:
-    """DeepSpeed's linear WarmupLR: lr / 4 for the first applied step, then lr/4 + (3/4) lr * min(k, W) / W after the
-    k-th (k from 0; W = max(2, warmup steps))."""
-    low, high = draw.lr / 4, draw.lr
-    if applied == 0:
-        return low
-    k = applied - 1
-    w = max(2, WARMUP)
-    return low + (high - low) * min(k, w) / w
+def _optimizer(draw: Draw, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return make_optimizer(draw, groups(model) if draw.groups else [{"params": params, "weight_decay": WEIGHT_DECAY}])
 
 
 def reference(draw: Draw) -> dict:
-    """losses and gradient norms per step (None for a skipped step's norm: it was not finite), the number of skipped
-    steps, and the final fp32 state_dict."""
+    """losses and gradient norms per step (None for a skipped step's norm: it was not finite), the skipped and
+    global step counts, the final loss scale (fp16) and the final fp32 state_dict."""
     model = make_model(draw)
     if draw.frozen == "start":
         freeze(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(groups(model) if draw.groups else [{"params": params, "weight_decay": 0.01}],
-                            lr=draw.lr, weight_decay=0.01, eps=ADAM_EPS)
+    opt = _optimizer(draw, model)
+    count = -1  # the scheduler's steps taken, less one
+    hyper = hyper_at(draw, count)  # what the scheduler set in the optimizer's groups: (lr, beta1)
     batches = global_batches(draw)
-    losses, norms, skipped, applied = {}, {}, 0, 0
+    losses, norms, skipped, global_steps = {}, {}, 0, 0
     scale = LossScale() if draw.precision == "fp16" else None
     for step in range(draw.steps):
         if step == draw.write_at:
@@ -56,9 +46,10 @@ def reference(draw: Draw) -> dict:
         idx, tgt = batches[step]
         loss = model(idx, tgt)
         losses[step] = loss.item()
+        global_steps += 1
         if scale is not None:
             scale.update(step == draw.overflow_at)
-        if step == draw.overflow_at:  # every rank skips it: no update, no Adam step, no scheduler step
+        if step == draw.overflow_at:  # every rank skips it: no update, no optimizer step, no scheduler step
             skipped += 1
             norms[step] = None
         else:
@@ -67,18 +58,37 @@ def reference(draw: Draw) -> dict:
             norms[step] = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in trainable))
             if draw.clip > 0:
                 torch.nn.utils.clip_grad_norm_(trainable, draw.clip)
-            for group in opt.param_groups:
-                group["lr"] = warmup_lr(draw, applied)
+            set_hyper(opt, hyper)
             opt.step()
-            applied += 1
-        if step == draw.save_at and draw.frozen == "load":
-            freeze(model)  # the engine after the load was built with these layers frozen
-            for p in model.parameters():
-                if not p.requires_grad:
-                    p.grad = None
-    return {"losses": losses, "grad_norms": norms, "skipped": skipped,
+            count += 1
+            hyper = hyper_at(draw, count)
+        if step == draw.save_at:
+            if draw.frozen == "load":
+                freeze(model)  # the engine after the load was built with these layers frozen
+                for p in model.parameters():
+                    if not p.requires_grad:
+                        p.grad = None
+            if draw.load_flags in ("no_optimizer", "module_only"):  # a fresh optimizer: no moments, step 0
+                opt = _optimizer(draw, model)
+            if draw.load_flags == "module_only":  # and a fresh scheduler, scaler and counters
+                count, skipped, global_steps = -1, 0, 0
+                scale = LossScale() if draw.precision == "fp16" else None
+            if draw.load_flags == "no_scheduler":  # the scheduler starts again; the optimizer's groups keep the lr
+                count = -1  # (and betas) they were saved with until its next step
+            elif draw.load_flags:
+                hyper = _after_load(draw, count, hyper)
+    return {"losses": losses, "grad_norms": norms, "skipped": skipped, "global_steps": global_steps,
             "loss_scale": None if scale is None else scale.scale,
             "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()}}
+
+
+def _after_load(draw: Draw, count: int, hyper: tuple) -> tuple:
+    """The groups' (lr, beta1) after a load that built the optimizer afresh: DeepSpeed's schedulers (zkern's) set
+    them from their step count when loaded; a torch scheduler's load_state_dict sets nothing, so the groups keep what
+    the scheduler set when it was built."""
+    if draw.scheduler == "client":
+        return hyper_at(draw, -1)
+    return hyper_at(draw, count)
 
 
 class LossScale:

@@ -1,0 +1,97 @@
+"""What a draw's user writes for the optimizer and the scheduler: the config's "optimizer" and "scheduler" sections,
+or the client objects, for each of Draw's OPTIMIZERS and SCHEDULERS. The numbers are the draw's input; the engine
+(runner.py) is given them as a user would give them, and the reference (reference_math.py) reads the same numbers and
+does its own arithmetic.
+
+    python -c "from zkern.verify.recipes import optimizer_section; from zkern.verify import Draw; \
+print(optimizer_section(Draw(optimizer='Lamb')))"
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zkern.verify.draws import Draw
+
+WARMUP = 3  # WarmupLR's steps: lr goes from lr / 4 to lr over the first applied steps
+# Adam's eps in draws. Adam's step lr * g / (|g| + eps) turns a rounding difference dg of a gradient element into
+# up to lr * dg / eps: with torch's 1e-8, an element whose gradient is about 1e-9 (a routed expert's, in the step it
+# first gets one) moved 1.3% of a step apart between two exact implementations (summation order alone). At 1e-6 that
+# amplification stays below float32 rounding's share of the bar, and a wrong update (of order lr) still shows.
+ADAM_EPS = 1e-6
+WEIGHT_DECAY = 0.01
+CONFIG_TYPE = {"AdamW": "AdamW", "Adam": "Adam", "Adam_l2": "Adam", "torch_adam": "AdamW", "Lamb": "Lamb",
+               "Lion": "Lion", "SGD": "SGD", "Adagrad": "Adagrad"}
+
+
+def base_lr(draw: Draw) -> float:
+    """The optimizer's lr: the draw's, ten times it for SGD (whose step is lr * g, not about lr as Adam's)."""
+    return draw.lr * (10 if draw.optimizer == "SGD" else 1)
+
+
+def optimizer_params(draw: Draw) -> dict:
+    """The optimizer's hyper-parameters as the config's 'optimizer.params' spells them."""
+    lr, name = base_lr(draw), draw.optimizer
+    if name in ("AdamW", "Adam", "Adam_l2", "torch_adam", "client"):
+        params = {"lr": lr, "weight_decay": WEIGHT_DECAY, "eps": ADAM_EPS}
+        if name == "Adam_l2":
+            params["adam_w_mode"] = False
+        if name == "torch_adam":
+            params["torch_adam"] = True
+        return params
+    return {"Lamb": {"lr": lr, "weight_decay": WEIGHT_DECAY, "eps": ADAM_EPS, "max_coeff": 10.0, "min_coeff": 0.01},
+            "Lion": {"lr": lr, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.99]},
+            "SGD": {"lr": lr, "weight_decay": WEIGHT_DECAY, "momentum": 0.9, "nesterov": True},
+            "Adagrad": {"lr": lr, "weight_decay": WEIGHT_DECAY, "eps": 1e-10, "lr_decay": 0.1,
+                        "initial_accumulator_value": 0.1}}[name]
+
+
+def optimizer_section(draw: Draw) -> dict | None:
+    """The config's 'optimizer' section (None for a client optimizer)."""
+    if draw.optimizer == "client":
+        return None
+    return {"type": CONFIG_TYPE[draw.optimizer], "params": optimizer_params(draw)}
+
+
+def scheduler_params(draw: Draw) -> dict:
+    """DeepSpeed's parameters of the draw's scheduler (every schedule moves within the draw's 3 to 5 steps)."""
+    lr = base_lr(draw)
+    match draw.scheduler:
+        case "WarmupLR" | "WarmupLR_log":
+            return {"warmup_min_lr": lr / 4, "warmup_max_lr": lr, "warmup_num_steps": WARMUP,
+                    "warmup_type": "log" if draw.scheduler.endswith("log") else "linear"}
+        case "WarmupDecayLR":
+            return {"warmup_min_lr": lr / 4, "warmup_max_lr": lr, "warmup_num_steps": 2, "total_num_steps": 5,
+                    "warmup_type": "linear"}
+        case "WarmupCosineLR":
+            return {"total_num_steps": 5, "warmup_num_steps": 2, "warmup_min_ratio": 0.25, "cos_min_ratio": 0.1,
+                    "warmup_type": "linear"}
+        case "OneCycle":
+            return {"cycle_min_lr": lr / 4, "cycle_max_lr": lr, "cycle_first_step_size": 2,
+                    "cycle_second_step_size": 1, "decay_lr_rate": 0.5, "decay_step_size": 1,
+                    "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}
+        case "LRRangeTest":
+            return {"lr_range_test_min_lr": lr / 4, "lr_range_test_step_size": 2, "lr_range_test_step_rate": 1.0}
+    return {}
+
+
+def scheduler_section(draw: Draw) -> dict | None:
+    """The config's 'scheduler' section (None for a client scheduler or none)."""
+    if draw.scheduler in ("client", "none"):
+        return None
+    return {"type": draw.scheduler.removesuffix("_log"), "params": scheduler_params(draw)}
+
+
+def client_factor(count: int) -> float:
+    """The client LambdaLR's factor after `count` scheduler steps."""
+    return 1.0 / (1.0 + 0.5 * count)
+
+
+def client_optimizer(draw: Draw, params) -> torch.optim.Optimizer:
+    """A user's own torch AdamW (params: the parameters or their groups)."""
+    return torch.optim.AdamW(params, lr=base_lr(draw), weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
+
+
+def client_scheduler(optimizer: torch.optim.Optimizer):
+    """A user's own scheduler, as the callable optimizer -> scheduler zkern and DeepSpeed take."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, client_factor)

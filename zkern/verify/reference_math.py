@@ -1,0 +1,159 @@
+"""The reference's optimizers and learning-rate schedules, written out here from DeepSpeed's and the papers' formulas:
+none of zkern's optimizer or scheduler code runs in the reference. torch's own AdamW, Adam, SGD and Adagrad step it
+where DeepSpeed's config names them; Lion and Lamb, which torch lacks, are below.
+
+    python -m pytest tests/test_verify.py -q -k schedule      # these schedules against DeepSpeed's own classes
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zkern.verify import recipes
+from zkern.verify.draws import Draw
+
+
+class RefLion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, Algorithm 2): c = b1 m + (1 - b1) g; w <- w - lr (sign(c) + wd w);
+    m <- b2 m + (1 - b2) g."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                direction = torch.sign(b1 * m + (1 - b1) * p.grad)
+                p.sub_(group["lr"] * (direction + group["weight_decay"] * p))
+                m.copy_(b2 * m + (1 - b2) * p.grad)
+
+
+class RefLamb(torch.optim.Optimizer):
+    """LAMB as DeepSpeed's FusedLamb (csrc/lamb): Adam's moments m, v; u = m / (sqrt(v) + eps) + wd w; trust ratio
+    r = ||w|| / ||u|| clamped to [min_coeff, max_coeff], 1 where a norm is 0; w <- w - lr sqrt(1 - b2^t) / (1 - b1^t)
+    r u."""
+
+    def __init__(self, params, lr: float, eps: float, weight_decay: float, max_coeff: float, min_coeff: float,
+                 betas: tuple[float, float] = (0.9, 0.999)):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                                  "max_coeff": max_coeff, "min_coeff": min_coeff})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                state["t"] += 1
+                t, m, v = state["t"], state["m"], state["v"]
+                m.copy_(b1 * m + (1 - b1) * p.grad)
+                v.copy_(b2 * v + (1 - b2) * p.grad * p.grad)
+                u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
+                w_norm, u_norm = float(p.double().norm()), float(u.double().norm())
+                ratio = 1.0 if w_norm == 0 or u_norm == 0 else min(max(w_norm / u_norm, group["min_coeff"]),
+                                                                   group["max_coeff"])
+                p.sub_(group["lr"] * math.sqrt(1 - b2 ** t) / (1 - b1 ** t) * ratio * u)
+
+
+def make_optimizer(draw: Draw, groups: list[dict]) -> torch.optim.Optimizer:
+    """The reference's optimizer of the draw over these param groups (each may set its own weight_decay)."""
+    p = recipes.optimizer_params(draw)
+    match draw.optimizer:
+        case "AdamW" | "Adam" | "torch_adam" | "client":  # DeepSpeed's Adam decouples weight decay by default
+            return torch.optim.AdamW(groups, lr=p["lr"], weight_decay=p["weight_decay"], eps=p["eps"])
+        case "Adam_l2":
+            return torch.optim.Adam(groups, lr=p["lr"], weight_decay=p["weight_decay"], eps=p["eps"])
+        case "SGD":
+            return torch.optim.SGD(groups, lr=p["lr"], weight_decay=p["weight_decay"], momentum=p["momentum"],
+                                   nesterov=p["nesterov"])
+        case "Adagrad":
+            return torch.optim.Adagrad(groups, lr=p["lr"], weight_decay=p["weight_decay"], eps=p["eps"],
+                                       lr_decay=p["lr_decay"],
+                                       initial_accumulator_value=p["initial_accumulator_value"])
+        case "Lion":
+            return RefLion(groups, lr=p["lr"], betas=p["betas"], weight_decay=p["weight_decay"])
+        case "Lamb":
+            return RefLamb(groups, lr=p["lr"], eps=p["eps"], weight_decay=p["weight_decay"],
+                           max_coeff=p["max_coeff"], min_coeff=p["min_coeff"])
+    raise ValueError(f"no reference optimizer for {draw.optimizer!r}")
+
+
+def _warmup_fraction(k: int, steps: int, kind: str) -> float:
+    """DeepSpeed's warm-up: over max(2, steps) scheduler steps, log(k + 1) / log(W) or k / W, then 1."""
+    w = max(2, steps)
+    if k >= w:
+        return 1.0
+    return math.log(k + 1) / math.log(w) if kind == "log" else k / w
+
+
+def hyper_at(draw: Draw, k: int) -> tuple[float, float | None]:
+    """(lr, beta1 or None where the schedule leaves the betas) after k + 1 scheduler steps; k = -1 is the value the
+    scheduler sets when it is built. A scheduler steps once per applied (not skipped) optimizer step."""
+    p, lr = recipes.scheduler_params(draw), recipes.base_lr(draw)
+    match draw.scheduler:
+        case "none":
+            return lr, None
+        case "client":  # torch's LambdaLR: built at step 0, so k + 1 steps
+            return lr * recipes.client_factor(k + 1), None
+        case "WarmupLR" | "WarmupLR_log" | "WarmupDecayLR":
+            low, high = p["warmup_min_lr"], p["warmup_max_lr"]
+            if k < 0:
+                return low, None
+            w = max(2, p["warmup_num_steps"])
+            if draw.scheduler == "WarmupDecayLR" and k >= w:  # from max back down towards min, reached at the total
+                return low + (high - low) * max(0.0, (p["total_num_steps"] - k) / max(1.0, p["total_num_steps"] - w)), \
+                    None
+            return low + (high - low) * _warmup_fraction(k, p["warmup_num_steps"], p["warmup_type"]), None
+        case "WarmupCosineLR":
+            if k < 0:
+                return 0.0, None
+            w = max(2, p["warmup_num_steps"])
+            if k < w:
+                return lr * (p["warmup_min_ratio"] + (1 - p["warmup_min_ratio"]) * _warmup_fraction(
+                    k, w, p["warmup_type"])), None
+            progress = min(1.0, (k - w + 1) / max(1, p["total_num_steps"] - w))
+            return lr * max(0.0, p["cos_min_ratio"] + (1 - p["cos_min_ratio"]) * (1 + math.cos(math.pi * progress))
+                            / 2), None
+        case "OneCycle":
+            return _one_cycle(p, k)
+        case "LRRangeTest":
+            return p["lr_range_test_min_lr"] * (1 + p["lr_range_test_step_rate"] * (k + 1)
+                                                / p["lr_range_test_step_size"]), None
+    raise ValueError(f"no reference schedule for {draw.scheduler!r}")
+
+
+def _one_cycle(p: dict, k: int) -> tuple[float, float]:
+    """1cycle (Smith 2018) as DeepSpeed's: a triangle from min to max lr over the first half cycle and back over the
+    second, beta1 the other way (max -> min -> max); after the cycle lr decays as min / (1 + rate * n / size) and
+    beta1 holds at its max. Built (k = -1) at min lr and min beta1."""
+    if k < 0:
+        return p["cycle_min_lr"], p["cycle_min_mom"]
+    first, second = p["cycle_first_step_size"], p["cycle_second_step_size"]
+    total = first + second
+    if k >= total:
+        return p["cycle_min_lr"] / (1 + p["decay_lr_rate"] * (k - total + 1) / p["decay_step_size"]), \
+            p["cycle_max_mom"]
+    at = (k + 1) % total
+    height = at / first if at <= first else (total - at) / second
+    lr = p["cycle_min_lr"] + (p["cycle_max_lr"] - p["cycle_min_lr"]) * height
+    return lr, p["cycle_max_mom"] - (p["cycle_max_mom"] - p["cycle_min_mom"]) * height
+
+
+def set_hyper(optimizer: torch.optim.Optimizer, hyper: tuple[float, float | None]) -> None:
+    """Write the schedule's lr (and beta1, with beta2 = 0.99 as DeepSpeed's OneCycle sets) into every group."""
+    lr, beta1 = hyper
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        if beta1 is not None and "betas" in optimizer.defaults:
+            group["betas"] = (beta1, 0.99)

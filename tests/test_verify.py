@@ -53,6 +53,11 @@ REGRESSIONS = [
     '{"arch": "moe", "checkpoint": "non_reentrant", "clip": 0.05, "dropped_at": 2, "eval_at": 1, "frozen": "start", '
     '"loco": true, "qgz": true, "save_at": 0, "seed": 575867, "stage": 2, "stage_after": 3, "steps": 3, '
     '"world_after": 3}',
+    # the first Adam step after a load that rebuilt the optimizer met an element whose gradient was 0.37 eps (eps then
+    # 1e-6): float32's summation order, amplified by g / (|g| + eps), moved it past the exact bar (the draws' eps,
+    # not zkern: recipes.ADAM_EPS says how it is now chosen)
+    '{"block_units": true, "groups": true, "hpz": true, "load_flags": "module_only", "load_into": "live", '
+    '"optimizer": "client", "predivide": 2.0, "save_at": 0, "seed": 483672, "stage": 3, "world": 4}',
 ]
 
 
@@ -146,6 +151,19 @@ def test_each_optimizer_scheduler_and_load_flag_is_held_to_its_own_arithmetic(tm
     assert compare(draw, runs, wrong), f"{field} {value!r} passes against the reference of {other!r}"
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("text", [
+    '{"eval_at": 2, "eval_generation": true, "max_live": 20000, "precision": "bf16", "seed": 802, "stage": 3}',
+    '{"arch": "moe", "eval_at": 1, "eval_generation": true, "offload_optimizer": "cpu", "offload_param": "cpu", '
+    '"seed": 804, "stage": 3}',
+])
+def test_a_generation_between_steps_changes_nothing(text):
+    """engine.gathered_for_generation() pins every unit it can for generate()'s forwards; training afterwards must
+    be the reference's (the weights, and every rank's working copies after each step)."""
+    outcome = verify_draw(Draw.from_json(text))
+    assert outcome.ok, outcome.failures
+
+
 def test_a_reintroduced_bug_is_caught(monkeypatch):
     """A load that kept the gradients accumulated before it (the bug the state registry fixed): the draw that loads a
     live engine mid-accumulation fails, and its twin without the load shows where."""
@@ -218,7 +236,7 @@ def test_new_draw_dimensions_are_drawn_and_refused_where_they_clash():
     overflows = [d for d in draws if d.overflow_at >= 0]
     assert any(d.overflow_rank > 0 for d in overflows) and any(d.overflow_micro > 0 for d in overflows)
     assert any(d.overflow_nan for d in overflows)
-    assert all(d.exact for d in draws if d.optimizer == "Lion")
+    assert all(d.exact for d in draws if d.optimizer == "Lion") and any(d.eval_generation for d in draws)
     with pytest.raises(ValueError, match="Lion is drawn in exact draws only"):
         Draw(optimizer="Lion", precision="bf16").checked()
     with pytest.raises(ValueError, match="need zkern's Adam"):

@@ -10,10 +10,11 @@ stray micro-step, or into a fresh engine, possibly of another world size and sta
 from then on, possibly leaving the optimizer, the scheduler or everything but the weights behind), an overflow (the
 loss times inf or NaN on any rank, at any micro-step). The optimizer is any zkern takes (the config's Adam, AdamW,
 torch_adam, Lamb, Lion, SGD, Adagrad, or a client torch AdamW), and so is the scheduler (DeepSpeed's five, a client
-LambdaLR, none). Everything a draw holds is chosen so that the run is defined
-on any CPU: world 1, 2, 3 or 4 over gloo. Besides forward, backward, step, a draw may drop a batch's backward with
-engine.zero_grad() or run an eval forward under no_grad; knobs that must change nothing the reference sees (overlap,
-reduce-scatter, bucket sizes, predivide, fp32 communication, stage 3's fetch units and live bound) are drawn too.
+LambdaLR, none). Everything a draw holds is chosen so that the run is defined on any CPU: world 1, 2, 3 or 4 over
+gloo. Besides forward, backward, step, a draw may drop a batch's backward with engine.zero_grad() or run an eval
+forward under no_grad (or inside gathered_for_generation, as generate() runs); knobs that must change nothing the
+reference sees (overlap, reduce-scatter, bucket sizes, predivide, fp32 communication, stage 3's fetch units and live
+bound) are drawn too.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Draw:
     # call orders a training loop makes besides forward, backward, step
     dropped_at: int = -1  # this step begins with a batch whose backward is then dropped by engine.zero_grad()
     eval_at: int = -1  # this step begins with an eval forward under torch.no_grad() (engine.eval(), then train())
+    eval_generation: bool = False  # that forward inside engine.gathered_for_generation() (stage 3 pins every unit)
     # knobs that must change nothing the reference can see (16-bit dtypes within the 16-bit bar)
     overlap: bool = True  # overlap_comm
     reduce_scatter: bool = True
@@ -171,6 +173,8 @@ class Draw:
             # (Adam: 0.004-0.34), and no bound that admits them fails a Lion that never trains (1.0). Held to the
             # fp32 reference exactly; its 16-bit runs wait for a reference that rounds as the engine does.
             problems.append("Lion is drawn in exact draws only (fp32, no qwZ/qgZ)")
+        if self.eval_generation and self.eval_at < 0:
+            problems.append("eval_generation needs eval_at")
         if self.load_flags and self.save_at < 0:
             problems.append("load_flags need a save and load")
         if self.overflow_rank >= min(w for w, _, _, _ in self.phases) or self.overflow_micro >= self.accumulation:
@@ -222,6 +226,7 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
             values["dropped_at"] = rng.randrange(steps)
         if rng.random() < 0.2:
             values["eval_at"] = rng.randrange(steps)
+            values["eval_generation"] = rng.random() < 0.5
         values["overlap"] = rng.random() < 0.8
         values["reduce_scatter"] = rng.random() < 0.85
         values["bucket"] = rng.choice((3000, 3000, 1000, 50_000))

@@ -124,9 +124,9 @@ def micro_batches(batch, world: int, rank: int, accumulation: int):
 
 
 def train_step(engine, draw: Draw, step: int, batch, world: int, rank: int, out: dict, dropped=None) -> None:
-    if step == draw.eval_at:  # an evaluation between steps: no gradient, no state moves
+    if step == draw.eval_at:  # an evaluation (or a generation) between steps: no gradient, no state moves
         engine.eval()
-        with torch.no_grad():
+        with engine.gathered_for_generation() if draw.eval_generation else torch.no_grad():
             idx, tgt = next(micro_batches(batch, world, rank, 1))
             engine(idx.to(engine.device), tgt.to(engine.device))
         engine.train()

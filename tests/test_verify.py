@@ -196,6 +196,29 @@ def test_every_mutant_is_killed_by_the_draw_the_record_names():
     assert not survivors, f"mutants no longer killed by their draws: {survivors}"
 
 
+# 16-bit draws are held to a reference computing in their dtype (single.same_arithmetic): planted bugs that an fp32
+# reference's wide 16-bit bounds let through must fail them. Dropped weight decay (0.01 lr |w| a step, about 1% of the
+# movement) stays below bf16's and fp16's rounding here; the exact fp32 draws kill it.
+SIXTEEN_BIT_KILLS = {
+    '{"accumulation": 2, "clip": 0.05, "precision": "bf16", "seed": 11, "stage": 2, "world": 2}': (
+        "adam.no_update", "adam.lr_x1.5", "adam.uphill", "adam.betas_swapped", "adam.grad_scale_dropped",
+        "step.clip_ignored", "scheduler.frozen", "reduce.rank0_twice", "reduce.bucket_skipped"),
+    '{"accumulation": 2, "clip": 0.05, "precision": "fp16", "seed": 11, "stage": 3, "world": 2}': (
+        "adam.no_update", "adam.lr_x1.5", "adam.step_stuck", "step.clip_ignored", "stage3.unit_grads_dropped"),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("text", SIXTEEN_BIT_KILLS)
+def test_sixteen_bit_draws_kill_planted_bugs(text):
+    from zkern.verify import mutants
+
+    draw = Draw.from_json(text)
+    assert verify_draw(draw).ok
+    survivors = [name for name in SIXTEEN_BIT_KILLS[text] if not mutants.hunt(name, [draw])["killed"]]
+    assert not survivors, f"{draw.precision} draw no longer kills {survivors}"
+
+
 @pytest.mark.slow
 def test_the_targeted_draws_pass_without_a_mutant():
     from zkern.verify.mutants import TARGETED

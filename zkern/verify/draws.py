@@ -170,8 +170,9 @@ class Draw:
         if self.optimizer == "Lion" and not self.exact:
             # Lion steps by sign(c): a rounding that flips a small c moves the element a whole 2 lr, so 16-bit and
             # quantized Lion runs end 0.22-0.8 of the untrained distance from the fp32 reference even on one rank
-            # (Adam: 0.004-0.34), and no bound that admits them fails a Lion that never trains (1.0). Held to the
-            # fp32 reference exactly; its 16-bit runs wait for a reference that rounds as the engine does.
+            # (Adam: 0.004-0.34), and 0.03-0.25 from a reference computing in their own 16-bit dtype (Adam: at most
+            # 0.032): no bound that admits them fails a Lion that never trains (1.0). Held to the fp32 reference
+            # exactly.
             problems.append("Lion is drawn in exact draws only (fp32, no qwZ/qgZ)")
         if self.eval_generation and self.eval_at < 0:
             problems.append("eval_generation needs eval_at")

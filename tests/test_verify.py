@@ -58,6 +58,11 @@ REGRESSIONS = [
     # not zkern: recipes.ADAM_EPS says how it is now chosen)
     '{"block_units": true, "groups": true, "hpz": true, "load_flags": "module_only", "load_into": "live", '
     '"optimizer": "client", "predivide": 2.0, "save_at": 0, "seed": 483672, "stage": 3, "world": 4}',
+    # fp16 against a reference computing in fp16: the two runs' weights drift apart step by step (most after the
+    # optimizer was rebuilt by the load), and the last step's gradient norm was 4.9e-3 off against a bar of 8 unit
+    # roundoffs (3.9e-3); norms are now held to 32 (check._relative_tolerance says why)
+    '{"load_flags": "module_only", "precision": "fp16", "save_at": 0, "scheduler": "none", "seed": 965117, "steps": 5, '
+    '"world": 4}',
 ]
 
 
@@ -136,14 +141,17 @@ NEIGHBOURS = [
                                              "LRRangeTest", "client", "none")],
     ("scheduler", "WarmupLR", "WarmupLR_log"),
     *[("load_flags", f, "") for f in ("no_optimizer", "no_scheduler", "module_only")],
+    ("short_at", 1, -1),
 ]
 
 
 @pytest.mark.parametrize("field, value, other", NEIGHBOURS)
-def test_each_optimizer_scheduler_and_load_flag_is_held_to_its_own_arithmetic(tmp_path, field, value, other):
+def test_each_optimizer_scheduler_load_flag_and_short_step_is_held_to_its_own_arithmetic(tmp_path, field, value, other):
     base = {"world": 1, "stage": 1, "steps": 5, "seed": 31}
     if field == "load_flags":
         base.update(save_at=1, load_into="live")
+    if field == "short_at":
+        base.update(accumulation=2)
     draw = Draw(**base, **{field: value}).checked()
     runs = [[run_phases(0, 1, draw, str(tmp_path), [0])]]
     assert compare(draw, runs, reference(draw)) == []
@@ -260,6 +268,9 @@ def test_new_draw_dimensions_are_drawn_and_refused_where_they_clash():
     assert any(d.overflow_rank > 0 for d in overflows) and any(d.overflow_micro > 0 for d in overflows)
     assert any(d.overflow_nan for d in overflows)
     assert all(d.exact for d in draws if d.optimizer == "Lion") and any(d.eval_generation for d in draws)
+    assert any(d.short_at >= 0 for d in draws) and any(d.spare_forward_at >= 0 for d in draws)
+    with pytest.raises(ValueError, match="short_at needs accumulation 2"):
+        Draw(short_at=1).checked()
     with pytest.raises(ValueError, match="Lion is drawn in exact draws only"):
         Draw(optimizer="Lion", precision="bf16").checked()
     with pytest.raises(ValueError, match="need zkern's Adam"):

@@ -12,7 +12,8 @@ loss times inf or NaN on any rank, at any micro-step). The optimizer is any zker
 torch_adam, Lamb, Lion, SGD, Adagrad, or a client torch AdamW), and so is the scheduler (DeepSpeed's five, a client
 LambdaLR, none). Everything a draw holds is chosen so that the run is defined on any CPU: world 1, 2, 3 or 4 over
 gloo. Besides forward, backward, step, a draw may drop a batch's backward with engine.zero_grad() or run an eval
-forward under no_grad (or inside gathered_for_generation, as generate() runs); knobs that must change nothing the
+forward under no_grad (or inside gathered_for_generation, as generate() runs), end an accumulation early
+(set_gradient_accumulation_boundary) or run a forward whose loss it drops; knobs that must change nothing the
 reference sees (overlap, reduce-scatter, bucket sizes, predivide, fp32 communication, stage 3's fetch units and live
 bound) are drawn too.
 """
@@ -80,6 +81,8 @@ class Draw:
     dropped_at: int = -1  # this step begins with a batch whose backward is then dropped by engine.zero_grad()
     eval_at: int = -1  # this step begins with an eval forward under torch.no_grad() (engine.eval(), then train())
     eval_generation: bool = False  # that forward inside engine.gathered_for_generation() (stage 3 pins every unit)
+    short_at: int = -1  # this step's accumulation ends after its first micro-step (set_gradient_accumulation_boundary)
+    spare_forward_at: int = -1  # this step begins with a forward whose loss is dropped unused (grad enabled)
     # knobs that must change nothing the reference can see (16-bit dtypes within the 16-bit bar)
     overlap: bool = True  # overlap_comm
     reduce_scatter: bool = True
@@ -156,7 +159,7 @@ class Draw:
             problems.append("block_units and max_live need stage 3 throughout")
         if not self.reduce_scatter and self.qgz:
             problems.append("qgZ needs reduce_scatter")
-        for name in ("write_at", "overflow_at", "dropped_at", "eval_at"):
+        for name in ("write_at", "overflow_at", "dropped_at", "eval_at", "short_at", "spare_forward_at"):
             if getattr(self, name) >= self.steps:
                 problems.append(f"{name} beyond the last step")
         if self.bf16_state and (self.bf16_state not in BF16_STATES or self.precision != "bf16" or 0 in stages):
@@ -174,6 +177,9 @@ class Draw:
             # 0.032): no bound that admits them fails a Lion that never trains (1.0). Held to the fp32 reference
             # exactly.
             problems.append("Lion is drawn in exact draws only (fp32, no qwZ/qgZ)")
+        if self.short_at >= 0 and (self.accumulation < 2 or (self.short_at == self.overflow_at
+                                                            and self.overflow_micro > 0)):
+            problems.append("short_at needs accumulation 2 or more (and an overflow there at micro-step 0)")
         if self.eval_generation and self.eval_at < 0:
             problems.append("eval_generation needs eval_at")
         if self.load_flags and self.save_at < 0:
@@ -228,6 +234,10 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
         if rng.random() < 0.2:
             values["eval_at"] = rng.randrange(steps)
             values["eval_generation"] = rng.random() < 0.5
+        if values["accumulation"] > 1 and rng.random() < 0.3:
+            values["short_at"] = rng.randrange(steps)
+        if rng.random() < 0.15:
+            values["spare_forward_at"] = rng.randrange(steps)
         values["overlap"] = rng.random() < 0.8
         values["reduce_scatter"] = rng.random() < 0.85
         values["bucket"] = rng.choice((3000, 3000, 1000, 50_000))

@@ -73,7 +73,7 @@ def loco_can_act(draw: Draw) -> bool:
         for step in range(first, last):
             if step == draw.overflow_at:
                 continue
-            if draw.accumulation >= 2:  # micro-step 1's errors go into micro-step 2's reduction
+            if draw.accumulation >= 2 and step != draw.short_at:  # micro 1's errors reach micro 2's reduction
                 return True
             if step + 1 < last and step + 1 not in (draw.overflow_at, draw.dropped_at):
                 return True

@@ -134,15 +134,23 @@ def train_step(engine, draw: Draw, step: int, batch, world: int, rank: int, out:
         idx, tgt = next(micro_batches(dropped, world, rank, draw.accumulation))
         engine.backward(engine(idx.to(engine.device), tgt.to(engine.device)) * 3.0)
         engine.zero_grad()
+    if step == draw.spare_forward_at:  # a forward whose graph is dropped unused (a logging pass, say)
+        idx, tgt = next(micro_batches(batch, world, rank, draw.accumulation))
+        engine(idx.to(engine.device), tgt.to(engine.device))
+    micros = 1 if step == draw.short_at else draw.accumulation
+    if micros < draw.accumulation:  # a short accumulation (an epoch's last): the first micro-step is the boundary
+        engine.set_gradient_accumulation_boundary(True)
     total = 0.0
-    for micro, (idx, tgt) in enumerate(micro_batches(batch, world, rank, draw.accumulation)):
+    for micro, (idx, tgt) in zip(range(micros), micro_batches(batch, world, rank, draw.accumulation)):
         loss = engine(idx.to(engine.device), tgt.to(engine.device))
         total += loss.item()
         if step == draw.overflow_at and micro == draw.overflow_micro and rank == draw.overflow_rank:
             loss = loss * float("nan" if draw.overflow_nan else "inf")  # a spike on one rank: every rank skips
         engine.backward(loss)
         engine.step()
-    out["losses"][step] = total / draw.accumulation
+    if micros < draw.accumulation:
+        engine.set_gradient_accumulation_boundary(None)
+    out["losses"][step] = total / micros
     out["grad_norms"][step] = engine.last_grad_norm
     out.setdefault("hashes", {})[step] = working_digest(engine)
 

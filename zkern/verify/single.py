@@ -87,8 +87,13 @@ def reference(draw: Draw) -> dict:
             working.sync()
         opt.zero_grad()
         idx, tgt = batches[step]
+        part = 1
+        if step == draw.short_at:  # only the first micro-step of each rank ran: the batch's first 1 / accumulation,
+            part = draw.accumulation  # its loss still divided by the accumulation steps
+            idx, tgt = idx[:len(idx) // part], tgt[:len(tgt) // part]
         loss = working.model(idx, tgt)
         losses[step] = loss.item()
+        loss = loss / part if part > 1 else loss
         global_steps += 1
         used = 1.0 if scale is None or working.dtype is None else scale.scale
         if scale is not None:

@@ -248,3 +248,59 @@ def test_offload_states_refuses_what_it_cannot_do():
         engine.offload_states(device="nvme")
     engine.reload_states()  # nothing moved: nothing to do
     engine.empty_partition_cache()
+
+
+def _batch_size_worker(rank, world, stage):
+    """Two steps of one micro-batch each, then set_train_batch_size doubles the global batch: two steps of two
+    micro-steps each. Returns the fp32 weights (rank 0) and what the engine says about its batch."""
+    torch.manual_seed(0)
+    engine = zkern.Engine(TinyGPT(), _config(stage, gradient_clipping=0.0))
+    out = {"before": (engine.train_batch_size(), engine.get_gradient_accumulation_steps())}
+    for step in range(4):
+        if step == 2:
+            engine.set_train_batch_size(4 * world)
+        for micro in range(int(engine.gradient_accumulation_steps)):
+            b = _batch(1000 * step + 100 * rank + micro)
+            engine.backward(engine(b, b))
+            if micro == 0 and step == 3:
+                try:
+                    engine.set_train_batch_size(2 * world)
+                except RuntimeError as e:
+                    out["mid"] = str(e)
+            engine.step()
+    out["after"] = (engine.train_batch_size(), engine.get_gradient_accumulation_steps(),
+                    engine.config["gradient_accumulation_steps"], engine.global_steps)
+    out["state"] = engine.full_state_dict(rank0_only=True)
+    engine.destroy()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [1, 3])
+def test_set_train_batch_size_trains_the_new_global_batch(stage):
+    from zkern.testing.compare import compare_params
+
+    world = 2
+    results = spawn(_batch_size_worker, world, stage)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.9), weight_decay=0.0)
+    for step in range(4):  # the plain run: the mean loss over every rank's micro-batches of the step
+        opt.zero_grad()
+        micros = 1 if step < 2 else 2
+        batches = [_batch(1000 * step + 100 * r + m) for r in range(world) for m in range(micros)]
+        torch.stack([model(b, b) for b in batches]).mean().backward()
+        opt.step()
+    assert results[0]["before"] == (2 * world, 1) and results[0]["after"] == (4 * world, 2, 2, 4)
+    assert "micro-step 1 of 2 has run its backward" in results[0]["mid"]
+    assert compare_params(results[0]["state"], model.state_dict(), lr=1e-2, steps=4) == []
+
+
+def test_set_train_batch_size_refuses_what_it_cannot_do():
+    engine = zkern.Engine(TinyGPT(), _config(0))
+    for bad in (3, 0, True, 4.0):
+        with pytest.raises(ValueError, match="a multiple of train_micro_batch_size_per_gpu"):
+            engine.set_train_batch_size(bad)
+    engine.set_train_micro_batch_size(3)
+    assert engine.train_micro_batch_size_per_gpu() == 3 and engine.train_batch_size() == 3
+    engine.destroy()

@@ -57,9 +57,45 @@ class DeepSpeedSurface:
     def get_gradient_accumulation_steps(self) -> int:
         return int(self.gradient_accumulation_steps)
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: a new global batch by a new number of micro-steps per optimizer step, the micro-batch
+        unchanged (train_batch_size = micro-batch x accumulation steps x world size). Between optimizer steps only:
+        the gradients of an accumulation under way were scaled for its old length."""
+        micro = self.config.train_micro_batch_size_per_gpu
+        self._resize_batch("set_train_batch_size", train_batch_size, micro * self.world_size,
+                           f"train_micro_batch_size_per_gpu ({micro}) x world size ({self.world_size})")
+        self._set_batch(micro, train_batch_size // (micro * self.world_size))
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: a new micro-batch per rank, the accumulation steps unchanged (the global batch follows). The
+        engine does not split batches itself: the loop feeds micro-batches of the new size (a loader built by
+        zkern.initialize keeps its own). Between optimizer steps only."""
+        self._resize_batch("set_train_micro_batch_size", micro_batch_size, 1, "1")
+        self._set_batch(micro_batch_size, int(self.gradient_accumulation_steps))
+
+    def _resize_batch(self, what: str, value, multiple: int, of: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % multiple:
+            raise ValueError(f"{what}({value!r}): give a positive int, a multiple of {of}")
+        if self.pending_micro_steps or self.backward_unstepped:
+            raise RuntimeError(f"{what}() with gradients accumulated (micro-step {self.pending_micro_steps + 1} of "
+                               f"{int(self.gradient_accumulation_steps)} has run its backward): they were scaled for "
+                               f"this accumulation's length; call it after the boundary's step()")
+
+    def _set_batch(self, micro: int, accumulation: int) -> None:
+        import dataclasses
+
+        self.config = dataclasses.replace(self.config, train_micro_batch_size_per_gpu=micro,
+                                          gradient_accumulation_steps=accumulation,
+                                          train_batch_size=micro * accumulation * self.world_size)
+        self.gradient_accumulation_steps = Count(accumulation)
+        if self.rank == 0:
+            log.info("zkern: train_batch_size %d = micro-batch %d x %d accumulation steps x %d ranks",
+                     self.config.train_batch_size, micro, accumulation, self.world_size)
+
     @property
     def global_samples(self) -> int:
-        """Samples trained: train_batch_size per optimizer step taken (skipped steps included, as DeepSpeed)."""
+        """Samples trained: train_batch_size per optimizer step taken (skipped steps included, as DeepSpeed), every
+        step counted at the current size (after set_train_batch_size, the earlier steps too)."""
         return self.global_steps * self.config.train_batch_size
 
     def was_step_applied(self) -> bool:

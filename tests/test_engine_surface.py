@@ -304,3 +304,87 @@ def test_set_train_batch_size_refuses_what_it_cannot_do():
     engine.set_train_micro_batch_size(3)
     assert engine.train_micro_batch_size_per_gpu() == 3 and engine.train_batch_size() == 3
     engine.destroy()
+
+
+def _state_views_worker(rank, world, stage, offload):
+    """Two steps; read a layer's moments; write its fp32 value and its exp_avg; one more step. Every rank calls each
+    (collectives), with the same values."""
+    torch.manual_seed(0)
+    import tempfile
+
+    zero = {"offload_optimizer": {"device": offload, "nvme_path": tempfile.mkdtemp(prefix="zkern-views-")}} \
+        if offload != "none" else {}
+    cfg = _config(stage, gradient_clipping=0.0)
+    cfg["zero_optimization"].update(zero)
+    model = TinyGPT(frozen=("proj",))
+    engine = zkern.Engine(model, cfg)
+    params = dict(model.named_parameters())
+    p = params["blocks.1.fc.weight"]
+    out = {}
+
+    def step(s):
+        b = _batch(100 * s + rank)
+        engine.backward(engine(b, b))
+        engine.step()
+
+    step(0)
+    step(1)
+    out["exp_avg"] = zkern.safe_get_full_optimizer_state(p, "exp_avg").cpu()
+    out["exp_avg_sq"] = zkern.safe_get_full_optimizer_state(p, "exp_avg_sq").cpu()
+    new = torch.linspace(-0.5, 0.5, out["exp_avg"].numel()).view(out["exp_avg"].shape)
+    zkern.safe_set_full_fp32_param(p, new)
+    zkern.safe_set_full_optimizer_state(p, torch.zeros_like(new), "exp_avg")
+    out["read_back"] = (torch.equal(zkern.safe_get_full_fp32_param(p).cpu(), new),
+                        torch.equal(zkern.safe_get_full_optimizer_state(p, "exp_avg").cpu(), torch.zeros_like(new)))
+    errors = []
+    for call in (lambda: zkern.safe_get_full_optimizer_state(p, "momentum_buffer"),
+                 lambda: zkern.safe_set_full_fp32_param(p, new[:3]),
+                 lambda: zkern.safe_set_full_fp32_param(params["blocks.0.proj.weight"], new)):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    out["frozen_state"] = zkern.safe_get_full_optimizer_state(params["blocks.0.proj.weight"], "exp_avg")
+    step(2)
+    out["state"] = engine.full_state_dict(rank0_only=True)
+    engine.destroy()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage, offload", [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"),
+                                            (3, "cpu"), (2, "nvme")])
+def test_optimizer_state_views_and_writes_match_a_plain_run_that_makes_the_same_edits(stage, offload):
+    from zkern.testing.compare import compare_params
+
+    world = 2
+    results = spawn(_state_views_worker, world, stage, offload)
+    torch.manual_seed(0)
+    model = TinyGPT(frozen=("proj",))
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2, betas=(0.8, 0.9),
+                            weight_decay=0.0)
+    p = dict(model.named_parameters())["blocks.1.fc.weight"]
+
+    def step(s):
+        opt.zero_grad()
+        torch.stack([model(_batch(100 * s + r), _batch(100 * s + r)) for r in range(world)]).mean().backward()
+        opt.step()
+
+    step(0)
+    step(1)
+    for key in ("exp_avg", "exp_avg_sq"):
+        want = opt.state[p][key]
+        for r in results:  # the same sums in another order: float32 rounding of the largest term
+            assert (r[key] - want).abs().max().item() <= 1e-5 * want.abs().max().item(), (key, r[key].shape)
+    with torch.no_grad():
+        p.copy_(torch.linspace(-0.5, 0.5, p.numel()).view(p.shape))
+    opt.state[p]["exp_avg"].zero_()
+    step(2)
+    for r in results:
+        assert r["read_back"] == (True, True)
+        assert r["frozen_state"] is None
+        assert len(r["errors"]) == 3
+        assert "no per-element state 'momentum_buffer'" in r["errors"][0]
+        assert "full shape" in r["errors"][1] and "frozen" in r["errors"][2]
+    assert compare_params(results[0]["state"], model.state_dict(), lr=1e-2, steps=3) == []

@@ -24,6 +24,9 @@ _EXPORTS = {
     "CheckpointError": "zkern.errors",
     "safe_get_full_grad": "zkern.engine.param_views",
     "safe_get_full_fp32_param": "zkern.engine.param_views",
+    "safe_get_full_optimizer_state": "zkern.engine.param_views",
+    "safe_set_full_fp32_param": "zkern.engine.param_views",
+    "safe_set_full_optimizer_state": "zkern.engine.param_views",
 }
 _MODULES = {"activation_checkpointing", "checkpointing", "ops", "checkpoint", "hf"}
 

@@ -114,10 +114,13 @@ def reference(draw: Draw) -> dict:
             hyper = hyper_at(draw, count)
         if step == draw.save_at:
             if draw.frozen == "load":
-                freeze(model)  # the engine after the load was built with these layers frozen
-                for p in model.parameters():
+                freeze(model)  # the engine after the load was built with these layers frozen, which it keeps in
+                for p in model.parameters():  # the working dtype only (no fp32 master for a frozen layer)
                     if not p.requires_grad:
                         p.grad = None
+                        if draw.precision != "fp32":
+                            with torch.no_grad():
+                                p.copy_(p.to({"bf16": torch.bfloat16, "fp16": torch.float16}[draw.precision]))
                 working.sync()
             if draw.load_flags in ("no_optimizer", "module_only"):  # a fresh optimizer: no moments, step 0
                 opt = _optimizer(draw, model)

@@ -388,3 +388,49 @@ def test_optimizer_state_views_and_writes_match_a_plain_run_that_makes_the_same_
         assert "no per-element state 'momentum_buffer'" in r["errors"][0]
         assert "full shape" in r["errors"][1] and "frozen" in r["errors"][2]
     assert compare_params(results[0]["state"], model.state_dict(), lr=1e-2, steps=3) == []
+
+
+def _allreduce_op_worker(rank, world, stage, op):
+    torch.manual_seed(0)
+    cfg = _config(stage, gradient_clipping=0.0, gradient_allreduce_op=op,
+                  optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    model = TinyGPT()
+    engine = zkern.Engine(model, cfg)
+    norms = []
+    for s in range(2):
+        b = _batch(100 * s + rank)
+        engine.backward(engine(b, b))
+        if s == 1:
+            grad = zkern.safe_get_full_grad(dict(model.named_parameters())["blocks.0.fc.weight"]).cpu()
+        engine.step()
+        norms.append(engine.get_global_grad_norm())
+    out = {"norms": norms, "grad": grad, "state": engine.full_state_dict(rank0_only=True)}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradient_allreduce_op_sum_steps_on_the_ranks_summed_gradient(stage):
+    """DeepSpeed's gradient_allreduce_op "sum": the optimizer gets the sum of the ranks' gradients, world times
+    their mean (plain SGD, so the factor shows in every update)."""
+    from zkern.testing.compare import compare_params
+
+    world = 2
+    results = spawn(_allreduce_op_worker, world, stage, "sum")
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms = []
+    for s in range(2):
+        opt.zero_grad()
+        losses = [model(_batch(100 * s + r), _batch(100 * s + r)) for r in range(world)]
+        (torch.stack(losses).mean() * world).backward()
+        norms.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item())
+        if s == 1:
+            grad = dict(model.named_parameters())["blocks.0.fc.weight"].grad.clone()
+        opt.step()
+    for r in results:
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], norms)), (r["norms"], norms)
+        assert (r["grad"] - grad).abs().max().item() <= 1e-5 * grad.abs().max().item()
+    assert compare_params(results[0]["state"], model.state_dict(), lr=0.1, steps=2) == []

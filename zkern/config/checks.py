@@ -18,6 +18,8 @@ def check_combinations(cfg: Config) -> None:
     zero = cfg.zero_optimization
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"'device' must be \"auto\", \"cpu\" or \"cuda\", got {cfg.device!r}")
+    if cfg.gradient_allreduce_op not in ("mean", "sum"):
+        raise ConfigError(f"'gradient_allreduce_op' must be \"mean\" or \"sum\", got {cfg.gradient_allreduce_op!r}")
     if zero.offload_optimizer_device != "none" and zero.stage == 0:
         raise ConfigError("'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (each rank offloads "
                           "its optimizer shard); set 'zero_optimization.stage'")

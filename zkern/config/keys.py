@@ -121,7 +121,7 @@ TOP = {
     "graph_harvesting": DefaultOnly(False, "CUDA graph harvesting"),
     "use_data_before_expert_parallelism": DefaultOnly(False, "expert parallelism"),
     "managed_gradient_accumulation": Inert("the engine manages gradient accumulation (step() at each boundary)"),
-    "gradient_allreduce_op": DefaultOnly("mean", "another gradient reduction op"),
+    "gradient_allreduce_op": Key("str", "mean"),  # "mean" | "sum" (any case): sum the ranks' gradients
     "torch_autocast": SectionOff("torch.autocast inside the engine (zkern casts the model: fp16/bf16)"),
     "amp": SectionOff("NVIDIA apex amp (use fp16 or bf16)"),
     "tensor_parallel": SectionOff("tensor parallelism (autotp_size > 1)"),

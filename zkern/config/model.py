@@ -66,6 +66,7 @@ class Config:
     activation_checkpointing: ActivationCheckpointingConfig | None = None  # None: no section in the config
     aio: AioConfig = field(default_factory=AioConfig)
     gradient_predivide_factor: float | None = None  # None: the world size (resolve() fills it)
+    gradient_allreduce_op: str = _default(K.TOP, "gradient_allreduce_op")  # "mean" or "sum" over the ranks
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the working dtype
     grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype; None: the working dtype
     # forward / backward / step / collective times every steps_per_print

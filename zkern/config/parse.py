@@ -273,6 +273,7 @@ def parse_config(raw: dict) -> dict[str, Any]:
         ranks_per_node=given("ranks_per_node"), activation_checkpointing=checkpointing,
         aio=_aio(raw.get("aio"), notes),
         gradient_predivide_factor=given("gradient_predivide_factor"),
+        gradient_allreduce_op=given("gradient_allreduce_op").lower(),  # any case, as DeepSpeed reads it
         communication_data_type=given("communication_data_type"),
         grad_accum_dtype=section("data_types", raw.get("data_types"), keys.DATA_TYPES, notes).get("grad_accum_dtype"),
         wall_clock_breakdown=given("wall_clock_breakdown"),

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zkern.core.owners import owner_of
-from zkern.engine import resident
+from zkern.engine import resident, stepping
 
 if TYPE_CHECKING:
     from zkern.engine.engine import Engine
@@ -64,7 +64,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     resident.require(engine, "safe_get_full_grad", reads=("lp_grads", "contiguous_grad_buffer"))
     grad = engine.runtime.full_grads(only={id(param)})[id(param)]
     # The buffers hold the sum over ranks of loss_scale / gradient_predivide_factor times each rank's gradient.
-    scale = engine.config.gradient_predivide_factor / (engine.scaler.scale * engine.world_size)
+    scale = engine.config.gradient_predivide_factor / (engine.scaler.scale * stepping.ranks_averaged(engine))
     return (grad.float() * scale).to(engine.device)
 
 

@@ -48,8 +48,9 @@ def optimizer_step(engine: Engine) -> None:
     sq = values[1]
     overflow = values[0] > 0 or not math.isfinite(sq)
     # Gradients hold the sum over ranks of loss_scale / predivide * (micro-batch mean gradient): fold the rest of
-    # the average and the unscaling into one factor applied inside the Adam pass.
-    inv = engine.config.gradient_predivide_factor / (engine.scaler.scale * engine.world_size)
+    # the average (none with gradient_allreduce_op "sum") and the unscaling into one factor applied inside the Adam
+    # pass.
+    inv = engine.config.gradient_predivide_factor / (engine.scaler.scale * ranks_averaged(engine))
     norm = math.sqrt(sq) * inv if math.isfinite(sq) else float("inf")
     engine.last_grad_norm = norm
     if overflow:
@@ -75,6 +76,11 @@ def optimizer_step(engine: Engine) -> None:
         engine.runtime.after_step()
         engine._step_applied = True  # was_step_applied()
     engine.runtime.zero_grad()
+
+
+def ranks_averaged(engine: Engine) -> int:
+    """What the sum of the ranks' gradients is divided by: the world size, or 1 with gradient_allreduce_op "sum"."""
+    return engine.world_size if engine.config.gradient_allreduce_op == "mean" else 1
 
 
 def drop_gradients(engine: Engine) -> None:

@@ -338,3 +338,48 @@ def test_a_skipped_step_leaves_no_loco_error_behind():
         for k in (3, 4, 5):
             ratio = loco["norms"][k] / plain["norms"][k]
             assert 1 / 1.5 < ratio < 1.5, (stage, k, loco["norms"], plain["norms"])
+
+
+class _FakeWork:
+    def __init__(self, log, name):
+        self.log, self.name, self.arrived, self.abandoned = log, name, False, False
+
+    def done(self):
+        return self.arrived
+
+    def wait(self):
+        self.arrived = True
+
+    def abandon(self):
+        self.abandoned = True
+
+
+def test_second_hops_launch_in_first_hop_order_whichever_reducer_asks():
+    """qgZ's second hops pair up by order on the peer group: with two reducers sharing one QuantizedReduce (stage 2
+    with two parameter groups) a rank whose backward retired the later bucket first launched its second hop first,
+    and gloo failed on a size mismatch (a routed-experts draw at world 4). They now launch in first-hop order."""
+    from collections import deque
+
+    from zkern.comm.zeropp import _TwoHop
+
+    launched, due = [], deque()
+
+    def hop(name):
+        def second():
+            launched.append(name)
+            return _FakeWork(launched, name + "-2")
+        h = _TwoHop(_FakeWork(launched, name), second, due)
+        due.append(h)
+        return h
+
+    a, b, c = hop("a"), hop("b"), hop("c")
+    b.first.arrived = True
+    assert not b.done() and launched == []  # a's first hop has not arrived: b must not overtake it
+    a.first.arrived = True
+    b.done()
+    assert launched == ["a", "b"]
+    c.abandon()  # a backward that raised: out of the queue, never launched
+    assert c.first.abandoned and list(due) == []
+    d = hop("d")
+    d.wait()
+    assert launched == ["a", "b", "d"]

@@ -32,6 +32,8 @@ int4 gradients at 64 cost 12.5% more bytes than the bare 4 bits, and at 512 the 
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +81,10 @@ class Deferred:
         self.work.wait()
         then, self.then = self.then, None
         then()
+
+    def abandon(self) -> None:
+        self.then = None
+        self.work.abandon()
 
 
 # -- qwZ ----------------------------------------------------------------------------------------------------------
@@ -258,6 +264,10 @@ class QuantizedReduce:
         self.loco = loco
         self.errors: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
         self.steps = 0
+        # Second hops launch in the order of their first hops on every rank (they pair up by order on the peer group):
+        # several reducers share this object (one per parameter group at stage 2), each retiring its own buckets at
+        # times that depend on the rank's backward (routed experts), so the order cannot be left to them.
+        self.seconds_due: deque[_TwoHop] = deque()
 
     @staticmethod
     def from_config(comm: Comm, zero) -> QuantizedReduce | None:
@@ -383,7 +393,9 @@ class QuantizedReduce:
 
             return Deferred(work2, finish)
 
-        return _TwoHop(work1, second_hop)
+        hop = _TwoHop(work1, second_hop, self.seconds_due)
+        self.seconds_due.append(hop)
+        return hop
 
     def memory(self) -> dict[str, int]:
         """{"loco_error": bytes of the error buffers} with LoCo, else nothing (memory_report's key)."""
@@ -412,23 +424,39 @@ class _Bucket:
 
 
 class _TwoHop:
-    """Work's interface over the two hops: done() moves the second hop along (launching it once the first has
-    arrived), so a caller that polls in its fixed order launches second hops in that order on every rank."""
+    """Work's interface over the two hops. The second hop is launched once the first has arrived, and only after
+    every earlier two-hop reduction's (due: the queue of those not yet launched, in first-hop order, shared by every
+    reducer of one QuantizedReduce): the same order on every rank, whichever reducer asks first. done() never
+    waits: it launches what is due only when every first hop up to this one has arrived."""
 
-    def __init__(self, first: Work, launch_second):
+    def __init__(self, first: Work, launch_second, due: deque):
         """launch_second() -> Deferred: the second hop, launched once the first has arrived."""
-        self.first, self.launch_second, self.second = first, launch_second, None
+        self.first, self.launch_second, self.second, self.due = first, launch_second, None, due
 
-    def _launch(self) -> None:
-        self.first.wait()
-        self.second = self.launch_second()
+    def _launch_through(self) -> None:
+        """Launch the second hops due up to and including this one, oldest first (waiting for their first hops)."""
+        while self.second is None:
+            hop = self.due.popleft()
+            hop.first.wait()
+            hop.second = hop.launch_second()
 
     def done(self) -> bool:
-        if self.second is None and self.first.done():
-            self._launch()
-        return self.second is not None and self.second.done()
+        if self.second is None:
+            earlier = itertools.takewhile(lambda h: h is not self, self.due)
+            if not (self.first.done() and all(h.first.done() for h in earlier)):
+                return False
+            self._launch_through()
+        return self.second.done()
 
     def wait(self) -> None:
-        if self.second is None:
-            self._launch()
+        self._launch_through()
         self.second.wait()
+
+    def abandon(self) -> None:
+        """Forget it (a backward that raised): out of the queue if its second hop was never launched; nothing of
+        either hop's result is used."""
+        if self.second is None:
+            self.due.remove(self)
+            self.first.abandon()
+        else:
+            self.second.abandon()

@@ -8,7 +8,6 @@ each parameter's whole norm, which zkern sums over the ranks holding its pieces)
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 import zkern
 from zkern.testing import TrainSpec, assert_params_close, engine_run, global_batch, spawn
+from zkern.verify.reference_math import RefLamb, RefLion  # Lion and Lamb written out, none of zkern's code
 
 LR = 1e-2
 OPTIMIZERS = {
@@ -32,53 +32,6 @@ def spec_for(name: str, stage: int, **kwargs) -> TrainSpec:
                      reduce_bucket_size=3000, **kwargs)
 
 
-class _ReferenceLion(torch.optim.Optimizer):
-    """Lion from its paper (Chen et al. 2023, Algorithm 2), decoupled weight decay."""
-
-    def __init__(self, params, lr, betas, weight_decay):
-        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                m = self.state[p].setdefault("m", torch.zeros_like(p))
-                c = b1 * m + (1 - b1) * p.grad
-                p.sub_(group["lr"] * (torch.sign(c) + group["weight_decay"] * p))
-                m.copy_(b2 * m + (1 - b2) * p.grad)
-
-
-class _ReferenceLamb(torch.optim.Optimizer):
-    """LAMB on whole parameters as DeepSpeed's FusedLamb kernel computes it (csrc/lamb): raw moments, eps outside the
-    root, bias correction in the step size, the trust ratio ||w|| / ||u|| clipped."""
-
-    def __init__(self, params, lr, eps, weight_decay, max_coeff, min_coeff, betas=(0.9, 0.999)):
-        super().__init__(params, {"lr": lr, "eps": eps, "weight_decay": weight_decay, "max_coeff": max_coeff,
-                                  "min_coeff": min_coeff, "betas": betas})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                st["t"] = st.get("t", 0) + 1
-                m = st.setdefault("m", torch.zeros_like(p))
-                v = st.setdefault("v", torch.zeros_like(p))
-                m.copy_(b1 * m + (1 - b1) * p.grad)
-                v.copy_(b2 * v + (1 - b2) * p.grad * p.grad)
-                u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
-                w_norm, u_norm = float(p.norm()), float(u.norm())
-                ratio = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"]) if w_norm and u_norm else 1.0
-                size = group["lr"] * math.sqrt(1 - b2 ** st["t"]) / (1 - b1 ** st["t"])
-                p.sub_(size * ratio * u)
-
-
 def reference(name: str, spec: TrainSpec, world: int) -> dict:
     model = spec.make_model()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -88,9 +41,9 @@ def reference(name: str, spec: TrainSpec, world: int) -> dict:
     elif name == "adagrad":
         opt = torch.optim.Adagrad(params, **o)
     elif name == "lion":
-        opt = _ReferenceLion(params, lr=o["lr"], betas=tuple(o["betas"]), weight_decay=o["weight_decay"])
+        opt = RefLion(params, lr=o["lr"], betas=tuple(o["betas"]), weight_decay=o["weight_decay"])
     else:
-        opt = _ReferenceLamb(params, **o)
+        opt = RefLamb(params, **o)
     batches = spec.batches(world)
     for step in range(spec.steps):
         opt.zero_grad()

@@ -60,6 +60,7 @@ class Gatherer:
         self._said_reorder = False
         self.quantize_weights, self.secondary, self.frozen = quantize_weights, secondary, frozen
         self.param_store = param_store
+        self._unquantized: set[int] = set()  # units whose gather in flight is exact where qwZ quantizes the others
         self.paths = [self._path_of(u) for u in units]  # per unit: its gather path (ZeRO++ chosen here, once)
 
     # -- one unit ---------------------------------------------------------------------------------------------
@@ -85,6 +86,12 @@ class Gatherer:
         exact = exact or u.persistent or u.pins > 0
         if self.secondary is not None and not exact and self.secondary.fresh(u.index, self.version):
             return self.secondary.gather(u.index, buffer, purpose, async_op=async_op)
+        # With qwZ an exact gather delivers other values than the int8 path: it must not become the secondary copy
+        # that later training gathers read, or a step's arithmetic would depend on whether a generation ran before.
+        if self.quantize_weights and exact:
+            self._unquantized.add(u.index)
+        else:
+            self._unquantized.discard(u.index)
         return self.paths[u.index](u, buffer, purpose, async_op, exact)
 
     def _path_of(self, u: Unit):
@@ -152,7 +159,8 @@ class Gatherer:
         u.work.wait()
         u.work = None
         # A gather whose unit has no fresh slice read the primary partition (_launch's choice): keep the slice.
-        if self.secondary is not None and not self.secondary.fresh(u.index, u.version):
+        if self.secondary is not None and u.index not in self._unquantized and \
+                not self.secondary.fresh(u.index, u.version):
             self.secondary.keep(u.index, u.buffer, u.version)
 
     def finish(self, u: Unit) -> None:

@@ -29,7 +29,7 @@ from zkern.verify.check import compare, compare_runs, weight_distance
 from zkern.verify.draws import Draw
 from zkern.verify.harness import twin_without_checkpoint
 from zkern.verify.runner import run_phases
-from zkern.verify.single import reference
+from zkern.verify.single import reference, units_of
 
 
 def matrix(world: int) -> list[tuple[str, Draw]]:
@@ -110,8 +110,8 @@ def _run(name: str, draw: Draw, world: int, device: str, root: str, group) -> di
     start = time.perf_counter()
     row = {"name": name, "draw": json.loads(draw.to_json()), "failures": []}
     try:
-        ref = reference(draw)
         runs = _engine(draw, os.path.join(root, "run"), world, device, group)
+        ref = reference(draw, units_of(runs))
         twin = twin_without_checkpoint(draw)
         twin_runs = _engine(twin, os.path.join(root, "twin"), world, device, group) if twin is not None else None
         if group is not None and torch.distributed.get_rank() != 0:

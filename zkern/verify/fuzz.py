@@ -27,7 +27,7 @@ from zkern.verify.check import compare, compare_runs
 from zkern.verify.draws import WORLDS, Draw, random_draw
 from zkern.verify.harness import Outcome, compare_loco, loco_twin, twin_without_checkpoint, verify_draw
 from zkern.verify.runner import run_phases
-from zkern.verify.single import reference
+from zkern.verify.single import reference, units_of
 
 
 def _run_jobs(rank: int, world: int, jobs: list[tuple[Draw, str, list[int]]]) -> list:
@@ -79,7 +79,7 @@ def _batch(draws: list[Draw], root: str, timeout: float) -> list[Outcome]:
                 if errors:
                     outcome.failures.append(f"{key[1]}: {errors[0]}")
         if outcome.ok:
-            outcome.failures += compare(draw, runs[(i, "run")], reference(draw))
+            outcome.failures += compare(draw, runs[(i, "run")], reference(draw, units_of(runs[(i, "run")])))
             if (i, "twin") in runs:
                 outcome.failures += compare_runs(runs[(i, "run")], runs[(i, "twin")],
                                                  "with vs without the save and load")

@@ -21,7 +21,7 @@ from zkern.testing.ranks import spawn
 from zkern.verify.check import compare, compare_runs
 from zkern.verify.draws import Draw
 from zkern.verify.runner import run_phases
-from zkern.verify.single import reference
+from zkern.verify.single import reference, units_of
 
 
 @dataclass
@@ -93,9 +93,8 @@ def verify_draw(draw: Draw, root: str | None = None, timeout: float = 300.0) -> 
     outcome = Outcome(draw)
     scratch = root or tempfile.mkdtemp(prefix="zkern-verify-")
     try:
-        ref = reference(draw)
         runs = _engine_runs(draw, os.path.join(scratch, "run"), timeout)
-        outcome.failures += compare(draw, runs, ref)
+        outcome.failures += compare(draw, runs, reference(draw, units_of(runs)))
         twin = twin_without_checkpoint(draw)
         if twin is not None:
             twin_runs = _engine_runs(twin, os.path.join(scratch, "twin"), timeout)

@@ -89,6 +89,22 @@ def make_optimizer(draw: Draw, groups: list[dict]) -> torch.optim.Optimizer:
     raise ValueError(f"no reference optimizer for {draw.optimizer!r}")
 
 
+@torch.no_grad()
+def round_state_to_bf16(opt: torch.optim.Optimizer, master: bool) -> None:
+    """DeepSpeed's bf16_optimizer_states after a step of torch's Adam/AdamW: the moments stored in bf16, rounded to
+    nearest even from the fp32 values the step computed (the next step reads them back exactly); master
+    (bf16_master_weights_and_grads): the weights too. Rounding each stored value after the fp32 step is what a
+    fused kernel that keeps bf16 state does, element by element, so no layout enters."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if state:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key].copy_(state[key].bfloat16())
+            if master:
+                p.copy_(p.bfloat16())
+
+
 def _warmup_fraction(k: int, steps: int, kind: str) -> float:
     """DeepSpeed's warm-up: over max(2, steps) scheduler steps, log(k + 1) / log(W) or k / W, then 1."""
     w = max(2, steps)

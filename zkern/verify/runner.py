@@ -16,6 +16,7 @@ from zkern.verify.draws import Draw
 
 VOCAB, SEQ, DIM = 67, 16, 32
 FROZEN = ("qkv", "proj")  # the layers a draw freezes (at the start, or from the load on)
+QWZ_GROUP = 64  # zeropp_weight_group_size: qwZ quantizes each rank's chunk in groups of this many elements
 
 
 def make_model(draw: Draw, checkpoint: str = "") -> torch.nn.Module:
@@ -72,7 +73,7 @@ def config(draw: Draw, world: int, stage: int, root: str, device: str) -> dict:
         zero["offload_param"] = {"device": draw.offload_param, "nvme_path": nvme, "max_in_cpu": 1000}
     if stage == 3:
         zero.update(zero_quantized_weights=draw.qwz, zero_hpz_partition_size=2 if draw.hpz else 1,
-                    zeropp_weight_group_size=64)
+                    zeropp_weight_group_size=QWZ_GROUP)
     if stage >= 2 and draw.qgz:
         zero["zero_quantized_gradients"] = True
         if draw.loco:
@@ -168,6 +169,23 @@ def working_digest(engine) -> str:
     return h.hexdigest()
 
 
+def quantized_units(engine) -> list:
+    """qwZ's gathers, as the reference must redo them: per unit gathered through int8, its padded size and its
+    parameters' (name, offset, numel) in its flat buffer. Every rank quantizes its own chunk (padded / world
+    elements) in groups of zeropp_weight_group_size from the chunk's start, so where the groups fall is a fact of
+    the layout, which the reference cannot know otherwise; the values in them are the reference's own. The
+    persistent unit (parameters under stage3_param_persistence_threshold) is gathered exactly, as are units a
+    GatheredParameters context pins."""
+    rt = engine.runtime
+    gatherer = getattr(rt, "gatherer", None)
+    if gatherer is None or not gatherer.quantize_weights:
+        return []
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return [[u.bucket.padded, [[names[id(p)], gatherer.layout[id(p)][1], gatherer.layout[id(p)][0].numel()]
+                                for p in u.plan.params]]
+            for u in rt.units if not u.persistent]
+
+
 def write(engine, draw: Draw, rank: int) -> None:
     import zkern
 
@@ -218,6 +236,8 @@ def _run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int],
         engine = build(draw, world, stage, root, frozen, device)
         if index == 1:
             engine.load_checkpoint(ckpt, **load_flags(draw))
+        if draw.qwz:
+            out.setdefault("qwz_units", {})[index] = quantized_units(engine)
         for step in range(first, last):
             if step == draw.write_at:
                 write(engine, draw, rank)

@@ -1,10 +1,14 @@
-"""The independent reference of a draw: plain single-process torch on the whole global batch of each step, in fp32 (or,
-for bf16 and fp16 draws without quantized collectives or bf16 optimizer state, a 16-bit copy of the model running
-forward and backward beside an fp32 master, as the engine does: Working), the draw's optimizer (torch's AdamW, Adam,
-SGD, Adagrad, or Lion and Lamb written out in reference_math.py), torch.nn.utils.clip_grad_norm_, the scheduler's
-formula written out in reference_math.py. None of zkern's engine, optimizers or schedulers runs in it: checkpoints,
-offload, sharding and quantization must change nothing, so the reference has none of them; a load that leaves the
-optimizer, the scheduler or everything but the weights behind starts those afresh here at the same step.
+"""The independent reference of a draw: plain single-process torch on the whole global batch of each step, doing the
+draw's arithmetic (Working): a bf16 or fp16 copy of the model running forward and backward beside an fp32 master, as
+the engine does; with qwZ, the weights each forward and backward see quantized to int8 and back as the engine's
+gathers deliver them (zkern.reference's quantize, the kernels' spec, on the engine's unit layout); with bf16 optimizer
+state, torch's Adam whose moments (and master) are stored rounded to bf16 (reference_math.round_state_to_bf16). Then
+the draw's optimizer (torch's AdamW, Adam, SGD, Adagrad, or Lion and Lamb written out in reference_math.py),
+torch.nn.utils.clip_grad_norm_, the scheduler's formula written out in reference_math.py. None of zkern's engine,
+optimizers or schedulers runs in it: checkpoints, offload and sharding must change nothing, so the reference has none
+of them; a load that leaves the optimizer, the scheduler or everything but the weights behind starts those afresh here
+at the same step. qgZ, which quantizes each rank's gradient before the ranks' sum, is the one arithmetic it does not
+redo: those draws run it in fp32 and are held to wider bounds (check.py).
 
     python -c "from zkern.verify.single import reference; from zkern.verify.draws import Draw; print(reference(Draw()))"
 """
@@ -16,10 +20,11 @@ import math
 
 import torch
 
+import zkern.reference as zref
 from zkern.verify.draws import Draw
 from zkern.verify.recipes import WEIGHT_DECAY
-from zkern.verify.reference_math import hyper_at, make_optimizer, set_hyper
-from zkern.verify.runner import freeze, global_batches, groups, make_model, written_name, written_value
+from zkern.verify.reference_math import hyper_at, make_optimizer, round_state_to_bf16, set_hyper
+from zkern.verify.runner import QWZ_GROUP, freeze, global_batches, groups, make_model, written_name, written_value
 
 
 def _optimizer(draw: Draw, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -28,14 +33,18 @@ def _optimizer(draw: Draw, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 class Working:
-    """The 16-bit arithmetic of a draw, single-process (same_arithmetic): a bf16 or fp16 copy of the model runs the
+    """The working arithmetic of a draw, single-process (same_arithmetic): a bf16 or fp16 copy of the model runs the
     forward and backward on the whole global batch (the loss times the loss scale in fp16), its gradients go to the
     fp32 master as float32 (divided by the scale), the optimizer steps the master, and the copy takes the master's
-    values rounded to its dtype, as the engine's working weights do. fp32 draws run the master itself."""
+    values rounded to its dtype, as the engine's working weights do. With qwZ (units: the engine's int8-gathered
+    units, runner.quantized_units) the copy then takes what the gathers deliver: each rank's chunk of each unit's
+    flat buffer quantized to int8 in groups and dequantized (zkern.reference's quantize, the kernels' spec), so the
+    forward and backward see the weights every rank computes with. fp32 draws without qwZ run the master itself."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None):
-        self.master, self.dtype = model, dtype
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None, world: int = 1, group: int = 0):
+        self.master, self.dtype, self.world, self.group = model, dtype, world, group
         self.model = model if dtype is None else copy.deepcopy(model).to(dtype)
+        self.units: list = []
 
     def pairs(self):
         return zip(self.master.parameters(), self.model.parameters())
@@ -48,31 +57,71 @@ class Working:
             p.grad = None if w.grad is None else w.grad.float() / scale
             w.grad = None
 
-    def sync(self) -> None:
-        """The working copy from the master (after a step or a write), and which parameters train."""
+    def sync(self, units: list | None = None, world: int | None = None) -> None:
+        """The working copy from the master (after a step, a write or a load into another layout: units and
+        world), and which parameters train."""
+        if units is not None:
+            self.units, self.world = units, world
         if self.dtype is None:
             return
         with torch.no_grad():
             for p, w in self.pairs():
                 w.copy_(p)
                 w.requires_grad_(p.requires_grad)
+            self._through_int8()
+
+    def _through_int8(self) -> None:
+        params = dict(self.model.named_parameters())
+        for padded, members in self.units:
+            flat = torch.zeros(padded, dtype=self.dtype)
+            for name, offset, numel in members:
+                flat[offset:offset + numel] = params[name].detach().reshape(-1)
+            chunk = padded // self.world
+            for r in range(self.world):
+                part = flat[r * chunk:(r + 1) * chunk]
+                codes, scales = zref.quantize(part, 8, self.group)
+                part.copy_(zref.dequantize(codes, scales, 8, self.group, chunk, self.dtype))
+            for name, offset, numel in members:
+                params[name].copy_(flat[offset:offset + numel].view(params[name].shape))
 
 
 def same_arithmetic(draw: Draw) -> bool:
-    """Whether the reference computes in the draw's 16-bit dtype (Working): bf16 and fp16 draws whose optimizer
-    state is fp32 and whose collectives are not quantized. The others compute in fp32 and are held to wider bounds
-    (check.py)."""
-    return draw.precision != "fp32" and not (draw.qwz or draw.qgz or draw.bf16_state)
+    """Whether the reference does the draw's arithmetic (Working): its 16-bit dtype, qwZ's int8 gathers, bf16
+    optimizer state. Not qgZ: each rank's gradient is quantized before the ranks' sum, which the whole-batch
+    reference never holds; those draws compute in fp32 here and are held to wider bounds (check.py). A stochastically
+    rounded bf16 master is kept at its fp32 expectation (reference())."""
+    return (draw.precision != "fp32" or draw.qwz) and not draw.qgz
 
 
-def reference(draw: Draw) -> dict:
+def units_of(runs: list[list[dict]]) -> dict:
+    """The engine's int8-gathered units per phase (reference's qwz_units) from a draw's runs (per spawn, per rank:
+    run_phases' results; rank 0's say it for every rank)."""
+    units: dict = {}
+    for spawned in runs:
+        units.update(spawned[0].get("qwz_units", {}))
+    return units
+
+
+def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
     """losses and gradient norms per step (None for a skipped step's norm: it was not finite), the skipped and
-    global step counts, the final loss scale (fp16) and the final fp32 state_dict."""
+    global step counts, the final loss scale (fp16) and the final fp32 state_dict. qwz_units: for a qwZ draw, per
+    phase the engine's int8-gathered units (runner.quantized_units), where its quantization groups fall."""
+    if draw.qwz and not (qwz_units and all(k in qwz_units for k in range(len(draw.phases)))):
+        raise ValueError("a qwZ draw's reference needs the engine's int8-gathered units of every phase "
+                         "(runner.quantized_units, returned by run_phases as 'qwz_units')")
     model = make_model(draw)
     if draw.frozen == "start":
         freeze(model)
-    working = Working(model, {"bf16": torch.bfloat16, "fp16": torch.float16}[draw.precision]
-                      if same_arithmetic(draw) else None)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[draw.precision]
+    # bf16_master_weights_and_grads: the master is bf16 from the start, and after each step rounded to nearest
+    # (round_state_to_bf16). Stochastically rounded ("master_sr"), it is the fp32 master in expectation: the
+    # reference keeps that one, and the draw's own rounding noise is what its bound (check.py) admits.
+    if draw.bf16_state.startswith("master"):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16())
+    working = Working(model, dtype if same_arithmetic(draw) else None, group=QWZ_GROUP)
+    phase = -1
     opt = _optimizer(draw, model)
     count = -1  # the scheduler's steps taken, less one
     hyper = hyper_at(draw, count)  # what the scheduler set in the optimizer's groups: (lr, beta1)
@@ -80,6 +129,10 @@ def reference(draw: Draw) -> dict:
     losses, norms, skipped, global_steps = {}, {}, 0, 0
     scale = LossScale() if draw.precision == "fp16" else None
     for step in range(draw.steps):
+        now = next(k for k, (_, _, first, last) in enumerate(draw.phases) if first <= step < last)
+        if now != phase:  # an engine built (or loaded into another layout): its gathers from now on
+            phase = now
+            working.sync(qwz_units[phase] if draw.qwz else [], draw.phases[phase][0])
         if step == draw.write_at:
             with torch.no_grad():
                 target = dict(model.named_parameters())[written_name(draw)]
@@ -109,6 +162,8 @@ def reference(draw: Draw) -> dict:
                 torch.nn.utils.clip_grad_norm_(trainable, draw.clip)
             set_hyper(opt, hyper)
             opt.step()
+            if draw.bf16_state:
+                round_state_to_bf16(opt, master=draw.bf16_state == "master")
             working.sync()
             count += 1
             hyper = hyper_at(draw, count)

@@ -298,3 +298,7 @@ def test_new_draw_dimensions_are_drawn_and_refused_where_they_clash():
         Draw(load_flags="module_only").checked()
     with pytest.raises(ValueError, match="overflow_rank must be a rank of every phase"):
         Draw(world=2, overflow_at=1, overflow_rank=2).checked()
+    accelerated = [d for d in draws if d.frontend == "accelerator"]
+    assert accelerated and any(d.save_at >= 0 for d in accelerated) and any(d.load_flags for d in accelerated)
+    with pytest.raises(ValueError, match="accelerator frontend draws no client scheduler"):
+        Draw(frontend="accelerator", dropped_at=1).checked()

@@ -13,9 +13,10 @@ torch_adam, Lamb, Lion, SGD, Adagrad, or a client torch AdamW), and so is the sc
 LambdaLR, none). Everything a draw holds is chosen so that the run is defined on any CPU: world 1, 2, 3 or 4 over
 gloo. Besides forward, backward, step, a draw may drop a batch's backward with engine.zero_grad() or run an eval
 forward under no_grad (or inside gathered_for_generation, as generate() runs), end an accumulation early
-(set_gradient_accumulation_boundary) or run a forward whose loss it drops; knobs that must change nothing the
-reference sees (overlap, reduce-scatter, bucket sizes, predivide, fp32 communication, stage 3's fetch units and live
-bound) are drawn too.
+(set_gradient_accumulation_boundary) or run a forward whose loss it drops. The loop may be a script written for
+Accelerate+DeepSpeed on zkern.hf.Accelerator instead of the engine's own calls (loops.py). Knobs that must change
+nothing the reference sees (overlap, reduce-scatter, bucket sizes, predivide, fp32 communication, stage 3's fetch
+units and live bound) are drawn too.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ SCHEDULERS = ("WarmupLR", "WarmupLR_log", "WarmupDecayLR", "WarmupCosineLR", "On
               "none")
 # what a load leaves behind: load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True
 LOAD_FLAGS = ("", "no_optimizer", "no_scheduler", "module_only")
+FRONTENDS = ("engine", "accelerator")
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,9 @@ class Draw:
     fp32_comm: bool = False  # communication_data_type fp32 and data_types.grad_accum_dtype fp32 (16-bit draws)
     block_units: bool = False  # stage 3: stage3_fetch_units ["Block"]
     max_live: int = 0  # stage 3: stage3_max_live_parameters (0: the default)
+    # who drives the engine (loops.py): "engine" (its own calls) or "accelerator" (a script written for
+    # Accelerate+DeepSpeed, on zkern.hf.Accelerator)
+    frontend: str = "engine"
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property
@@ -186,6 +191,15 @@ class Draw:
             problems.append("load_flags need a save and load")
         if self.overflow_rank >= min(w for w, _, _, _ in self.phases) or self.overflow_micro >= self.accumulation:
             problems.append("overflow_rank must be a rank of every phase and overflow_micro a micro-step")
+        if self.frontend not in FRONTENDS:
+            problems.append(f"frontend must be one of {FRONTENDS}")
+        if self.frontend == "accelerator" and (
+                self.scheduler == "client" or self.async_save or self.dropped_at >= 0 or self.short_at >= 0):
+            # a script on Accelerate steps a torch scheduler itself, saves synchronously (save_state), and has no
+            # call that drops a batch's gradients (optimizer.zero_grad does nothing under DeepSpeed) or ends an
+            # accumulation early outside its own data loader's last batch
+            problems.append("the accelerator frontend draws no client scheduler, async saves, dropped batches or "
+                            "short accumulations")
         if self.checkpoint not in CHECKPOINT_FLAVOURS or self.arch not in ("tiny", "moe"):
             problems.append("unknown checkpoint flavour or arch")
         if problems:
@@ -257,6 +271,10 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
             values["overflow_nan"] = rng.random() < 0.3
         if "save_at" in values and rng.random() < 0.3:
             values["load_flags"] = rng.choice(LOAD_FLAGS[1:])
+        if rng.random() < 0.15:  # the draw's loop as an Accelerate script, without what such a script cannot say
+            values.update(frontend="accelerator", async_save=False, dropped_at=-1, short_at=-1)
+            if values["scheduler"] == "client":
+                values["scheduler"] = "WarmupLR"
         try:
             return Draw(**values).checked()
         except ValueError:

@@ -339,6 +339,29 @@ def _nvme_last_tile_skipped(p: _Patches) -> None:
     p.wrap(NvmeAdam, "_step_tile", make)
 
 
+# -- zkern.hf.Accelerator ------------------------------------------------------------------------------------------
+def _accelerate_boundary_ignored(p: _Patches) -> None:
+    """accelerator.backward takes every micro-step as the end of an accumulation (steps each one)."""
+    from zkern.hf.accelerate_glue import EngineWrapper
+
+    def make(original):
+        def backward(self, loss, sync_gradients: bool = True, **kwargs):
+            return original(self, loss, True, **kwargs)
+        return backward
+    p.wrap(EngineWrapper, "backward", make)
+
+
+def _accelerate_load_kwargs_dropped(p: _Patches) -> None:
+    """accelerator.load_state loads the engine checkpoint without the caller's flags (load_optimizer_states=...)."""
+    from zkern.hf import accelerate_state
+
+    def make(original):
+        def load(acc, input_dir, kwargs):
+            return original(acc, input_dir, {})
+        return load
+    p.wrap(accelerate_state, "load", make)
+
+
 MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "adam.no_update": ("the optimizer never updates", lambda p: _adam(p, lambda kw: None)),
     "adam.lr_x1.5": ("the learning rate 1.5 times the scheduler's", lambda p: _adam(p, _scaled_lr(1.5))),
@@ -376,6 +399,10 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "hpz.always_fresh": ("hpZ's secondary copy never refreshed after a step", _hpz_always_fresh),
     "offload.not_uploaded": ("ZeRO-Offload never copies the updated parameters back", _offload_not_uploaded),
     "nvme.last_tile_skipped": ("the NVMe optimizer skips the last piece of each tile", _nvme_last_tile_skipped),
+    "accelerate.boundary_ignored": ("zkern.hf.Accelerator's backward steps at every micro-step",
+                                    _accelerate_boundary_ignored),
+    "accelerate.load_flags_dropped": ("zkern.hf.Accelerator's load_state drops its load flags",
+                                      _accelerate_load_kwargs_dropped),
 }
 
 

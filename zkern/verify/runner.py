@@ -13,6 +13,7 @@ import torch
 from zkern.testing.models import TinyGPT, TinyMoE, make_batches
 from zkern.verify import recipes
 from zkern.verify.draws import Draw
+from zkern.verify.loops import AcceleratorLoop, EngineLoop
 
 VOCAB, SEQ, DIM = 67, 16, 32
 FROZEN = ("qkv", "proj")  # the layers a draw freezes (at the start, or from the load on)
@@ -101,6 +102,7 @@ def config(draw: Draw, world: int, stage: int, root: str, device: str) -> dict:
 
 
 def build(draw: Draw, world: int, stage: int, root: str, frozen: bool, device: str = "cpu"):
+    """The draw's training loop (loops.py) around an engine built for this phase."""
     import zkern
 
     model = make_model(draw, draw.checkpoint)
@@ -112,8 +114,10 @@ def build(draw: Draw, world: int, stage: int, root: str, frozen: bool, device: s
     if draw.optimizer == "client":  # the user's own AdamW, built on the groups (or the trainable parameters)
         client = recipes.client_optimizer(draw, params or [p for p in model.parameters() if p.requires_grad])
         params = None
+    if draw.frontend == "accelerator":
+        return AcceleratorLoop(model, cfg, params, client)
     scheduler = recipes.client_scheduler if draw.scheduler == "client" else None
-    return zkern.Engine(model, cfg, optimizer=client, lr_scheduler=scheduler, model_parameters=params)
+    return EngineLoop(zkern.Engine(model, cfg, optimizer=client, lr_scheduler=scheduler, model_parameters=params))
 
 
 def micro_batches(batch, world: int, rank: int, accumulation: int):
@@ -124,31 +128,30 @@ def micro_batches(batch, world: int, rank: int, accumulation: int):
         yield idx[lo:lo + per], tgt[lo:lo + per]
 
 
-def train_step(engine, draw: Draw, step: int, batch, world: int, rank: int, out: dict, dropped=None) -> None:
+def train_step(loop, draw: Draw, step: int, batch, world: int, rank: int, out: dict, dropped=None) -> None:
+    engine = loop.engine
     if step == draw.eval_at:  # an evaluation (or a generation) between steps: no gradient, no state moves
         engine.eval()
         with engine.gathered_for_generation() if draw.eval_generation else torch.no_grad():
             idx, tgt = next(micro_batches(batch, world, rank, 1))
-            engine(idx.to(engine.device), tgt.to(engine.device))
+            loop.forward(idx, tgt)
         engine.train()
     if step == draw.dropped_at and dropped is not None:  # a bad batch: its backward, then zero_grad drops it
         idx, tgt = next(micro_batches(dropped, world, rank, draw.accumulation))
-        engine.backward(engine(idx.to(engine.device), tgt.to(engine.device)) * 3.0)
+        engine.backward(loop.forward(idx, tgt) * 3.0)
         engine.zero_grad()
     if step == draw.spare_forward_at:  # a forward whose graph is dropped unused (a logging pass, say)
         idx, tgt = next(micro_batches(batch, world, rank, draw.accumulation))
-        engine(idx.to(engine.device), tgt.to(engine.device))
+        loop.forward(idx, tgt)
     micros = 1 if step == draw.short_at else draw.accumulation
     if micros < draw.accumulation:  # a short accumulation (an epoch's last): the first micro-step is the boundary
         engine.set_gradient_accumulation_boundary(True)
     total = 0.0
     for micro, (idx, tgt) in zip(range(micros), micro_batches(batch, world, rank, draw.accumulation)):
-        loss = engine(idx.to(engine.device), tgt.to(engine.device))
-        total += loss.item()
+        poison = None
         if step == draw.overflow_at and micro == draw.overflow_micro and rank == draw.overflow_rank:
-            loss = loss * float("nan" if draw.overflow_nan else "inf")  # a spike on one rank: every rank skips
-        engine.backward(loss)
-        engine.step()
+            poison = float("nan" if draw.overflow_nan else "inf")  # a spike on one rank: every rank skips
+        total += loop.train_micro_step(idx, tgt, poison)
     if micros < draw.accumulation:
         engine.set_gradient_accumulation_boundary(None)
     out["losses"][step] = total / micros
@@ -196,12 +199,16 @@ def write(engine, draw: Draw, rank: int) -> None:
                 param.copy_(written_value(param.shape).to(param.dtype))
 
 
-def stray_micro_step(engine, draw: Draw, batch, world: int, rank: int) -> None:
-    """A micro-step whose gradients a load must discard (a live engine loaded mid-accumulation)."""
+def stray_micro_step(loop, draw: Draw, batch, world: int, rank: int) -> None:
+    """A micro-step whose gradients a load must discard (a live engine loaded mid-accumulation; with accumulation 1,
+    the Accelerator's backward steps: the load must undo that step)."""
     idx, tgt = next(micro_batches(batch, world, rank, draw.accumulation))
-    engine.backward(engine(idx.to(engine.device), tgt.to(engine.device)) * 3.0)
+    if draw.frontend == "accelerator":
+        loop.train_micro_step(idx, tgt, 3.0)
+        return
+    loop.engine.backward(loop.forward(idx, tgt) * 3.0)
     if draw.accumulation > 1:
-        engine.step()  # micro-step 1 of the accumulation: no update yet
+        loop.engine.step()  # micro-step 1 of the accumulation: no update yet
 
 
 def load_flags(draw: Draw) -> dict:
@@ -225,36 +232,37 @@ def _run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int],
     out = {"losses": {}, "grad_norms": {}, "hashes": {}}
     batches = global_batches(draw)
     ckpt = os.path.join(root, "ckpt")
-    engine = None
+    loop = None
     for index in phases:
         phase_world, stage, first, last = draw.phases[index]
         if phase_world != world:
             raise ValueError(f"phase {index} runs at world {phase_world}, not {world}")
         frozen = draw.frozen == "start" or (draw.frozen == "load" and index == 1)
-        if engine is not None:
-            engine.destroy()
-        engine = build(draw, world, stage, root, frozen, device)
+        if loop is not None:
+            loop.destroy()
+        loop = build(draw, world, stage, root, frozen, device)
         if index == 1:
-            engine.load_checkpoint(ckpt, **load_flags(draw))
+            loop.load(ckpt, load_flags(draw))
         if draw.qwz:
-            out.setdefault("qwz_units", {})[index] = quantized_units(engine)
+            out.setdefault("qwz_units", {})[index] = quantized_units(loop.engine)
         for step in range(first, last):
             if step == draw.write_at:
-                write(engine, draw, rank)
-            train_step(engine, draw, step, batches[step], world, rank, out, dropped=batches[draw.steps])
+                write(loop.engine, draw, rank)
+            train_step(loop, draw, step, batches[step], world, rank, out, dropped=batches[draw.steps])
             if step == draw.save_at:
-                engine.save_checkpoint(ckpt, async_save=draw.async_save)
+                loop.save(ckpt, draw.async_save)
                 if draw.load_into == "live":
-                    stray_micro_step(engine, draw, batches[step], world, rank)
-                    engine.wait_checkpoint()
-                    engine.load_checkpoint(ckpt, **load_flags(draw))
+                    stray_micro_step(loop, draw, batches[step], world, rank)
+                    loop.wait()
+                    loop.load(ckpt, load_flags(draw))
                 else:
                     if draw.async_save:  # training goes on while the writer writes; the fresh engine resumes at the
                         scratch = {"losses": {}, "grad_norms": {}}  # save, so this step is thrown away
-                        train_step(engine, draw, step + 1, batches[step + 1], world, rank, scratch)
-                    engine.wait_checkpoint()
+                        train_step(loop, draw, step + 1, batches[step + 1], world, rank, scratch)
+                    loop.wait()
+    engine = loop.engine
     out.update(skipped=engine.skipped_steps, global_steps=engine.global_steps, loss_scale=engine.loss_scale)
     state = engine.full_state_dict(rank0_only=True)
     out["state"] = None if state is None else {k: v.detach().cpu() for k, v in state.items()}
-    engine.destroy()
+    loop.destroy()
     return out

@@ -434,3 +434,92 @@ def test_gradient_allreduce_op_sum_steps_on_the_ranks_summed_gradient(stage):
         assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], norms)), (r["norms"], norms)
         assert (r["grad"] - grad).abs().max().item() <= 1e-5 * grad.abs().max().item()
     assert compare_params(results[0]["state"], model.state_dict(), lr=0.1, steps=2) == []
+
+
+def _local_views_worker(rank, world, stage, offload):
+    """Step 0; step 1's gradients edited between backward and step (one parameter's whole gradient halved with
+    safe_set_full_grad, another's local parts doubled); then one parameter's local fp32 parts halved and its local
+    exp_avg zeroed; step 2. Reports each rank's local parts beside the full views."""
+    torch.manual_seed(0)
+    cfg = _config(stage, gradient_clipping=0.0)
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine = zkern.Engine(TinyGPT(frozen=("proj",)), cfg)
+    params = dict(engine.module.named_parameters())
+    p, q = params["blocks.1.fc.weight"], params["blocks.0.qkv.weight"]
+    out = {}
+
+    def backward(s):
+        b = _batch(100 * s + rank)
+        engine.backward(engine(b, b))
+
+    backward(0)
+    engine.step()
+    backward(1)
+    full_q = zkern.safe_get_full_grad(q)
+    zkern.safe_set_full_grad(p, zkern.safe_get_full_grad(p) * 0.5)
+    if stage > 0:
+        out["grad_q"] = (zkern.safe_get_local_grad(q).cpu(), full_q.cpu())
+        zkern.safe_set_local_grad(q, zkern.safe_get_local_grad(q) * 2.0)
+    else:
+        zkern.safe_set_full_grad(q, full_q * 2.0)
+        try:
+            zkern.safe_get_local_grad(q)
+        except ValueError as e:
+            out["stage0"] = str(e)
+    engine.step()
+    if stage > 0:
+        out["fp32_p"] = (zkern.safe_get_local_fp32_param(p).cpu(), zkern.safe_get_full_fp32_param(p).cpu())
+        zkern.safe_set_local_fp32_param(p, zkern.safe_get_local_fp32_param(p) * 0.5)
+        m = zkern.safe_get_local_optimizer_state(p, "exp_avg")
+        zkern.safe_set_local_optimizer_state(p, torch.zeros_like(m), "exp_avg")
+        out["exp_avg_zero"] = bool((zkern.safe_get_full_optimizer_state(p, "exp_avg") == 0).all())
+        try:
+            zkern.safe_set_local_fp32_param(p, torch.zeros(m.numel() + 1))
+        except ValueError as e:
+            out["bad_size"] = str(e)
+    backward(2)
+    engine.step()
+    out["state"] = engine.full_state_dict(rank0_only=True)
+    engine.destroy()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage, offload", [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_gradient_writes_and_local_views_match_a_plain_run_that_makes_the_same_edits(stage, offload):
+    from zkern.testing.compare import compare_params
+
+    world = 2
+    results = spawn(_local_views_worker, world, stage, offload)
+    torch.manual_seed(0)
+    model = TinyGPT(frozen=("proj",))
+    opt = torch.optim.AdamW([x for x in model.parameters() if x.requires_grad], lr=1e-2, betas=(0.8, 0.9),
+                            weight_decay=0.0)
+    params = dict(model.named_parameters())
+    p, q = params["blocks.1.fc.weight"], params["blocks.0.qkv.weight"]
+
+    def backward(s):
+        opt.zero_grad()
+        torch.stack([model(_batch(100 * s + r), _batch(100 * s + r)) for r in range(world)]).mean().backward()
+
+    backward(0)
+    opt.step()
+    backward(1)
+    p.grad.mul_(0.5)
+    q.grad.mul_(2.0)
+    opt.step()
+    if stage > 0:
+        with torch.no_grad():
+            p.mul_(0.5)
+        opt.state[p]["exp_avg"].zero_()
+    backward(2)
+    opt.step()
+    if stage > 0:
+        for key in ("grad_q", "fp32_p"):  # the ranks' parts, in rank order, are the whole parameter, once
+            assert torch.equal(torch.cat([r[key][0] for r in results]), results[0][key][1].reshape(-1)), key
+        assert all(r["exp_avg_zero"] for r in results)
+        assert all("holds" in r["bad_size"] and "elements" in r["bad_size"] for r in results)
+    else:
+        assert all("stage 0 partitions nothing" in r["stage0"] for r in results)
+    assert compare_params(results[0]["state"], model.state_dict(), lr=1e-2, steps=3) == []

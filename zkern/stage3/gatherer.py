@@ -48,19 +48,17 @@ class Gatherer:
         self.prefetch_numel, self.max_live = prefetch_numel, max_live
         self.empty = torch.empty(0, dtype=dtype, device=device)
         self.version = 0  # advanced by every optimizer step and every write into the shards
-        self.live = 0  # elements gathered or in flight (running count: scanning units per gather is O(units^2))
-        self.peak_live = 0
+        self.live = self.peak_live = 0  # elements gathered or in flight (a running count: O(units) a gather)
         self.ahead = 0  # of which prefetched and not used yet
-        self._prefetched: set[int] = set()
+        # _unquantized: the units whose gather in flight is exact where qwZ quantizes the others
+        self._prefetched, self._unquantized = set(), set()
         self.counts = [0] * len(units)  # all-gathers issued per unit since construction
         self.signature = 0  # of the gathers issued since the last optimizer step (divergence.fold_signature)
         self.order = OrderRecord()
         self.verify_all = False  # verify every pass (after a signature mismatch, until a merge)
-        self.verify = False  # this pass verifies (begin_pass)
-        self._said_reorder = False
+        self.verify = self._said_reorder = False  # verify: this pass verifies (begin_pass)
         self.quantize_weights, self.secondary, self.frozen = quantize_weights, secondary, frozen
         self.param_store = param_store
-        self._unquantized: set[int] = set()  # units whose gather in flight is exact where qwZ quantizes the others
         self.paths = [self._path_of(u) for u in units]  # per unit: its gather path (ZeRO++ chosen here, once)
 
     # -- one unit ---------------------------------------------------------------------------------------------
@@ -86,12 +84,9 @@ class Gatherer:
         exact = exact or u.persistent or u.pins > 0
         if self.secondary is not None and not exact and self.secondary.fresh(u.index, self.version):
             return self.secondary.gather(u.index, buffer, purpose, async_op=async_op)
-        # With qwZ an exact gather delivers other values than the int8 path: it must not become the secondary copy
-        # that later training gathers read, or a step's arithmetic would depend on whether a generation ran before.
-        if self.quantize_weights and exact:
-            self._unquantized.add(u.index)
-        else:
-            self._unquantized.discard(u.index)
+        # qwZ: an exact gather's values are not the int8 path's; hpZ's secondary copy must not keep them (_wait), or
+        # a training step's arithmetic would depend on whether a generation ran before it.
+        (self._unquantized.add if self.quantize_weights and exact else self._unquantized.discard)(u.index)
         return self.paths[u.index](u, buffer, purpose, async_op, exact)
 
     def _path_of(self, u: Unit):

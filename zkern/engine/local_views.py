@@ -1,0 +1,173 @@
+"""A parameter's gradient written whole, and the part of a parameter this rank's shard holds: DeepSpeed's
+safe_set_full_grad and its local API (safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state
+and their safe_set_local_* writes), which RL and model-surgery code use to touch only what a rank owns.
+
+    g = zkern.safe_get_full_grad(p); zkern.safe_set_full_grad(p, g.clamp(-1, 1))   # after the boundary's backward
+    mine = zkern.safe_get_local_fp32_param(p)      # 1-D: this rank's elements of p, in order (may be empty)
+
+A rank's part of a parameter is one contiguous range of its flattened elements, and the ranks' parts in rank order
+make the whole parameter (a unit's or bucket's flat buffer is cut into equal chunks, one per rank), so concatenating
+every rank's local tensor gives the full one. DeepSpeed defines the local API for stage 3; zkern's shards at stages 1
+and 2 are the same kind of partition, so it answers there too; at stage 0 nothing is partitioned and it refuses.
+Gradients are read and written as the optimizer will apply them: unscaled, averaged over ranks, before clipping
+(what safe_get_full_grad returns), stored in the accumulation dtype (a bf16 or fp16 gradient buffer rounds a write).
+The getters are local, and so are the gradient and optimizer-state writes (each rank writes its own part; for
+safe_set_full_grad every rank passes the same full value); a write of the fp32 value is a collective, because the
+working copies of the weights follow it.
+
+    python -m pytest tests/test_engine_surface.py -q -k "local or set_full_grad"
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from zkern.engine import param_views, resident, stepping
+
+if TYPE_CHECKING:
+    from zkern.engine.engine import Engine
+
+
+def _parts(engine: Engine, param: torch.nn.Parameter, what: str) -> list[tuple]:
+    """(first element within param, group, piece index, piece, chunk, first element within the chunk) of each part of
+    param this rank's shard holds, in element order; every part at stage 0 (each rank holds the whole)."""
+    index = param_views._trained_index(engine, param, what)
+    smap = engine.runtime.shard_map()
+    parts = []
+    for gi, group in enumerate(engine.runtime.shard_groups):
+        for chunk in group.chunks:
+            for pi, at, numel in chunk.pieces:
+                owner, start, _ = smap.pieces[gi][pi]
+                if owner == index:
+                    parts.append((start, gi, pi, group.pieces[pi], chunk, at, numel))
+    return sorted(parts, key=lambda part: part[0])
+
+
+def _partitioned(engine: Engine, what: str) -> None:
+    if engine.zero_optimization_stage() == 0:
+        raise ValueError(f"{what}: stage 0 partitions nothing (every rank holds every parameter whole); use the "
+                         f"safe_get_full_* / safe_set_full_* calls")
+
+
+def _grad_scale(engine: Engine, what: str) -> float:
+    """What turns the gradient buffers' values into the gradient the optimizer applies (see safe_get_full_grad)."""
+    if not (engine.backward_unstepped and engine.is_gradient_accumulation_boundary()):
+        raise RuntimeError(f"{what} touches the gradient the next step applies: call it after the accumulation "
+                           f"boundary's backward and before step()")
+    resident.require(engine, what, reads=("lp_grads", "contiguous_grad_buffer"))
+    return engine.config.gradient_predivide_factor / (engine.scaler.scale * stepping.ranks_averaged(engine))
+
+
+def _local_value(engine: Engine, param: torch.nn.Parameter, value, what: str) -> torch.Tensor:
+    """value as this rank's part of param: any tensor of that many elements (the 1-D tensor a getter returned)."""
+    numel = sum(part[-1] for part in _parts(engine, param, what))
+    if not isinstance(value, torch.Tensor) or value.numel() != numel or not value.is_floating_point():
+        got = f"{value.numel()} elements" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{what}: this rank holds {numel} elements of the parameter; the value must be a "
+                         f"floating-point tensor of that many, got {got}")
+    if not torch.isfinite(value).all():
+        raise ValueError(f"{what}: the value has inf or NaN elements")
+    return value.detach().reshape(-1).to("cpu", torch.float32)
+
+
+def _concat(pieces: list[torch.Tensor], engine: Engine) -> torch.Tensor:
+    if not pieces:
+        return torch.zeros(0, dtype=torch.float32, device=engine.device)
+    return torch.cat([p.reshape(-1).to("cpu", torch.float32) for p in pieces]).to(engine.device)
+
+
+# -- gradients --------------------------------------------------------------------------------------------------
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Replace param's gradient (as safe_get_full_grad returns it) with value, of its full shape: the next step
+    clips and applies it. Every rank calls it with the same value."""
+    engine = param_views.engine_of(param)
+    what = "safe_set_full_grad"
+    scale = _grad_scale(engine, what)
+    flat = param_views._checked_value(engine, param, value, what)
+    _write_grads(engine, param, what, lambda start, numel: flat[start:start + numel], scale)
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's part of param's gradient, 1-D fp32 (see the module docstring)."""
+    engine = param_views.engine_of(param)
+    what = "safe_get_local_grad"
+    _partitioned(engine, what)
+    scale = _grad_scale(engine, what)
+    parts = _parts(engine, param, what)
+    return _concat([chunk.grad[at:at + n].float() * scale for _, _, _, _, chunk, at, n in parts], engine)
+
+
+def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Replace this rank's part of param's gradient with value (as safe_get_local_grad returned it)."""
+    engine = param_views.engine_of(param)
+    what = "safe_set_local_grad"
+    _partitioned(engine, what)
+    scale = _grad_scale(engine, what)
+    flat = _local_value(engine, param, value, what)
+    first = _parts(engine, param, what)[0][0] if flat.numel() else 0
+    _write_grads(engine, param, what, lambda start, numel: flat[start - first:start - first + numel], scale)
+
+
+def _write_grads(engine: Engine, param, what: str, values_at, scale: float) -> None:
+    with torch.no_grad():
+        for start, _, _, _, chunk, at, numel in _parts(engine, param, what):
+            target = chunk.grad[at:at + numel]
+            target.copy_((values_at(start, numel) / scale).to(target.device, target.dtype))
+
+
+# -- fp32 values and optimizer state ------------------------------------------------------------------------------
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's part of param's fp32 master, 1-D."""
+    engine = param_views.engine_of(param)
+    what = "safe_get_local_fp32_param"
+    _partitioned(engine, what)
+    resident.require(engine, what, reads=("hp_params",))
+    return _concat([engine.store.read(piece) for _, _, _, piece, _, _, _ in _parts(engine, param, what)], engine)
+
+
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set this rank's part of param's fp32 master (a collective: the working copies follow, as after a load)."""
+    engine = param_views.engine_of(param)
+    what = "safe_set_local_fp32_param"
+    _partitioned(engine, what)
+    resident.require(engine, what, reads=("hp_params", "lp_params"))
+    flat, offset = _local_value(engine, param, value, what), 0
+    for _, _, _, piece, _, _, numel in _parts(engine, param, what):
+        engine.store.write(piece, param_views._placed(engine, piece, flat[offset:offset + numel]))
+        offset += numel
+    param_views._working_from_masters(engine)
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
+    """This rank's part of param's optimizer state `optim_state_key` ("exp_avg", ...), 1-D fp32."""
+    engine = param_views.engine_of(param)
+    what = f"safe_get_local_optimizer_state(p, {optim_state_key!r})"
+    _partitioned(engine, what)
+    resident.require(engine, what, reads=("optim_states",))
+    states = [_state(engine, gi, pi, piece, optim_state_key, what)
+              for _, gi, pi, piece, _, _, _ in _parts(engine, param, what)]
+    return _concat([engine.store.read(s, optim_state_key) for s in states], engine)
+
+
+def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set this rank's part of param's optimizer state `optim_state_key`."""
+    engine = param_views.engine_of(param)
+    what = f"safe_set_local_optimizer_state(p, v, {optim_state_key!r})"
+    _partitioned(engine, what)
+    resident.require(engine, what, reads=("optim_states",))
+    flat, offset = _local_value(engine, param, value, what), 0
+    for _, gi, pi, piece, _, _, numel in _parts(engine, param, what):
+        target = _state(engine, gi, pi, piece, optim_state_key, what)
+        engine.store.write(target, param_views._placed(engine, target, flat[offset:offset + numel]), optim_state_key)
+        offset += numel
+
+
+def _state(engine: Engine, gi: int, pi: int, piece: torch.Tensor, key: str, what: str) -> torch.Tensor:
+    keys = param_views._per_element_keys(engine, gi, pi, piece)
+    if key not in keys:
+        raise ValueError(f"{what}: the optimizer ({type(engine.optimizer).__name__}) has no per-element state "
+                         f"{key!r} for this parameter (it has {sorted(keys) or 'none'}; none before the first step "
+                         f"for most optimizers)")
+    return keys[key]

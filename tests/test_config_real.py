@@ -121,6 +121,22 @@ def test_fill_auto_fills_the_legacy_bfloat16_section_in_place():
     assert zkern.Config.load(filled).precision == "bf16"
 
 
+def test_fill_auto_plants_only_the_optimizer_keys_its_type_has():
+    """An SGD, Lion or Adagrad section without betas or eps: the Trainer's Adam betas and eps planted into it were
+    refused by the strict parse (whose hint proposed the very key it refused), so the Trainer could not train it."""
+    for kind, absent in (("SGD", {"betas", "eps"}), ("Lion", {"eps"}), ("Adagrad", {"betas"})):
+        raw = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": kind, "params": {"lr": 1e-3}}}
+        filled = fill_auto(raw, hf_args(), world_size=1, num_training_steps=10)
+        assert not absent & set(filled["optimizer"]["params"]), (kind, filled["optimizer"])
+        assert filled["optimizer"]["params"]["weight_decay"] == 0.0  # a key every optimizer has is filled
+        zkern.Config.load(filled)
+    with pytest.raises(zkern.ConfigError) as refused:
+        zkern.Config.load({"train_micro_batch_size_per_gpu": 2,
+                           "optimizer": {"type": "SGD", "params": {"lr": 1e-3, "betas": [0.9, 0.99]}}})
+    assert "did you mean 'optimizer.params.betas'" not in str(refused.value)
+    assert "known keys here" in str(refused.value)
+
+
 # -- careless edits ---------------------------------------------------------------------------------------------
 _ODD = [None, True, False, 0, -1, 1, 2.5, 1e30, -1e30, float("nan"), float("inf"), -float("inf"), "auto", "x",
         "", [], [1, 2], {}, {"enabled": True}, 10**20, "1e9", 1e-40]

@@ -302,3 +302,7 @@ def test_new_draw_dimensions_are_drawn_and_refused_where_they_clash():
     assert accelerated and any(d.save_at >= 0 for d in accelerated) and any(d.load_flags for d in accelerated)
     with pytest.raises(ValueError, match="accelerator frontend draws no client scheduler"):
         Draw(frontend="accelerator", dropped_at=1).checked()
+    trained = [d for d in draws if d.frontend == "trainer"]
+    assert trained and all(d.groups and d.save_at < 0 for d in trained) and any(d.accumulation > 1 for d in trained)
+    with pytest.raises(ValueError, match="trainer frontend draws decay/no-decay groups"):
+        Draw(frontend="trainer", groups=True, eval_at=1).checked()

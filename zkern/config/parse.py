@@ -72,7 +72,7 @@ def _hint(key: str, known: list[str], path: str) -> str:
         return f"; did you mean '{_join(path, close[0])}'?"
     leaves = {p.rsplit(".", 1)[-1]: p for p in keys.all_known_paths()}
     close = difflib.get_close_matches(key, list(leaves), n=1, cutoff=0.75)
-    if close:
+    if close and leaves[close[0]] != _join(path, key):  # never the refused key itself (another type's key there)
         return f"; did you mean '{leaves[close[0]]}'?"
     return f"; known keys here: {', '.join(sorted(known))}"
 

@@ -18,7 +18,7 @@ import copy
 import os
 from typing import Any
 
-from zkern.config import ConfigError, read_json
+from zkern.config import ConfigError, keys, read_json
 
 AUTO = "auto"
 
@@ -96,10 +96,16 @@ def fill_auto(config: dict, args: Any, world_size: int, num_training_steps: int)
     f.match("train_batch_size", micro * accumulation * world_size,
             f"per_device_train_batch_size x gradient_accumulation_steps x world size ({world_size})")
     f.match("gradient_clipping", args.max_grad_norm, "max_grad_norm")
-    f.match("optimizer.params.lr", args.learning_rate, "learning_rate")
-    f.match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1/adam_beta2")
-    f.match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
-    f.match("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
+    # The optimizer's keys, only those its type has: Adam's betas and eps planted into an SGD or Lion section were
+    # refused by the strict parse, so the Trainer could not run them.
+    kind = cfg["optimizer"].get("type") if isinstance(cfg.get("optimizer"), dict) else None
+    takes = keys.OPTIMIZERS.get(str(kind).lower()) if kind is not None else None
+    for key, value, name in (("lr", args.learning_rate, "learning_rate"),
+                             ("betas", [args.adam_beta1, args.adam_beta2], "adam_beta1/adam_beta2"),
+                             ("eps", args.adam_epsilon, "adam_epsilon"),
+                             ("weight_decay", args.weight_decay, "weight_decay")):
+        if takes is None or key in takes:
+            f.match(f"optimizer.params.{key}", value, name)
     # The scheduler's keys, only those its type has: WarmupLR's lr and step keys planted into a WarmupCosineLR,
     # OneCycle or LRRangeTest section were refused by the strict parse, so the Trainer could not run them.
     kind = cfg["scheduler"].get("type") if isinstance(cfg.get("scheduler"), dict) else None

@@ -14,7 +14,8 @@ LambdaLR, none). Everything a draw holds is chosen so that the run is defined on
 gloo. Besides forward, backward, step, a draw may drop a batch's backward with engine.zero_grad() or run an eval
 forward under no_grad (or inside gathered_for_generation, as generate() runs), end an accumulation early
 (set_gradient_accumulation_boundary) or run a forward whose loss it drops. The loop may be a script written for
-Accelerate+DeepSpeed on zkern.hf.Accelerator instead of the engine's own calls (loops.py). Knobs that must change
+Accelerate+DeepSpeed on zkern.hf.Accelerator instead of the engine's own calls (loops.py), or zkern.hf.Trainer's
+own (trainer_loop.py, without events between steps). Knobs that must change
 nothing the reference sees (overlap, reduce-scatter, bucket sizes, predivide, fp32 communication, stage 3's fetch
 units and live bound) are drawn too.
 """
@@ -40,7 +41,7 @@ SCHEDULERS = ("WarmupLR", "WarmupLR_log", "WarmupDecayLR", "WarmupCosineLR", "On
               "none")
 # what a load leaves behind: load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True
 LOAD_FLAGS = ("", "no_optimizer", "no_scheduler", "module_only")
-FRONTENDS = ("engine", "accelerator")
+FRONTENDS = ("engine", "accelerator", "trainer")
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,8 @@ class Draw:
     fp32_comm: bool = False  # communication_data_type fp32 and data_types.grad_accum_dtype fp32 (16-bit draws)
     block_units: bool = False  # stage 3: stage3_fetch_units ["Block"]
     max_live: int = 0  # stage 3: stage3_max_live_parameters (0: the default)
-    # who drives the engine (loops.py): "engine" (its own calls) or "accelerator" (a script written for
-    # Accelerate+DeepSpeed, on zkern.hf.Accelerator)
+    # who drives the engine: "engine" (its own calls), "accelerator" (a script written for Accelerate+DeepSpeed, on
+    # zkern.hf.Accelerator: loops.py) or "trainer" (zkern.hf.Trainer's loop: trainer_loop.py)
     frontend: str = "engine"
 
     # -- derived ----------------------------------------------------------------------------------------------
@@ -200,6 +201,13 @@ class Draw:
             # accumulation early outside its own data loader's last batch
             problems.append("the accelerator frontend draws no client scheduler, async saves, dropped batches or "
                             "short accumulations")
+        if self.frontend == "trainer" and (
+                not self.groups or self.scheduler == "client" or self.save_at >= 0 or self.write_at >= 0
+                or self.eval_at >= 0 or self.dropped_at >= 0 or self.short_at >= 0 or self.spare_forward_at >= 0):
+            # the Trainer runs the whole loop (no events between its steps), splits decay/no-decay groups itself
+            # and steps a torch scheduler of its own
+            problems.append("the trainer frontend draws decay/no-decay groups and no client scheduler, saves, "
+                            "writes, evaluations, dropped batches, short accumulations or spare forwards")
         if self.checkpoint not in CHECKPOINT_FLAVOURS or self.arch not in ("tiny", "moe"):
             problems.append("unknown checkpoint flavour or arch")
         if problems:
@@ -271,10 +279,17 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
             values["overflow_nan"] = rng.random() < 0.3
         if "save_at" in values and rng.random() < 0.3:
             values["load_flags"] = rng.choice(LOAD_FLAGS[1:])
-        if rng.random() < 0.15:  # the draw's loop as an Accelerate script, without what such a script cannot say
+        frontend = rng.random()
+        if frontend < 0.15:  # the draw's loop as an Accelerate script, without what such a script cannot say
             values.update(frontend="accelerator", async_save=False, dropped_at=-1, short_at=-1)
-            if values["scheduler"] == "client":
-                values["scheduler"] = "WarmupLR"
+        elif frontend < 0.25:  # trained by zkern.hf.Trainer: its own loop, HF's decay/no-decay groups
+            values.update(frontend="trainer", groups=True, save_at=-1, async_save=False, load_into="fresh",
+                          load_flags="", world_after=0, stage_after=-1, write_at=-1, eval_at=-1,
+                          eval_generation=False, dropped_at=-1, short_at=-1, spare_forward_at=-1)
+            if values["frozen"] == "load":
+                values["frozen"] = "none"
+        if values.get("frontend", "engine") != "engine" and values["scheduler"] == "client":
+            values["scheduler"] = "WarmupLR"
         try:
             return Draw(**values).checked()
         except ValueError:

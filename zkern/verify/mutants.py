@@ -36,6 +36,7 @@ TARGETED = [
     '{"optimizer": "Lamb", "seed": 23, "stage": 2, "world": 2}',
     '{"accumulation": 2, "frontend": "accelerator", "load_flags": "no_optimizer", "save_at": 1, "seed": 24, '
     '"stage": 2, "world": 2}',
+    '{"accumulation": 2, "frontend": "trainer", "groups": true, "seed": 25, "stage": 2, "world": 2}',
 ]
 
 
@@ -53,7 +54,7 @@ KILLERS = {
     "loco.no_feedback": 5, "qgz.hop_drops_ranks": 5, "qwz.scales_dropped": 5,  # LoCo dequantizes what it sends
     "hpz.always_fresh": 7, "offload.not_uploaded": 8, "nvme.last_tile_skipped": 9,
     "ckpt.load_flags_ignored": 10, "torch_optimizer.grad_scale_dropped": 11, "lamb.norms_local": 12,
-    "accelerate.boundary_ignored": 13, "accelerate.load_flags_dropped": 13,
+    "accelerate.boundary_ignored": 13, "accelerate.load_flags_dropped": 13, "trainer.accumulation_divided_twice": 14,
 }
 
 

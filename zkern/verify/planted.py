@@ -362,6 +362,18 @@ def _accelerate_load_kwargs_dropped(p: _Patches) -> None:
     p.wrap(accelerate_state, "load", make)
 
 
+def _trainer_accumulation_unscaled(p: _Patches) -> None:
+    """zkern.hf.Trainer hands the Trainer's loss (already divided by the accumulation) to engine.backward, which
+    divides it again."""
+    from zkern.hf.trainer import Trainer
+
+    def make(original):
+        def backward(self, loss, **kwargs):
+            return original(self, loss / self.engine.gradient_accumulation_steps, **kwargs)
+        return backward
+    p.wrap(Trainer, "_engine_backward", make)
+
+
 MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "adam.no_update": ("the optimizer never updates", lambda p: _adam(p, lambda kw: None)),
     "adam.lr_x1.5": ("the learning rate 1.5 times the scheduler's", lambda p: _adam(p, _scaled_lr(1.5))),
@@ -403,6 +415,8 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
                                     _accelerate_boundary_ignored),
     "accelerate.load_flags_dropped": ("zkern.hf.Accelerator's load_state drops its load flags",
                                       _accelerate_load_kwargs_dropped),
+    "trainer.accumulation_divided_twice": ("zkern.hf.Trainer divides the loss by the accumulation twice",
+                                           _trainer_accumulation_unscaled),
 }
 
 

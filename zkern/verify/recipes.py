@@ -60,12 +60,13 @@ def optimizer_section(draw: Draw) -> dict | None:
 def scheduler_params(draw: Draw) -> dict:
     """DeepSpeed's parameters of the draw's scheduler (every schedule moves within the draw's 3 to 5 steps)."""
     lr = base_lr(draw)
+    low = 0.0 if draw.frontend == "trainer" else lr / 4  # the Trainer's warm-up starts at 0 (fill_auto checks it)
     match draw.scheduler:
         case "WarmupLR" | "WarmupLR_log":
-            return {"warmup_min_lr": lr / 4, "warmup_max_lr": lr, "warmup_num_steps": WARMUP,
+            return {"warmup_min_lr": low, "warmup_max_lr": lr, "warmup_num_steps": WARMUP,
                     "warmup_type": "log" if draw.scheduler.endswith("log") else "linear"}
         case "WarmupDecayLR":
-            return {"warmup_min_lr": lr / 4, "warmup_max_lr": lr, "warmup_num_steps": 2, "total_num_steps": 5,
+            return {"warmup_min_lr": low, "warmup_max_lr": lr, "warmup_num_steps": 2, "total_num_steps": 5,
                     "warmup_type": "linear"}
         case "WarmupCosineLR":
             return {"total_num_steps": 5, "warmup_num_steps": 2, "warmup_min_ratio": 0.25, "cos_min_ratio": 0.1,

@@ -14,6 +14,7 @@ from zkern.testing.models import TinyGPT, TinyMoE, make_batches
 from zkern.verify import recipes
 from zkern.verify.draws import Draw
 from zkern.verify.loops import AcceleratorLoop, EngineLoop
+from zkern.verify.observe import quantized_units, working_digest
 
 VOCAB, SEQ, DIM = 67, 16, 32
 FROZEN = ("qkv", "proj")  # the layers a draw freezes (at the start, or from the load on)
@@ -159,36 +160,6 @@ def train_step(loop, draw: Draw, step: int, batch, world: int, rank: int, out: d
     out.setdefault("hashes", {})[step] = working_digest(engine)
 
 
-def working_digest(engine) -> str:
-    """A digest of the working parameters this rank holds whole (stages 0-2: all of them; stage 3: the persistent
-    units): every rank computes with them, so every rank's must be the same after each step."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, p in engine.module.named_parameters():
-        if p.numel():
-            h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def quantized_units(engine) -> list:
-    """qwZ's gathers, as the reference must redo them: per unit gathered through int8, its padded size and its
-    parameters' (name, offset, numel) in its flat buffer. Every rank quantizes its own chunk (padded / world
-    elements) in groups of zeropp_weight_group_size from the chunk's start, so where the groups fall is a fact of
-    the layout, which the reference cannot know otherwise; the values in them are the reference's own. The
-    persistent unit (parameters under stage3_param_persistence_threshold) is gathered exactly, as are units a
-    GatheredParameters context pins."""
-    rt = engine.runtime
-    gatherer = getattr(rt, "gatherer", None)
-    if gatherer is None or not gatherer.quantize_weights:
-        return []
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    return [[u.bucket.padded, [[names[id(p)], gatherer.layout[id(p)][1], gatherer.layout[id(p)][0].numel()]
-                                for p in u.plan.params]]
-            for u in rt.units if not u.persistent]
-
-
 def write(engine, draw: Draw, rank: int) -> None:
     import zkern
 
@@ -232,6 +203,14 @@ def _run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int],
     out = {"losses": {}, "grad_norms": {}, "hashes": {}}
     batches = global_batches(draw)
     ckpt = os.path.join(root, "ckpt")
+    if draw.frontend == "trainer":  # one phase: the Trainer runs the whole loop
+        from zkern.verify import trainer_loop
+
+        model = make_model(draw, draw.checkpoint)
+        if draw.frozen == "start":
+            freeze(model)
+        cfg = config(draw, world, draw.stage, root, device)
+        return _finished(trainer_loop.train(draw, model, cfg, batches, world, rank, device, out), out)
     loop = None
     for index in phases:
         phase_world, stage, first, last = draw.phases[index]
@@ -260,9 +239,13 @@ def _run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int],
                         scratch = {"losses": {}, "grad_norms": {}}  # save, so this step is thrown away
                         train_step(loop, draw, step + 1, batches[step + 1], world, rank, scratch)
                     loop.wait()
-    engine = loop.engine
+    return _finished(loop.engine, out)
+
+
+def _finished(engine, out: dict) -> dict:
+    """out with the engine's counters and (rank 0) its final fp32 weights; the engine destroyed."""
     out.update(skipped=engine.skipped_steps, global_steps=engine.global_steps, loss_scale=engine.loss_scale)
     state = engine.full_state_dict(rank0_only=True)
     out["state"] = None if state is None else {k: v.detach().cpu() for k, v in state.items()}
-    loop.destroy()
+    engine.destroy()
     return out

@@ -37,7 +37,7 @@ class Working:
     forward and backward on the whole global batch (the loss times the loss scale in fp16), its gradients go to the
     fp32 master as float32 (divided by the scale), the optimizer steps the master, and the copy takes the master's
     values rounded to its dtype, as the engine's working weights do. With qwZ (units: the engine's int8-gathered
-    units, runner.quantized_units) the copy then takes what the gathers deliver: each rank's chunk of each unit's
+    units, observe.quantized_units) the copy then takes what the gathers deliver: each rank's chunk of each unit's
     flat buffer quantized to int8 in groups and dequantized (zkern.reference's quantize, the kernels' spec), so the
     forward and backward see the weights every rank computes with. fp32 draws without qwZ run the master itself."""
 
@@ -105,10 +105,10 @@ def units_of(runs: list[list[dict]]) -> dict:
 def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
     """losses and gradient norms per step (None for a skipped step's norm: it was not finite), the skipped and
     global step counts, the final loss scale (fp16) and the final fp32 state_dict. qwz_units: for a qwZ draw, per
-    phase the engine's int8-gathered units (runner.quantized_units), where its quantization groups fall."""
+    phase the engine's int8-gathered units (observe.quantized_units), where its quantization groups fall."""
     if draw.qwz and not (qwz_units and all(k in qwz_units for k in range(len(draw.phases)))):
         raise ValueError("a qwZ draw's reference needs the engine's int8-gathered units of every phase "
-                         "(runner.quantized_units, returned by run_phases as 'qwz_units')")
+                         "(observe.quantized_units, returned by run_phases as 'qwz_units')")
     model = make_model(draw)
     if draw.frozen == "start":
         freeze(model)

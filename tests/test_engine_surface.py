@@ -306,6 +306,20 @@ def test_set_train_batch_size_refuses_what_it_cannot_do():
     engine.destroy()
 
 
+def _plain_run(world: int):
+    """The single-process reference of the per-parameter view tests: the workers' model and AdamW, and backward(s)
+    computing step s's gradient of the mean loss over every rank's batch."""
+    torch.manual_seed(0)
+    model = TinyGPT(frozen=("proj",))
+    opt = torch.optim.AdamW([x for x in model.parameters() if x.requires_grad], lr=1e-2, betas=(0.8, 0.9),
+                            weight_decay=0.0)
+
+    def backward(s):
+        opt.zero_grad()
+        torch.stack([model(_batch(100 * s + r), _batch(100 * s + r)) for r in range(world)]).mean().backward()
+    return model, opt, backward
+
+
 def _state_views_worker(rank, world, stage, offload):
     """Two steps; read a layer's moments; write its fp32 value and its exp_avg; one more step. Every rank calls each
     (collectives), with the same values."""
@@ -360,15 +374,11 @@ def test_optimizer_state_views_and_writes_match_a_plain_run_that_makes_the_same_
 
     world = 2
     results = spawn(_state_views_worker, world, stage, offload)
-    torch.manual_seed(0)
-    model = TinyGPT(frozen=("proj",))
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2, betas=(0.8, 0.9),
-                            weight_decay=0.0)
+    model, opt, backward = _plain_run(world)
     p = dict(model.named_parameters())["blocks.1.fc.weight"]
 
     def step(s):
-        opt.zero_grad()
-        torch.stack([model(_batch(100 * s + r), _batch(100 * s + r)) for r in range(world)]).mean().backward()
+        backward(s)
         opt.step()
 
     step(0)
@@ -492,16 +502,9 @@ def test_gradient_writes_and_local_views_match_a_plain_run_that_makes_the_same_e
 
     world = 2
     results = spawn(_local_views_worker, world, stage, offload)
-    torch.manual_seed(0)
-    model = TinyGPT(frozen=("proj",))
-    opt = torch.optim.AdamW([x for x in model.parameters() if x.requires_grad], lr=1e-2, betas=(0.8, 0.9),
-                            weight_decay=0.0)
+    model, opt, backward = _plain_run(world)
     params = dict(model.named_parameters())
     p, q = params["blocks.1.fc.weight"], params["blocks.0.qkv.weight"]
-
-    def backward(s):
-        opt.zero_grad()
-        torch.stack([model(_batch(100 * s + r), _batch(100 * s + r)) for r in range(world)]).mean().backward()
 
     backward(0)
     opt.step()

@@ -60,9 +60,10 @@ def _grad_scale(engine: Engine, what: str) -> float:
     return engine.config.gradient_predivide_factor / (engine.scaler.scale * stepping.ranks_averaged(engine))
 
 
-def _local_value(engine: Engine, param: torch.nn.Parameter, value, what: str) -> torch.Tensor:
-    """value as this rank's part of param: any tensor of that many elements (the 1-D tensor a getter returned)."""
-    numel = sum(part[-1] for part in _parts(engine, param, what))
+def _local_value(parts: list[tuple], value, what: str) -> torch.Tensor:
+    """value as this rank's part of a parameter (its parts: _parts): any tensor of that many elements (the 1-D tensor
+    a getter returned)."""
+    numel = sum(part[-1] for part in parts)
     if not isinstance(value, torch.Tensor) or value.numel() != numel or not value.is_floating_point():
         got = f"{value.numel()} elements" if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"{what}: this rank holds {numel} elements of the parameter; the value must be a "
@@ -86,7 +87,7 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     what = "safe_set_full_grad"
     scale = _grad_scale(engine, what)
     flat = param_views._checked_value(engine, param, value, what)
-    _write_grads(engine, param, what, lambda start, numel: flat[start:start + numel], scale)
+    _write_grads(_parts(engine, param, what), flat, 0, scale)
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor:
@@ -105,16 +106,17 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     what = "safe_set_local_grad"
     _partitioned(engine, what)
     scale = _grad_scale(engine, what)
-    flat = _local_value(engine, param, value, what)
-    first = _parts(engine, param, what)[0][0] if flat.numel() else 0
-    _write_grads(engine, param, what, lambda start, numel: flat[start - first:start - first + numel], scale)
+    parts = _parts(engine, param, what)
+    flat = _local_value(parts, value, what)
+    _write_grads(parts, flat, parts[0][0] if parts else 0, scale)
 
 
-def _write_grads(engine: Engine, param, what: str, values_at, scale: float) -> None:
+def _write_grads(parts: list[tuple], flat: torch.Tensor, first: int, scale: float) -> None:
+    """Each part's gradient from flat (flat[0] is the parameter's element `first`), divided by the buffers' scale."""
     with torch.no_grad():
-        for start, _, _, _, chunk, at, numel in _parts(engine, param, what):
+        for start, _, _, _, chunk, at, numel in parts:
             target = chunk.grad[at:at + numel]
-            target.copy_((values_at(start, numel) / scale).to(target.device, target.dtype))
+            target.copy_((flat[start - first:start - first + numel] / scale).to(target.device, target.dtype))
 
 
 # -- fp32 values and optimizer state ------------------------------------------------------------------------------
@@ -133,8 +135,9 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     what = "safe_set_local_fp32_param"
     _partitioned(engine, what)
     resident.require(engine, what, reads=("hp_params", "lp_params"))
-    flat, offset = _local_value(engine, param, value, what), 0
-    for _, _, _, piece, _, _, numel in _parts(engine, param, what):
+    parts = _parts(engine, param, what)
+    flat, offset = _local_value(parts, value, what), 0
+    for _, _, _, piece, _, _, numel in parts:
         engine.store.write(piece, param_views._placed(engine, piece, flat[offset:offset + numel]))
         offset += numel
     param_views._working_from_masters(engine)
@@ -157,8 +160,9 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
     what = f"safe_set_local_optimizer_state(p, v, {optim_state_key!r})"
     _partitioned(engine, what)
     resident.require(engine, what, reads=("optim_states",))
-    flat, offset = _local_value(engine, param, value, what), 0
-    for _, gi, pi, piece, _, _, numel in _parts(engine, param, what):
+    parts = _parts(engine, param, what)
+    flat, offset = _local_value(parts, value, what), 0
+    for _, gi, pi, piece, _, _, numel in parts:
         target = _state(engine, gi, pi, piece, optim_state_key, what)
         engine.store.write(target, param_views._placed(engine, target, flat[offset:offset + numel]), optim_state_key)
         offset += numel

@@ -29,6 +29,12 @@ class EngineLoop:
         self.engine.step()
         return value
 
+    def stray_micro_step(self, idx, tgt, accumulation: int) -> None:
+        """A micro-step a load must discard: its backward, and the step that counts it mid-accumulation."""
+        self.engine.backward(self.forward(idx, tgt) * 3.0)
+        if accumulation > 1:
+            self.engine.step()
+
     def save(self, path: str, async_save: bool) -> None:
         self.engine.save_checkpoint(path, async_save=async_save)
 
@@ -78,6 +84,11 @@ class AcceleratorLoop:
                 self.scheduler.step()
             self.optimizer.zero_grad()
         return value
+
+    def stray_micro_step(self, idx, tgt, accumulation: int) -> None:
+        """A micro-step a load must discard (with accumulation 1 the Accelerator's backward steps: the load undoes
+        that step)."""
+        self.train_micro_step(idx, tgt, 3.0)
 
     def save(self, path: str, async_save: bool) -> None:
         self.accelerator.save_state(path)

@@ -171,15 +171,9 @@ def write(engine, draw: Draw, rank: int) -> None:
 
 
 def stray_micro_step(loop, draw: Draw, batch, world: int, rank: int) -> None:
-    """A micro-step whose gradients a load must discard (a live engine loaded mid-accumulation; with accumulation 1,
-    the Accelerator's backward steps: the load must undo that step)."""
+    """A micro-step whose gradients a load must discard (a live engine loaded mid-accumulation)."""
     idx, tgt = next(micro_batches(batch, world, rank, draw.accumulation))
-    if draw.frontend == "accelerator":
-        loop.train_micro_step(idx, tgt, 3.0)
-        return
-    loop.engine.backward(loop.forward(idx, tgt) * 3.0)
-    if draw.accumulation > 1:
-        loop.engine.step()  # micro-step 1 of the accumulation: no update yet
+    loop.stray_micro_step(idx, tgt, draw.accumulation)
 
 
 def load_flags(draw: Draw) -> dict:

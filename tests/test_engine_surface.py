@@ -526,3 +526,44 @@ def test_gradient_writes_and_local_views_match_a_plain_run_that_makes_the_same_e
     else:
         assert all("stage 0 partitions nothing" in r["stage0"] for r in results)
     assert compare_params(results[0]["state"], model.state_dict(), lr=1e-2, steps=3) == []
+
+
+def _vectorized_update_worker(rank, world, stage):
+    """Step 0; at step 1 every gradient edited in one call (flipped along its first dimension and halved; the frozen
+    parameters in the list passed over); step 2."""
+    torch.manual_seed(0)
+    engine = zkern.Engine(TinyGPT(frozen=("proj",)), _config(stage, gradient_clipping=0.0))
+    seen = []
+
+    def update(grad, param):
+        seen.append(tuple(grad.shape))
+        return grad.flip(0) * 0.5
+
+    for s in range(3):
+        b = _batch(100 * s + rank)
+        engine.backward(engine(b, b))
+        if s == 1:
+            zkern.safe_update_full_grad_vectorized(list(engine.module.parameters()), update)
+        engine.step()
+    out = {"seen": seen, "state": engine.full_state_dict(rank0_only=True)}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_safe_update_full_grad_vectorized_edits_every_trainable_gradient_as_a_plain_run_would(stage):
+    from zkern.testing.compare import compare_params
+
+    world = 2
+    results = spawn(_vectorized_update_worker, world, stage)
+    model, opt, backward = _plain_run(world)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for s in range(3):
+        backward(s)
+        if s == 1:
+            for p in trainable:
+                p.grad.copy_(p.grad.flip(0) * 0.5)
+        opt.step()
+    assert all(r["seen"] == [tuple(p.shape) for p in trainable] for r in results)  # full shapes, frozen passed over
+    assert compare_params(results[0]["state"], model.state_dict(), lr=1e-2, steps=3) == []

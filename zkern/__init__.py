@@ -28,7 +28,8 @@ _EXPORTS = {
     "safe_set_full_fp32_param": "zkern.engine.param_views",
     "safe_set_full_optimizer_state": "zkern.engine.param_views",
     **{name: "zkern.engine.local_views" for name in (
-        "safe_set_full_grad", "safe_get_local_grad", "safe_set_local_grad", "safe_get_local_fp32_param",
+        "safe_set_full_grad", "safe_update_full_grad_vectorized", "safe_get_local_grad", "safe_set_local_grad",
+        "safe_get_local_fp32_param",
         "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state")},
 }
 _MODULES = {"activation_checkpointing", "checkpointing", "ops", "checkpoint", "hf"}

@@ -90,6 +90,18 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     _write_grads(_parts(engine, param, what), flat, 0, scale)
 
 
+def safe_update_full_grad_vectorized(param_list: list[torch.nn.Parameter], update_func) -> None:
+    """DeepSpeed's vectorised gradient edit: for each trainable parameter with a gradient, its full gradient becomes
+    update_func(full_gradient, param) (of the same shape; param as the module holds it, empty at stage 3 at rest).
+    Frozen parameters are passed over. A collective: every rank calls it with the same list and function."""
+    for param in param_list:
+        if not param.requires_grad:
+            continue
+        grad = param_views.safe_get_full_grad(param)
+        if grad is not None:
+            safe_set_full_grad(param, update_func(grad, param))
+
+
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor:
     """This rank's part of param's gradient, 1-D fp32 (see the module docstring)."""
     engine = param_views.engine_of(param)

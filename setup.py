@@ -82,12 +82,14 @@ setup(
     # transformers: the tests train Hugging Face's GPT-2 (built from a config; nothing is downloaded) and
     # zkern.hf.Trainer against transformers.Trainer.
     # hf: zkern.hf (Trainer, from_pretrained) overrides Trainer methods of transformers 5.x, which needs accelerate.
+    # trl: the tests train TRL's SFTTrainer and DPOTrainer through zkern.hf.Trainer against TRL on DDP.
     # deepspeed: the test-only peer whose own config parser and schedulers the config tests run side by side with
     # zkern's (it installs on a CPU); tensorboard: the tensorboard monitor's package (torch.utils.tensorboard).
     extras_require={"triton": [TRITON],
                     "hf": HF,
                     "monitors": ["tensorboard"],
                     "test": ["pytest>=8", "ruff>=0.5", "numpy", "matplotlib", *HF, TRITON, "deepspeed>=0.19,<0.20",
+                             "trl>=1.16,<2",
                              "tensorboard"]},
     ext_modules=[adam_ext],
     cmdclass={"build_ext": BuildWithIsaFlags},

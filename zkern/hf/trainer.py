@@ -30,6 +30,7 @@ import transformers
 from zkern.config import ConfigError
 from zkern.engine.engine import Engine
 from zkern.hf.auto import fill_auto, read_config
+from zkern.hf.reference_models import check_reference_models, shard_reference_models
 from zkern.hf.rng import rng_state, set_rng_state
 
 # The Trainer methods zkern.hf.Trainer overrides; transformers 5.23-5.x has them all.
@@ -77,6 +78,7 @@ class Trainer(transformers.Trainer):
         steps = self.state.max_steps
         _check_world(self.args)
         config = fill_auto(self.zkern_config, self.args, self.args.world_size, steps)
+        check_reference_models(self, config)
         client_optimizer, groups = None, None
         if "optimizer" in config:
             if self.optimizer is not None:
@@ -94,6 +96,7 @@ class Trainer(transformers.Trainer):
                                                   scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
         self.engine = Engine(self.model, config, optimizer=client_optimizer, lr_scheduler=scheduler,
                              model_parameters=groups)
+        shard_reference_models(self, config)  # TRL's ref_model / teacher_model: engines without an optimizer
         self.optimizer = _OptimizerStandIn(self.engine)
         self.lr_scheduler = _SchedulerStandIn(self)
         self.accelerator.backward = self._engine_backward

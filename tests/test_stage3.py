@@ -353,6 +353,34 @@ def test_sharded_construction_honours_a_parent_re_initialising_a_child():
     assert torch.equal(state["scale"], torch.full((3,), 8.0))
 
 
+def meta_built_worker(rank, world):
+    """Modules built without storage under init_sharded: torch.nn.utils.skip_init (then initialised by the user in
+    the context), and a meta-device module given storage by to_empty() and left uninitialised."""
+    cfg = {"train_batch_size": world, "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"},
+           "device": "cpu"}
+    torch.manual_seed(rank)  # uninitialised memory and draws differ per rank: rank 0's must win everywhere
+    with zkern.init_sharded(cfg):
+        skipped = torch.nn.utils.skip_init(torch.nn.Linear, 8, 6)
+        with torch.no_grad():
+            skipped.weight.fill_(0.5)
+            skipped.bias.zero_()
+        empty = torch.nn.Linear(6, 4, device="meta").to_empty(device="cpu")
+        model = torch.nn.Sequential(skipped, empty)
+    held = {n: p.data.numel() for n, p in model.named_parameters()}
+    return held, zkern.Engine(model, cfg).full_state_dict()
+
+
+@pytest.mark.dist
+def test_modules_built_on_the_meta_device_are_partitioned_when_they_get_storage():
+    results = spawn(meta_built_worker, 2)
+    for held, state in results:
+        assert held == {"0.weight": 0, "0.bias": 0, "1.weight": 0, "1.bias": 0}  # nothing whole at rest
+        assert torch.equal(state["0.weight"], torch.full((6, 8), 0.5)) and torch.equal(state["0.bias"], torch.zeros(6))
+        assert state["1.weight"].shape == (4, 6)
+    for name in ("1.weight", "1.bias"):  # the uninitialised values agree across ranks
+        assert torch.equal(results[0][1][name].nan_to_num(), results[1][1][name].nan_to_num()), name
+
+
 def test_sharded_construction_is_for_stage_3_only():
     with pytest.raises(ValueError, match="partitions parameters for ZeRO stage 3; the config says stage 2"):
         with zkern.init_sharded({"train_batch_size": 1, "zero_optimization": {"stage": 2}}):

@@ -11,6 +11,9 @@ torch call on a partitioned parameter (a parent module re-initialising a child's
 copy) gathers it whole for that call and partitions it again afterwards, so no initialisation is silently
 lost; shape queries are answered without a gather. Peak memory while building: this rank's shards plus the
 largest module's own parameters.
+
+A module built on the meta device (`torch.nn.utils.skip_init`, `device="meta"`) holds no values to partition; it is
+partitioned when `to_empty()` gives it storage (rank 0's uninitialised values everywhere, so the ranks agree).
 """
 
 from __future__ import annotations
@@ -121,6 +124,17 @@ class _WholeForOneCall(TorchFunctionMode):
                 self.sharder.shard(p)
 
 
+def _shard_whole(params, sharder: _Sharder, src: int | None) -> None:
+    """Partition the parameters not yet partitioned; those on the meta device have no values yet and wait for
+    to_empty()."""
+    whole = [p for p in params if not is_sharded(p) and not p.is_meta]
+    for p in whole:
+        sharder.shard(p, src=src)
+    if whole:
+        del whole
+        release_freed_memory()
+
+
 def release_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc). Without it, glibc's dynamic mmap threshold keeps the
     freed whole parameters of earlier modules in the heap and the process's resident size never shrinks
@@ -183,12 +197,7 @@ def init_sharded(config: Config | dict | str, *, broadcast: bool = True):
                 depth[id(self)] -= 1
             if depth[id(self)] == 0:
                 del depth[id(self)]
-                own = [p for p in self.parameters(recurse=False) if not is_sharded(p)]
-                for p in own:
-                    sharder.shard(p, src=built_src)
-                if own:
-                    del own
-                    release_freed_memory()
+                _shard_whole(self.parameters(recurse=False), sharder, built_src)
 
         cls.__init__ = __init__
 
@@ -201,11 +210,21 @@ def init_sharded(config: Config | dict | str, *, broadcast: bool = True):
         wrap(cls)
 
     torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
+    original_to_empty = torch.nn.Module.to_empty
+
+    @functools.wraps(original_to_empty)
+    def to_empty(self, *, device, recurse: bool = True):
+        out = original_to_empty(self, device=device, recurse=recurse)
+        _shard_whole(self.parameters(recurse=recurse), sharder, built_src)  # meta parameters given storage
+        return out
+
+    torch.nn.Module.to_empty = to_empty
     mode = _WholeForOneCall(sharder)
     try:
         with mode:
             yield
     finally:
+        torch.nn.Module.to_empty = original_to_empty
         for cls, original in wrapped.items():
             cls.__init__ = original
         if original_init_subclass is None:

@@ -127,7 +127,8 @@ class _WholeForOneCall(TorchFunctionMode):
 def _shard_whole(params, sharder: _Sharder, src: int | None) -> None:
     """Partition the parameters not yet partitioned; those on the meta device have no values yet and wait for
     to_empty()."""
-    whole = [p for p in params if not is_sharded(p) and not p.is_meta]
+    # A user's parameter built without storage, not a shard kept in a file (those are the store's to ask about).
+    whole = [p for p in params if not is_sharded(p) and p.device.type != "meta"]
     for p in whole:
         sharder.shard(p, src=src)
     if whole:

@@ -29,6 +29,19 @@ def check_combinations(cfg: Config) -> None:
                           "from the host")
     _check_zeropp(cfg)
     _check_bf16_state(cfg)
+    _check_torch_autocast(cfg)
+
+
+def _check_torch_autocast(cfg: Config) -> None:
+    if not cfg.torch_autocast.enabled:
+        return
+    if cfg.precision != "fp32":
+        raise ConfigError(f"'torch_autocast.enabled' and '{cfg.precision}.enabled' are both true: the {cfg.precision} "
+                          f"section casts the weights to {cfg.precision}, torch_autocast keeps them fp32 and casts per "
+                          f"operation in the forward; choose one")
+    if cfg.zero_optimization.zero_quantized_weights:
+        raise ConfigError("'torch_autocast.enabled' with 'zero_optimization.zero_quantized_weights' (qwZ): DeepSpeed "
+                          "refuses the pair too (int8 weight gathers of fp32 weights under autocast); drop one")
 
 
 def _check_bf16_state(cfg: Config) -> None:

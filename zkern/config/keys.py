@@ -122,7 +122,7 @@ TOP = {
     "use_data_before_expert_parallelism": DefaultOnly(False, "expert parallelism"),
     "managed_gradient_accumulation": Inert("the engine manages gradient accumulation (step() at each boundary)"),
     "gradient_allreduce_op": Key("str", "mean"),  # "mean" | "sum" (any case): sum the ranks' gradients
-    "torch_autocast": SectionOff("torch.autocast inside the engine (zkern casts the model: fp16/bf16)"),
+    "torch_autocast": Key("section"),
     "amp": SectionOff("NVIDIA apex amp (use fp16 or bf16)"),
     "tensor_parallel": SectionOff("tensor parallelism (autotp_size > 1)"),
     "expert_parallel": SectionOff("expert parallelism"),
@@ -165,6 +165,14 @@ BF16 = {
     # float inputs to bf16 as fp16.auto_cast does to fp16; a loss scale is meaningless in bf16, which never scales.
     "auto_cast": _bool(False),
     "loss_scale": Inert("bf16 needs no loss scaling; DeepSpeed's bf16 ignores it too"),
+}
+
+# DeepSpeed's torch_autocast (a plain dict there, so not strict): the forward under torch.autocast, weights and
+# gradients in fp32. dtype: DeepSpeed's dtype spellings of fp16 and bf16; absent, torch's default for the device.
+TORCH_AUTOCAST = {
+    "enabled": _bool(False),
+    "dtype": Key("str_or_null", None),
+    "lower_precision_safe_modules": Key("str_list", None),
 }
 
 ZERO = {
@@ -343,7 +351,7 @@ STRICT = {"fp16", "bf16", "zero_optimization", "zero_optimization.offload_optimi
           "optimizer.params", "scheduler.params"}
 
 SECTIONS: dict[str, dict] = {
-    "": TOP, "fp16": FP16, "bf16": BF16, "zero_optimization": ZERO,
+    "": TOP, "fp16": FP16, "bf16": BF16, "torch_autocast": TORCH_AUTOCAST, "zero_optimization": ZERO,
     "zero_optimization.offload_optimizer": OFFLOAD["offload_optimizer"],
     "zero_optimization.offload_param": OFFLOAD["offload_param"],
     "zero_optimization.zeropp_loco_param": LOCO, "zero_optimization.leaf_module": LEAF_MODULE,

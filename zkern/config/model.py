@@ -35,6 +35,7 @@ from zkern.config.sections import (
     MonitorConfig,
     OptimizerConfig,
     SchedulerConfig,
+    TorchAutocastConfig,
     ZeroConfig,
     _default,
 )
@@ -53,6 +54,8 @@ class Config:
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
+    # the forward under torch.autocast, weights fp32 (precision stays "fp32": nothing is cast at rest)
+    torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     steps_per_print: int | None = _default(K.TOP, "steps_per_print")  # None: no progress lines
     zero_allow_untested_optimizer: bool = _default(K.TOP, "zero_allow_untested_optimizer")

@@ -2,233 +2,34 @@
 
     python -m pytest tests/test_config.py tests/test_config_real.py -q
 
-One walk over the file, section by section: aliases and deprecated spellings are read as the key they stand for,
-inert keys are noted, values checked for type, finiteness and range (with the key path and the accepted range in
-the error), "auto" that nothing in zkern resolves takes DeepSpeed's default (noted; the HF Trainer and
-zkern.hf.Accelerator fill theirs first), unknown keys are a warning at the top level and an error inside a section
-whose DeepSpeed model forbids them; a near-miss of a known key is always an error that says "did you mean".
+One walk over the file, section by section (walk.py reads each section against its key table); here, what each
+section becomes: the dataclasses of sections.py, with DeepSpeed's older spellings and its section-level rules. The
+HF Trainer and zkern.hf.Accelerator fill their "auto" values before this.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
-import math
 from typing import Any
 
 from zkern.config import keys
-from zkern.config.keys import AUTO, Alias, DefaultOnly, Inert, Key, SectionOff
+from zkern.config.keys import AUTO, Key
 from zkern.config.sections import (
     ActivationCheckpointingConfig,
     AioConfig,
     BF16Config,
     CheckpointConfig,
     CommsLoggerConfig,
-    ConfigNotes,
     FlopsProfilerConfig,
     FP16Config,
     MonitorConfig,
     OptimizerConfig,
     SchedulerConfig,
+    TorchAutocastConfig,
     ZeroConfig,
 )
+from zkern.config.walk import Notes, did_you_mean, section, unknown_key
 from zkern.errors import ConfigError
-
-_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-           "bf16": "bf16", "bfloat16": "bf16"}
-NEAR_MISS = 0.85  # difflib ratio at or above which an unknown key is taken for a typo of a known one
-
-
-class Notes:
-    def __init__(self):
-        self.inert: list[tuple[str, str]] = []
-        self.warned: list[tuple[str, str]] = []
-        self.renamed: list[tuple[str, str]] = []
-        self.filled: list[tuple[str, str]] = []
-
-    def frozen(self) -> ConfigNotes:
-        return ConfigNotes(tuple(self.inert), tuple(self.warned), tuple(self.renamed), tuple(self.filled))
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _near_miss(key: str, known: list[str], prefixes: bool = False) -> str | None:
-    """The known key `key` is a typo of, if any: a close spelling, or (inside a section) a key it begins or ends
-    ("grad_accum" for "grad_accum_dtype")."""
-    close = difflib.get_close_matches(key, known, n=1, cutoff=NEAR_MISS)
-    if close:
-        return close[0]
-    if prefixes and len(key) >= 4:
-        return next((k for k in known if k.startswith(key) or key.startswith(k)), None)
-    return None
-
-
-def _hint(key: str, known: list[str], path: str) -> str:
-    """A 'did you mean' naming the nearest key here, else anywhere in the config, else the keys of this section."""
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    if close:
-        return f"; did you mean '{_join(path, close[0])}'?"
-    leaves = {p.rsplit(".", 1)[-1]: p for p in keys.all_known_paths()}
-    close = difflib.get_close_matches(key, list(leaves), n=1, cutoff=0.75)
-    if close and leaves[close[0]] != _join(path, key):  # never the refused key itself (another type's key there)
-        return f"; did you mean '{leaves[close[0]]}'?"
-    return f"; known keys here: {', '.join(sorted(known))}"
-
-
-def _range_text(spec: Key) -> str:
-    lo = None if spec.lo == -math.inf else spec.lo
-    hi = None if spec.hi == math.inf else spec.hi
-    if lo is not None and hi is not None:
-        return f"from {lo:g} to {hi:g}"
-    if lo is not None:
-        return f">= {lo:g}"
-    return f"<= {hi:g}" if hi is not None else "any finite number"
-
-
-def check_value(path: str, spec: Key, value: Any) -> Any:
-    """One value of one key: its type, finiteness and range; a ConfigError naming the key and what it accepts."""
-    kind = spec.kind
-    if kind.endswith("_or_null") and value is None:
-        return None
-    base = kind.removesuffix("_or_null")
-    if base in ("int", "float"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"'{path}' must be a number ({_range_text(spec)}), got {value!r}")
-        if not math.isfinite(value):
-            raise ConfigError(f"'{path}' must be a finite number ({_range_text(spec)}), got {value!r}")
-        if base == "int":
-            if int(value) != value:
-                raise ConfigError(f"'{path}' must be a whole number ({_range_text(spec)}), got {value!r}")
-            value = int(value)
-        else:
-            value = float(value)
-        if not spec.lo <= value <= spec.hi:
-            raise ConfigError(f"'{path}' must be {_range_text(spec)}, got {value!r}")
-        return value
-    if base == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"'{path}' must be true or false, got {value!r}")
-        return value
-    if base == "str":
-        if not isinstance(value, str):
-            raise ConfigError(f"'{path}' must be a string, got {value!r}")
-        return value
-    if base == "str_list":
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"'{path}' must be a list of names like [\"Block\"], got {value!r}")
-        return tuple(value)
-    if base == "betas":
-        if (not isinstance(value, (list, tuple)) or len(value) != 2
-                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
-                           and 0.0 <= b < 1.0 for b in value)):
-            raise ConfigError(f"'{path}' must be a list of two numbers in [0, 1) like [0.9, 0.999], got {value!r}")
-        return (float(value[0]), float(value[1]))
-    if base == "dtype":
-        dtype = _DTYPES.get(value) if isinstance(value, str) else None
-        if dtype is None:
-            raise ConfigError(f"'{path}' must be \"fp32\", \"fp16\" or \"bf16\" (or null), got {value!r}")
-        return dtype
-    if base == "json":
-        return value
-    if base == "section":
-        if value is not None and not isinstance(value, dict):
-            raise ConfigError(f"'{path}' must be a JSON object, got {value!r}")
-        return value
-    raise AssertionError(kind)
-
-
-def _asks_nothing(value: Any) -> bool:
-    """A section DeepSpeed lists that zkern lacks asks for nothing: absent, empty, or every switch off."""
-    if value is None or value is False:
-        return True
-    if not isinstance(value, dict):
-        return False
-    if "enabled" in value:
-        return value["enabled"] in (False, None, AUTO)
-    if "device" in value:
-        return value["device"] in (None, "none")
-    if "autotp_size" in value:
-        return isinstance(value["autotp_size"], (int, float)) and value["autotp_size"] <= 1
-    return all(v in (False, None, 0, {}, [], "none") or (isinstance(v, dict) and _asks_nothing(v))
-               for v in value.values())
-
-
-def section(path: str, raw: Any, table: dict, notes: Notes, *, strict: bool | None = None) -> dict:
-    """{canonical key: checked value} for the implemented keys of one section present in raw."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"'{path}' must be a JSON object, got {raw!r}")
-    strict = path in keys.STRICT if strict is None else strict
-    known = [k for k, spec in table.items()]
-    out: dict[str, Any] = {}
-    given: dict[str, str] = {}  # canonical -> the spelling that set it
-    for key, value in raw.items():
-        where = _join(path, key)
-        spec = table.get(key)
-        if isinstance(spec, Alias):
-            canonical = spec.canonical
-            notes.renamed.append((where, _join(path, canonical)))
-            spec = table[canonical]
-        else:
-            canonical = key
-        if canonical in given:
-            raise ConfigError(f"'{where}' and '{_join(path, given[canonical])}' set the same key (DeepSpeed's two "
-                              f"spellings of it); keep one")
-        given[canonical] = key
-        if spec is None:
-            _unknown(path, key, value, known, notes, strict)
-            continue
-        if isinstance(spec, Inert):
-            notes.inert.append((where, spec.why))
-            continue
-        if isinstance(spec, DefaultOnly):
-            if value != spec.default and value != AUTO and not (value in ([], {}) and spec.default in (None, "auto")):
-                raise ConfigError(f"'{where}' = {json.dumps(value)} asks for {spec.what or 'a feature'}, which zkern "
-                                  f"does not implement; remove it or set it to DeepSpeed's default "
-                                  f"({json.dumps(spec.default)})")
-            continue
-        if isinstance(spec, SectionOff):
-            if not _asks_nothing(value):
-                raise ConfigError(f"'{where}' asks for {spec.what}, which zkern does not implement; remove the "
-                                  f"section or turn it off")
-            if value not in (None, {}):
-                notes.inert.append((where, "off"))
-            continue
-        if value == AUTO and spec.kind != "section":
-            if spec.resolve_auto:
-                out[canonical] = AUTO
-                continue
-            # DeepSpeed drops "auto" from its config models, so the key takes its default (the HF Trainer and
-            # zkern.hf.Accelerator fill the keys they own before this)
-            notes.filled.append((_join(path, canonical), f"{json.dumps(spec.default)} (DeepSpeed's default for "
-                                                         f"\"auto\": nothing here fills it)"))
-            if spec.default is not None:
-                out[canonical] = spec.default
-            continue
-        out[canonical] = check_value(where, spec, value)
-    return out
-
-
-def _unknown(path: str, key: str, value: Any, known: list[str], notes: Notes, strict: bool) -> None:
-    where = _join(path, key)
-    typo = _near_miss(key, known, prefixes=bool(path))
-    if typo is not None:
-        raise ConfigError(f"unknown config key '{where}'; did you mean '{_join(path, typo)}'? (a typo would train "
-                          f"with the default silently)")
-    if not path:  # not DeepSpeed's at all: DeepSpeed ignores it, so zkern says so and goes on
-        elsewhere = {p.rsplit(".", 1)[-1]: p for p in keys.all_known_paths() if "." in p}
-        near = _near_miss(key, list(elsewhere))
-        if near is not None:
-            raise ConfigError(f"unknown config key '{where}'; did you mean '{elsewhere[near]}'? (it belongs in "
-                              f"its section)")
-        notes.warned.append((where, "not a DeepSpeed key: ignored (as DeepSpeed ignores it)"))
-        return
-    if strict:
-        raise ConfigError(f"unknown config key '{where}'{_hint(key, known, path)}")
-    notes.warned.append((where, "not a key of this section: ignored (as DeepSpeed ignores it)"))
 
 
 # -- the sections -------------------------------------------------------------------------------------------------
@@ -266,6 +67,7 @@ def parse_config(raw: dict) -> dict[str, Any]:
         gradient_clipping=_clipping(top, notes),
         optimizer=opt, scheduler=sched,
         fp16=FP16Config(**fp16), bf16=BF16Config(**bf16), zero_optimization=zero,
+        torch_autocast=_torch_autocast(raw.get("torch_autocast"), notes),
         steps_per_print=given("steps_per_print"),
         zero_allow_untested_optimizer=given("zero_allow_untested_optimizer"),
         comm_timeout_s=given("comm_timeout_s"), device=given("device"),
@@ -286,6 +88,27 @@ def parse_config(raw: dict) -> dict[str, Any]:
         dataloader_drop_last=given("dataloader_drop_last"),
         notes=notes.frozen(),
     )
+
+
+# DeepSpeed's DtypeEnum spellings of the two autocast dtypes
+_AUTOCAST_DTYPES = {"torch.float16": "fp16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+                    "torch.bfloat16": "bf16", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def _torch_autocast(raw: Any, notes: Notes) -> TorchAutocastConfig:
+    values = section("torch_autocast", raw, keys.TORCH_AUTOCAST, notes)
+    dtype = values.get("dtype")
+    if dtype is not None:
+        if dtype not in _AUTOCAST_DTYPES:
+            raise ConfigError(f"'torch_autocast.dtype' must be float16 or bfloat16 (DeepSpeed's spellings: "
+                              f"{', '.join(_AUTOCAST_DTYPES)}), got {dtype!r}: torch.autocast casts to a 16-bit type")
+        values["dtype"] = _AUTOCAST_DTYPES[dtype]
+    if values.get("enabled"):
+        notes.inert.append(("torch_autocast.lower_precision_safe_modules",
+                            "every gradient is reduced in fp32 (DeepSpeed reduces those of these modules, by default "
+                            "Linear and Conv, in the autocast dtype); set communication_data_type to reduce all of "
+                            "them in 16 bits"))
+    return TorchAutocastConfig(**values)
 
 
 def _zero(raw: Any, notes: Notes) -> ZeroConfig:
@@ -390,7 +213,7 @@ def _optimizer(raw: Any, notes: Notes) -> OptimizerConfig | None:
         raise ConfigError(f"'optimizer' must be a JSON object like {{\"type\": \"AdamW\", \"params\": {{...}}}}, "
                           f"got {raw!r}")
     for key in sorted(set(raw) - {"type", "params", "legacy_fusion"}):
-        _unknown("optimizer", key, raw[key], ["type", "params", "legacy_fusion"], notes, strict=False)
+        unknown_key("optimizer", key, raw[key], ["type", "params", "legacy_fusion"], notes, strict=False)
     if raw.get("legacy_fusion", False):
         raise ConfigError("'optimizer.legacy_fusion' asks for DeepSpeed's legacy fused optimizer, which zkern does "
                           "not implement; remove it")
@@ -404,7 +227,7 @@ def _optimizer(raw: Any, notes: Notes) -> OptimizerConfig | None:
                           f"Adam, AdamW, Lamb, Lion, SGD or Adagrad, or pass a torch optimizer as "
                           f"zkern.Engine(model, cfg, optimizer=...)")
     if name not in keys.OPTIMIZERS:
-        raise ConfigError(f"'optimizer.type' {kind!r} is unknown{_hint(name, list(keys.OPTIMIZERS), '')}")
+        raise ConfigError(f"'optimizer.type' {kind!r} is unknown{did_you_mean(name, list(keys.OPTIMIZERS), '')}")
     params = section("optimizer.params", raw.get("params"), keys.OPTIMIZERS[name], notes)
     table = keys.OPTIMIZERS[name]
     full = {k: params.get(k, spec.default) for k, spec in table.items() if isinstance(spec, Key)}
@@ -424,10 +247,10 @@ def _scheduler(raw: Any, notes: Notes) -> SchedulerConfig | None:
         raise ConfigError(f"'scheduler' must be a JSON object like {{\"type\": \"WarmupLR\", \"params\": {{...}}}}, "
                           f"got {raw!r}")
     for key in sorted(set(raw) - {"type", "params"}):
-        _unknown("scheduler", key, raw[key], ["type", "params"], notes, strict=False)
+        unknown_key("scheduler", key, raw[key], ["type", "params"], notes, strict=False)
     kind = raw["type"]
     if kind not in keys.SCHEDULERS:
-        raise ConfigError(f"'scheduler.type' {kind!r} is unknown{_hint(kind, list(keys.SCHEDULERS), '')}")
+        raise ConfigError(f"'scheduler.type' {kind!r} is unknown{did_you_mean(kind, list(keys.SCHEDULERS), '')}")
     table = keys.SCHEDULERS[kind]
     params = section("scheduler.params", raw.get("params"), table, notes)
     full = {k: params.get(k, spec.default) for k, spec in table.items()}

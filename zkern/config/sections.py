@@ -69,6 +69,16 @@ class BF16Config:
     auto_cast: bool = _default(K.BF16, "auto_cast")  # the forward's float inputs cast to bf16 (older DeepSpeed's key)
 
 @dataclass(frozen=True)
+class TorchAutocastConfig:
+    """DeepSpeed's torch_autocast: the engine's forward runs under torch.autocast; weights, gradients and the
+    optimizer stay fp32 (fp16: the loss is scaled as torch's GradScaler scales it)."""
+    enabled: bool = _default(K.TORCH_AUTOCAST, "enabled")
+    dtype: str | None = None  # "fp16" | "bf16"; None: torch's autocast default for the device (CUDA fp16, CPU bf16)
+    # the module classes whose gradients DeepSpeed reduces in the autocast dtype; zkern reduces them in fp32 (said)
+    lower_precision_safe_modules: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     stage: int = _default(K.ZERO, "stage")
     # None until resolve(): DeepSpeed's code default is stage == 3

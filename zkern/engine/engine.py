@@ -23,7 +23,7 @@ from zkern.config import Config
 from zkern.config.resolve import node_size
 from zkern.core.runtime import Runtime
 from zkern.core.spec import RuntimeSpec
-from zkern.engine import build, param_views, reporting, resident, saving, stepping, streaming, weights
+from zkern.engine import build, param_views, precision, reporting, resident, saving, stepping, streaming, weights
 from zkern.engine.ds_surface import Count, DeepSpeedSurface
 from zkern.engine.engine_state import build_registry
 from zkern.engine.precision import LossScaler
@@ -99,7 +99,8 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         self.host_step, self.optimizer, self.lr_scheduler = build.optimizer_side(self, optimizer, lr_scheduler,
                                                                                  requested)
         reporting.log_offload(self)
-        self.scaler = LossScaler.from_config(cfg)
+        self.autocast_dtype = precision.autocast_dtype(cfg, self.device)  # torch_autocast's, else None
+        self.scaler = LossScaler.from_config(cfg, self.autocast_dtype)
         self.gradient_accumulation_steps = Count(cfg.gradient_accumulation_steps)  # DeepSpeed's is a method
         self.micro_steps = 0
         self.pending_micro_steps = 0  # micro-steps accumulated since the last optimizer step
@@ -125,7 +126,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         if cast is not None:
             args, kwargs = tree_map(cast, (args, kwargs))
         try:
-            with self.reporter.phase("forward"):
+            with self.reporter.phase("forward"), precision.forward_autocast(self.autocast_dtype, self.device):
                 return self.reporter.forward(self.module, args, kwargs)
         except BaseException as e:
             self.runtime.abort_pass(e)  # stage 3: release what the failed pass gathered

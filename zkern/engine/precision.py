@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
+
+import torch
 
 from zkern.config import Config
 from zkern.errors import LossScaleAtMinimum
@@ -35,8 +38,14 @@ class LossScaler:
     _last_overflow_iter: int = -1
 
     @staticmethod
-    def from_config(cfg: Config) -> LossScaler:
+    def from_config(cfg: Config, autocast: torch.dtype | None = None) -> LossScaler:
+        """The fp16 section's scaler; under torch_autocast in fp16 (autocast: the dtype it casts to), torch's
+        GradScaler's schedule (2**16, doubled after 2000 clean steps, halved on every overflow), ending with
+        LossScaleAtMinimum below 1 as the fp16 section's default does."""
         fp16 = cfg.fp16
+        if autocast == torch.float16:
+            return LossScaler(scale=float(2**16), dynamic=True, window=2000, hysteresis=1, min_scale=1.0,
+                              _hysteresis_left=1)
         if not fp16.enabled:
             return LossScaler(scale=1.0, dynamic=False)
         if fp16.loss_scale > 0:
@@ -79,3 +88,21 @@ class LossScaler:
         self._hysteresis_left = state["hysteresis_left"]
         self._iter = state["iter"]
         self._last_overflow_iter = state["last_overflow_iter"]
+
+
+def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """The dtype torch_autocast casts the forward's operations to (None: off); without one in the config, torch's
+    default for the device, as DeepSpeed leaves it to torch."""
+    if not cfg.torch_autocast.enabled:
+        return None
+    if cfg.torch_autocast.dtype is None:
+        return torch.get_autocast_dtype(device.type)
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.torch_autocast.dtype]
+
+
+def forward_autocast(dtype: torch.dtype | None, device: torch.device):
+    """The context the engine's forward runs in: torch.autocast for torch_autocast (replacing a caller's autocast,
+    as DeepSpeed does), else nothing."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

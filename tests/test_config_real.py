@@ -1,8 +1,12 @@
-"""The DeepSpeed configs users arrive with (tests/data/ds_configs/, one file per real-world shape written for these
-tests: DeepSpeed's short field names, accelerate's all-"auto" template, a recipe's own keys beside DeepSpeed's,
+"""The DeepSpeed configs users arrive with (tests/data/ds_configs/): one file per real-world shape written for these
+tests (DeepSpeed's short field names, accelerate's all-"auto" template, a recipe's own keys beside DeepSpeed's,
 monitors and profiler, legacy spellings, a cosine schedule, fp16 + Lamb in Megatron's style, stage 3's offload_param
-alone, Lion with a range test): each trains on zkern, DeepSpeed's own parser accepts the same file, and 3000 careless
-edits of them are each either accepted or a ConfigError naming the key, never another exception.
+alone, Lion with a range test), and the stock configs the frameworks built on DeepSpeed ship (llamafactory_*,
+msswift_*, axolotl_*: the key and value shapes of LLaMA-Factory's examples/deepspeed/, ms-swift's
+swift/llm/ds_config/ and axolotl's deepspeed_configs/). Each trains on zkern and DeepSpeed's own parser accepts the
+same file; tests/data/ds_configs_refused/ holds stock configs DeepSpeed 0.19's parser refuses, which zkern refuses too,
+naming the key. 3000 careless edits of them are each either accepted or a ConfigError naming the key, never another
+exception.
 
     python -m pytest tests/test_config_real.py -q
 """
@@ -29,6 +33,7 @@ from zkern.testing import TinyGPT
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ds_configs")
 FILES = sorted(f for f in os.listdir(HERE) if f.endswith(".json"))
+REFUSED = os.path.join(os.path.dirname(HERE), "ds_configs_refused")
 
 
 def hf_args(**kw):
@@ -47,8 +52,20 @@ def prepared(name: str, root: str) -> dict:
         text = f.read().replace("OUT/", f"{root}/")
     raw = json.loads(text)
     if '"auto"' in text:
-        raw = fill_auto(raw, hf_args(), world_size=1, num_training_steps=10)
+        raw = fill_auto(raw, agreeing_args(raw), world_size=1, num_training_steps=10)
     return raw
+
+
+def agreeing_args(raw: dict) -> SimpleNamespace:
+    """TrainingArguments that agree with the file's fixed values, as its framework sets them (a file with
+    bf16.enabled true is run with --bf16; one with gradient_clipping 0.001 with max_grad_norm 0.001): HF's
+    DeepSpeed integration refuses a contradiction, as zkern's filling does."""
+    def enabled(section: str) -> bool:
+        return (raw.get(section) or raw.get("bfloat16" if section == "bf16" else section) or {}).get("enabled") is True
+
+    clip = raw.get("gradient_clipping")
+    return hf_args(bf16=enabled("bf16"), fp16=enabled("fp16"),
+                   **({"max_grad_norm": clip} if isinstance(clip, (int, float)) else {}))
 
 
 def train(cfg: dict, steps: int = 3):
@@ -83,6 +100,24 @@ def test_deepspeed_s_own_parser_accepts_every_file(tmp_path):
         cfg = prepared(name, str(tmp_path))
         DeepSpeedConfig(copy.deepcopy(cfg))  # raises on anything DeepSpeed refuses
         zkern.Config.load(cfg).resolve(1, SimpleNamespace(config=SimpleNamespace(hidden_size=32)))
+
+
+@pytest.mark.parametrize("name, key", [("axolotl_zero1_torch_compile.json", "'compile'"),
+                                       ("llamafactory_z3_alst.json", "'bf16.initial_scale_power'")])
+def test_stock_configs_deepspeed_refuses_are_refused_naming_the_key(name, key):
+    """axolotl's torch-compile config (a compile section in an older DeepSpeed's keys) and LLaMA-Factory's ALST config
+    (fp16's loss-scaling keys in the bf16 section): DeepSpeed 0.19's parser refuses both, so zkern does, naming the
+    key (and for the bf16 keys, where they belong)."""
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    with open(os.path.join(REFUSED, name)) as f:
+        raw = json.load(f)
+    filled = fill_auto(raw, agreeing_args(raw), world_size=1, num_training_steps=10)
+    with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+        DeepSpeedConfig(copy.deepcopy(filled))
+    with pytest.raises(zkern.ConfigError, match=key):
+        zkern.Config.load(filled)
 
 
 def test_what_zkern_made_of_each_shape(tmp_path):

@@ -2,8 +2,8 @@
 tests (DeepSpeed's short field names, accelerate's all-"auto" template, a recipe's own keys beside DeepSpeed's,
 monitors and profiler, legacy spellings, a cosine schedule, fp16 + Lamb in Megatron's style, stage 3's offload_param
 alone, Lion with a range test), and the stock configs the frameworks built on DeepSpeed ship (llamafactory_*,
-msswift_*, axolotl_*: the key and value shapes of LLaMA-Factory's examples/deepspeed/, ms-swift's
-swift/llm/ds_config/ and axolotl's deepspeed_configs/). Each trains on zkern and DeepSpeed's own parser accepts the
+msswift_*, axolotl_*: the keys and values of LLaMA-Factory's DeepSpeed examples and ms-swift's and axolotl's stock
+configs). Each trains on zkern and DeepSpeed's own parser accepts the
 same file; tests/data/ds_configs_refused/ holds stock configs DeepSpeed 0.19's parser refuses, which zkern refuses too,
 naming the key. 3000 careless edits of them are each either accepted or a ConfigError naming the key, never another
 exception.

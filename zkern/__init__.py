@@ -21,6 +21,8 @@ _EXPORTS = {
     "estimate_memory": "zkern.core.partition",
     "init_sharded": "zkern.stage3.sharded_init",
     "register_external_parameter": "zkern.stage3.units",
+    **{name: "zkern.stage3.leaf_modules" for name in (
+        "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module")},
     "CheckpointError": "zkern.errors",
     "safe_get_full_grad": "zkern.engine.param_views",
     "safe_get_full_fp32_param": "zkern.engine.param_views",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 
 import torch
@@ -28,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from zkern.comm.collectives import Comm, backend_for, device_from_config, init_distributed
 from zkern.config import Config
+from zkern.stage3 import ds_attributes
 
 _SHAPE_QUERIES = {"shape", "size", "dim", "ndim", "numel", "dtype", "device", "requires_grad", "is_leaf"}
 
@@ -61,6 +63,7 @@ def gather_built(p: torch.nn.Parameter, comm: Comm, purpose: str) -> torch.Tenso
 class _Sharder:
     def __init__(self, comm: Comm):
         self.comm = comm
+        self.ids = itertools.count()  # ds_id in creation order, as DeepSpeed's zero.Init numbers its parameters
 
     def shard(self, p: torch.nn.Parameter, src: int | None = 0) -> None:
         """Rank src's values everywhere (src None: the ranks' values are equal already), then keep this rank's
@@ -78,11 +81,18 @@ class _Sharder:
             p._zkern_shard = mine
             p._zkern_shape = data.shape
             p._zkern_sharder = self
+            # DeepSpeed's attributes, as zero.Init sets them at construction: frameworks count parameters with
+            # ds_numel before any engine exists (the engine sets them again for its own layout)
+            p.ds_shape, p.ds_numel, p.ds_tensor = data.shape, data.numel(), mine
+            if not hasattr(p, "ds_id"):
+                p.ds_id = next(self.ids)
+            ds_attributes.mark([p], "NOT_AVAILABLE")
 
     def materialize(self, p: torch.nn.Parameter) -> None:
         full = gather_built(p, self.comm, "init_sharded: a partitioned parameter, whole for one call")
         forget_sharding(p)
         p.data = full
+        ds_attributes.mark([p], "AVAILABLE")
 
 
 class _WholeForOneCall(TorchFunctionMode):

@@ -6,7 +6,8 @@
 A fetch unit is gathered with one all-gather and reduced with one reduce-scatter. By default each module that
 owns parameters directly is a unit of its own parameters; `fetch_classes` (config stage3_fetch_units) makes
 each outermost instance of those module classes one unit covering its whole subtree, and `fetch_names` /
-`fetch_suffixes` (leaf_module.names / name_suffixes) do the same for the modules at those paths. A parameter shared by
+`fetch_suffixes` (leaf_module.names / name_suffixes) do the same for the modules at those paths, and so does a module
+flagged with set_z3_leaf_modules (DeepSpeed's flag, leaf_modules.py). A parameter shared by
 several modules (tied weights) belongs to the first owner in named_modules() order, and every module that
 holds it needs that unit. Units smaller than the persistence threshold are merged into one persistent unit
 that stays gathered. plan_units and plan_reduce_groups are pure (they read the module tree and sizes); the
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zkern.stage3.leaf_modules import z3_leaf_module
 from zkern.stage3.sharded_init import full_shape
 
 
@@ -97,7 +99,7 @@ def plan_units(model: torch.nn.Module, fetch_classes: tuple[str, ...], persisten
     # Unit roots: outermost instances of the fetch classes; every other owner module is a root of its own.
     roots: list[str] = []
     for mname, m in modules.items():
-        picked = _is_fetch_class(m, fetch_classes) or mname in named
+        picked = _is_fetch_class(m, fetch_classes) or mname in named or z3_leaf_module(m)
         if picked and not any(_inside(mname, r) for r in roots):
             roots.append(mname)
     root_of: dict[int, str] = {}

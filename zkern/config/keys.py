@@ -249,6 +249,9 @@ OFFLOAD = {
                                     "overrides)"),
         "ratio": DefaultOnly(1.0, "partial optimizer offload"),
         "super_offload": DefaultOnly(False, "SuperOffload"),
+        # zkern's own: each gradient chunk is copied to the host as its reduction lands in the boundary's backward
+        # (false: all of them when step() is called)
+        "copy_grads_during_backward": _bool(True),
     },
     "offload_param": {
         "device": Key("str", "none"), "pin_memory": _bool(True), "nvme_path": Key("str_or_null", None),

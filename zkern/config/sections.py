@@ -111,6 +111,10 @@ class ZeroConfig:
     offload_optimizer_device: str = _default(K.OFFLOAD["offload_optimizer"], "device")
     # DeepSpeed 0.19's default (page-locking is done on CUDA only)
     offload_optimizer_pin_memory: bool = _default(K.OFFLOAD["offload_optimizer"], "pin_memory")
+    # zkern's own: the offloaded step's gradient chunks go to the host during the boundary's backward, as their
+    # reductions land (offload/host.py); false: all of them when step() is called
+    offload_optimizer_copy_grads_during_backward: bool = _default(K.OFFLOAD["offload_optimizer"],
+                                                                  "copy_grads_during_backward")
     offload_param_device: str = _default(K.OFFLOAD["offload_param"], "device")
     offload_param_pin_memory: bool = _default(K.OFFLOAD["offload_param"], "pin_memory")
     # offload_optimizer.device "nvme" (ZeRO-Infinity, offload/nvme.py): fp32 master and moments in files under

@@ -41,6 +41,9 @@ class Runtime(Protocol):
     shard_groups: list[ShardGroup]  # per optimizer group, the shard pieces the optimizer steps
     quantized: object | None  # qgZ's reduction (comm/zeropp.QuantizedReduce) when configured, else None
     param_store: object | None  # stage 3 with offload_param nvme: the parameter files (offload/nvme_params), else None
+    # Set by the engine when the offloaded step copies gradients during backward: called, in the boundary's backward,
+    # with each region of this rank's reduced gradient as it becomes final for the step.
+    on_final_grads: Callable[[torch.Tensor], None] | None
 
     def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
         """p's whole shape (stage-3 parameters at rest are empty)."""

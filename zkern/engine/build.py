@@ -199,7 +199,9 @@ def optimizer_side(engine, client, lr_scheduler, requested: list[dict] | None):
     shard_groups, host_step = engine.runtime.shard_groups, None
     if engine.offload:
         host_step = HostStep(shard_groups, pin=spec.pin_optimizer, out_on_host=zero.offload_param_device != "none",
-                             store=engine.store)
+                             store=engine.store, during_backward=zero.offload_optimizer_copy_grads_during_backward)
+        if host_step.during_backward:  # each gradient region goes to the host as its reduction lands
+            engine.runtime.on_final_grads = host_step.grad_final
         shard_groups = host_step.host_groups
     optimizer = build_optimizer(engine.config, client, shard_groups, requested, nvme=engine.nvme, rank=engine.rank,
                                 spec=spec)

@@ -204,7 +204,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             raise ValueError("engine.backward: the loss does not require grad (computed under torch.no_grad(), or "
                              "no trainable parameter took part in it)")
         self.reporter.loss(loss)
-        self.runtime.begin_backward(self.is_gradient_accumulation_boundary())
+        stepping.begin_backward(self)
         # The loss scale, the mean over micro-steps and the division before the sum over ranks, in one factor
         # (gradient_predivide_factor, by default the world size: no sum of ranks' 16-bit gradients grows past the
         # largest of them).

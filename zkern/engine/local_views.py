@@ -87,7 +87,7 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     what = "safe_set_full_grad"
     scale = _grad_scale(engine, what)
     flat = param_views._checked_value(engine, param, value, what)
-    _write_grads(_parts(engine, param, what), flat, 0, scale)
+    _write_grads(engine, _parts(engine, param, what), flat, 0, scale)
 
 
 def safe_update_full_grad_vectorized(param_list: list[torch.nn.Parameter], update_func) -> None:
@@ -120,11 +120,14 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     scale = _grad_scale(engine, what)
     parts = _parts(engine, param, what)
     flat = _local_value(parts, value, what)
-    _write_grads(parts, flat, parts[0][0] if parts else 0, scale)
+    _write_grads(engine, parts, flat, parts[0][0] if parts else 0, scale)
 
 
-def _write_grads(parts: list[tuple], flat: torch.Tensor, first: int, scale: float) -> None:
-    """Each part's gradient from flat (flat[0] is the parameter's element `first`), divided by the buffers' scale."""
+def _write_grads(engine: Engine, parts: list[tuple], flat: torch.Tensor, first: int, scale: float) -> None:
+    """Each part's gradient from flat (flat[0] is the parameter's element `first`), divided by the buffers' scale.
+    Gradients the offloaded step copied to the host during backward are copied again at the step."""
+    if engine.host_step is not None:
+        engine.host_step.invalidate()
     with torch.no_grad():
         for start, _, _, _, chunk, at, numel in parts:
             target = chunk.grad[at:at + numel]

@@ -24,6 +24,7 @@ class ReplicatedRuntime:
         self.shard_groups: list = []
         self.quantized = None
         self.param_store = None
+        self.on_final_grads = None  # no optimizer: nothing is offloaded
 
     def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
         return p.shape

@@ -83,10 +83,21 @@ def ranks_averaged(engine: Engine) -> int:
     return engine.world_size if engine.config.gradient_allreduce_op == "mean" else 1
 
 
+def begin_backward(engine: Engine) -> None:
+    """A backward starts: the runtime, and the offloaded step's gradient copies, learn whether it ends the
+    accumulation."""
+    boundary = engine.is_gradient_accumulation_boundary()
+    if engine.host_step is not None:
+        engine.host_step.begin_pass(boundary)
+    engine.runtime.begin_backward(boundary)
+
+
 def drop_gradients(engine: Engine) -> None:
     """Engine.zero_grad: the gradients held since the last step go (a backward whose step() has not run, or the
     accumulation's micro-steps so far); the accumulation's count stays."""
     if engine.pending_micro_steps or engine.backward_unstepped:
+        if engine.host_step is not None:
+            engine.host_step.invalidate()  # gradients copied to the host during backward are dropped too
         engine.runtime.zero_grad()
         engine.runtime.skipped_step()  # qgZ's LoCo: the errors of the dropped reductions go with them
         engine.reporter.losses.clear()

@@ -14,11 +14,20 @@ sent: the others' values may have been written since the staging copy was filled
 With offload_optimizer "nvme" the optimizer (nvme.NvmeAdam) streams master and moments from files and calls the
 same per-chunk hooks.
 
+Gradients leave during backward (offload_optimizer.copy_grads_during_backward, on by default, as DeepSpeed's
+ZeRO-Offload copies them): in the boundary's backward the runtime reports each region of its gradient shard as its
+reduction lands (grad_final), and a chunk whose whole gradient has landed is copied down at once, on the side stream
+after an event on the compute stream, while backward goes on; step() copies only the chunks not yet down. Anything
+that writes the device gradients between backward and step (safe_set_full_grad and the local views, zero_grad's
+drop) calls invalidate(), and step() copies every chunk again.
+
 On a CPU-only run host and device are the same memory; the staging copies still run, so the path a GPU
 takes is the path CPU tests check.
 """
 
 from __future__ import annotations
+
+import bisect
 
 import torch
 
@@ -34,7 +43,8 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
 class HostStep:
     """Staging buffers and the copy/step pipeline of an offloaded optimizer step."""
 
-    def __init__(self, device_groups: list[ShardGroup], *, pin: bool, out_on_host: bool, store=None):
+    def __init__(self, device_groups: list[ShardGroup], *, pin: bool, out_on_host: bool, store=None,
+                 during_backward: bool = True):
         """device_groups: the runtime's shard groups (param = host master chunk, grad = device gradient chunk,
         out = device parameter chunk, or a host one when out_on_host). An out that is a meta stand-in (the
         parameter shard on NVMe) is staged on the host and sent with write(out, values); read(out) gives its
@@ -59,6 +69,11 @@ class HostStep:
                 chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))
             self.host_groups.append(ShardGroup(pieces=g.pieces, chunks=chunks))
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
+        self.during_backward = during_backward
+        self._sent: set[tuple[int, int]] | None = None  # chunks copied down in this boundary backward (None: none)
+        self._spans: list[tuple[int, int, tuple[int, int]]] | None = None  # device gradient byte ranges, sorted
+        self._missing: dict[tuple[int, int], int] = {}  # bytes of each chunk's gradient not yet landed
+        self.last_step = {"grad_chunks_in_backward": 0, "grad_chunks_at_step": 0}
 
     def staging_tensors(self) -> list[torch.Tensor]:
         """The host staging buffers: gradient copies (scratch within a step) and, where the parameters live on the
@@ -122,14 +137,60 @@ class HostStep:
         if event is not None:
             event.synchronize()
 
+    # -- gradients leaving during backward --------------------------------------------------------------------
+    def begin_pass(self, boundary: bool) -> None:
+        """A backward begins: at the boundary, the gradients that land in it are copied down as they land; any other
+        pass changes gradients already copied, so the step copies them all."""
+        self._sent = set() if boundary and self.during_backward else None
+        self._spans = None
+
+    def invalidate(self) -> None:
+        """The device gradients were written after they landed: the step copies every chunk again."""
+        self._sent = None
+
+    def grad_final(self, region: torch.Tensor) -> None:
+        """region (a view of the device gradient) holds its final values for this step: copy down every chunk whose
+        whole gradient has now landed."""
+        if self._sent is None or region.numel() == 0:
+            return
+        if self._spans is None:  # the gradient buffers exist from the pass's start (their addresses may change
+            self._spans = []     # between steps), so the chunks' byte ranges are read at the pass's first landing
+            self._missing = {}
+            for gi, g in enumerate(self.device_groups):
+                for ci, c in enumerate(g.chunks):
+                    lo = c.grad.data_ptr()
+                    size = c.grad.numel() * c.grad.element_size()
+                    if size:
+                        self._spans.append((lo, lo + size, (gi, ci)))
+                        self._missing[(gi, ci)] = size
+            self._spans.sort()
+        lo = region.data_ptr()
+        hi = lo + region.numel() * region.element_size()
+        at = max(0, bisect.bisect_right(self._spans, (lo, float("inf"))) - 1)
+        while at < len(self._spans) and self._spans[at][0] < hi:
+            start, end, key = self._spans[at]
+            overlap = min(hi, end) - max(lo, start)
+            if overlap > 0 and key not in self._sent:
+                self._missing[key] -= overlap
+                if self._missing[key] <= 0:
+                    if self.stream is not None:  # the fold that made it final ran on the compute stream
+                        self.stream.wait_stream(torch.cuda.current_stream())
+                    self._down(*key)
+                    self._sent.add(key)
+            at += 1
+
     # -- the step ---------------------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, *, grad_scale: float, active: list[list[bool]]) -> None:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # gradients are final on the compute stream
         self._active = active
         order = [(gi, ci) for gi, g in enumerate(self.host_groups) for ci in range(len(g.chunks))]
+        sent = self._sent or set()
         for gi, ci in order:
-            self._down(gi, ci)
+            if (gi, ci) not in sent:
+                self._down(gi, ci)
+        self.last_step = {"grad_chunks_in_backward": len(sent), "grad_chunks_at_step": len(order) - len(sent)}
+        self._sent = None
         if isinstance(optimizer, ShardAdam):
             optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, after_chunk=self._up)
         else:  # a torch optimizer steps every piece at once

@@ -10,6 +10,8 @@ writes their masters and accounts for them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from zkern import ops
@@ -38,6 +40,9 @@ class FlatGroup:
         # Every bucket's collective goes through it; qgZ (stage 2) is its `quantized`, which Stage12Runtime sets.
         self.reducer = BucketReducer(comm)
         self.quantized_key = 0  # this group's part of qgZ's per-bucket keys (LoCo's error buffers)
+        # Told each region of this rank's reduced gradient once it is final for the step (the offloaded step copies
+        # it to the host while backward goes on); the runtime sets both for each pass.
+        self.on_final, self.final_pass = None, False
         self.shard_world = 1 if stage == 0 else comm.world
         self.shard_rank = 0 if stage == 0 else comm.rank
         self.layout: Layout = plan_layout([p.numel() for p in params], self.shard_world, spec.bucket_numel)
@@ -58,21 +63,7 @@ class FlatGroup:
         elif mixed:
             self.master = torch.empty(layout.shard_numel, dtype=spec.master_dtype, device=device)
         for b in layout.buckets:
-            values = ops.flatten([p.detach() for p in params[b.first:b.last]], torch.float32).to(device)
-            bucket = self.param_flat[b.offset:b.offset + b.padded]
-            bucket[:b.numel].copy_(values)
-            bucket[b.numel:].zero_()  # padding stays zero
-            if self.master is not None:
-                lo, size = layout.chunk_range(b, self.shard_rank)
-                start = lo - b.offset
-                real = max(0, min(size, b.numel - start))  # the rest of the chunk is padding
-                mine = self.master[b.shard_offset:b.shard_offset + size]
-                if store.in_files(mine):
-                    store.write(mine, torch.cat([values[start:start + real].cpu(), torch.zeros(size - real)]))
-                else:
-                    mine[:real].copy_(values[start:start + real])
-                    mine[real:].zero_()
-            del values
+            _write_bucket(b, params, self.param_flat, self.master, layout.chunk_range(b, self.shard_rank), store)
             for i in range(b.first, b.last):
                 params[i].data = self._param_view(self.param_flat, i)
 
@@ -97,7 +88,6 @@ class FlatGroup:
         self._free_buffers: list[torch.Tensor] = []  # stage 2 bucket buffers not in use
         self._buffer_count = 0
         self._open: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> buffer being filled
-        # (bucket, work, stage-2 buffer, (reduced copy, where it goes) when reduced in another dtype)
 
         self.bucket_of = [b for b in layout.buckets for _ in range(b.first, b.last)]
         self.fired = [False] * len(params)  # got a gradient in this backward
@@ -235,30 +225,35 @@ class FlatGroup:
             data = buf[:b.padded]
             mine = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
 
-            def fold(b=b, buf=buf, mine=mine) -> None:  # this micro-step's reduced chunk into the gradient shard
-                fold_reduced(self.grad_shard[b.shard_offset:b.shard_offset + b.chunk], mine,
-                             self._micro_since_step == 0)
+            shard = self.grad_shard[b.shard_offset:b.shard_offset + b.chunk]
+
+            def fold(buf=buf, mine=mine, shard=shard) -> None:  # this micro-step's reduced chunk into the shard
+                fold_reduced(shard, mine, self._micro_since_step == 0)
                 self._free_buffers.append(buf)
 
             # qgZ has reduce-scatter's contract (refused without reduce_scatter); reduce_scatter=false all-reduces the
             # bucket and keeps this rank's chunk of it
             self.reducer.launch(data, purpose, out=mine if self.reduce_scatter else None, async_op=self.overlap,
-                                key=(self.quantized_key, b.index), then=fold, holds=buf)
+                                key=(self.quantized_key, b.index), then=_in_order(fold, self._final(shard)), holds=buf)
         else:
             data = self.grad_flat[b.offset:b.offset + b.padded]
             # Reduced in place, or, in another communication dtype, through a copy cast back on arrival.
             wire = data if data.dtype == self.comm_dtype else data.to(self.comm_dtype)
             out = wire[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk] \
                 if self.stage == 1 and self.reduce_scatter else None
-            back = None
+            own = self._own_chunk(self.grad_flat, b)
+            cast = None
             if wire is not data:  # cast what arrived back into the accumulation buffer
-                src, dst = (out, self._own_chunk(self.grad_flat, b)) if out is not None else (wire, data)
-
-                def back(src=src, dst=dst) -> None:
-                    dst.copy_(src)
-            self.reducer.launch(wire, purpose, out=out, async_op=self.overlap, then=back)
+                src, dst = (out, own) if out is not None else (wire, data)
+                cast = functools.partial(dst.copy_, src)
+            then = _in_order(cast, self._final(own) if self.stage == 1 else None)
+            self.reducer.launch(wire, purpose, out=out, async_op=self.overlap, then=then)
         if not self.overlap:
             self.reducer.retire_oldest()
+
+    def _final(self, region: torch.Tensor):
+        """The call that reports region final for the step once its reduction arrived (boundary passes only)."""
+        return functools.partial(self.on_final, region) if self.final_pass and self.on_final is not None else None
 
     def _zero_unfilled(self, buf: torch.Tensor, b: Bucket) -> None:
         """Zero the slots of parameters that got no gradient in this backward, and the padding."""
@@ -327,3 +322,35 @@ class FlatGroup:
     # -- state (core/state.py) ------------------------------------------------------------------------------
 
     # -- accounting -------------------------------------------------------------------------------------------
+
+
+def _write_bucket(b: Bucket, params: list[torch.nn.Parameter], param_flat: torch.Tensor, master: torch.Tensor | None,
+                  chunk: tuple[int, int], store: ShardStore) -> None:
+    """Bucket b of the flat working-dtype buffer from its parameters' own values (fp32, before any rounding to 16
+    bits), and this rank's chunk of it into the fp32 master shard (chunk: its (start, size) in the flat buffer)."""
+    values = ops.flatten([p.detach() for p in params[b.first:b.last]], torch.float32).to(param_flat.device)
+    bucket = param_flat[b.offset:b.offset + b.padded]
+    bucket[:b.numel].copy_(values)
+    bucket[b.numel:].zero_()  # padding stays zero
+    if master is not None:
+        lo, size = chunk
+        start = lo - b.offset
+        real = max(0, min(size, b.numel - start))  # the rest of the chunk is padding
+        mine = master[b.shard_offset:b.shard_offset + size]
+        if store.in_files(mine):
+            store.write(mine, torch.cat([values[start:start + real].cpu(), torch.zeros(size - real)]))
+        else:
+            mine[:real].copy_(values[start:start + real])
+            mine[real:].zero_()
+
+
+def _in_order(*calls):
+    """One callable running the given calls in order (None ones skipped), or None when there are none."""
+    calls = [c for c in calls if c is not None]
+    if not calls:
+        return None
+
+    def run() -> None:
+        for call in calls:
+            call()
+    return run

@@ -56,15 +56,14 @@ class Stage12Runtime:
         self.flat = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], spec, comm=comm, store=store) if g else None
                      for g in groups]
         self.groups = [g for g in self.flat if g is not None]
-        self.quantized = quantized
-        self.param_store = None  # parameters are whole on every rank: never in files
+        # parameters are whole on every rank (never in files); on_final_grads: see core/runtime.py
+        self.quantized, self.param_store, self.on_final_grads = quantized, None, None
         if quantized is not None and spec.stage != 2:
             raise ValueError(f"quantized gradients (qgZ) replace stage 2's reduce-scatter, not stage {spec.stage}'s")
         for gi, g in enumerate(self.groups):
             g.reducer.quantized, g.quantized_key = quantized, gi
         self.shard_groups = [g.shard_group if g is not None else ShardGroup([], []) for g in self.flat]
-        self.params = [p for g in self.groups for p in g.params]
-        self.names = [n for g in self.groups for n in g.names]
+        self.params, self.names = [p for g in self.groups for p in g.params], [n for g in self.groups for n in g.names]
         self.stage = spec.stage
         # Every bucket of every group is one slot of the schedule. The first plan: latest-registered parameter
         # first, across groups (backward's rough order); from the second pass, rank 0's observed order.
@@ -136,6 +135,7 @@ class Stage12Runtime:
         self._reducing = self.stage == 2 or boundary
         self._in_pass = True
         for g in self.groups:
+            g.on_final, g.final_pass = self.on_final_grads, boundary
             g.begin_backward()
         if not self._reducing:
             return

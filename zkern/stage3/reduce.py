@@ -70,6 +70,8 @@ class GradReducer:
         self.grads_live = True  # the runtime frees it once the optimizer's views of it exist
         self._may_block = True
         self.on_complete = None  # callback(unit): its gradients are complete (the runtime frees its data)
+        self.on_final = None  # callback(region): a region of the gradient shard final for the step
+        self.final_pass = False  # this backward ends the accumulation
 
     def _plan(self, bucket_numel: int) -> list[ReduceGroup]:
         out = []
@@ -181,9 +183,14 @@ class GradReducer:
         async_op = self.overlap or not self._may_block
         mine = g.buffer[rank * g.section:(rank + 1) * g.section]
 
+        final = self.on_final if self.final_pass else None
+
         def fold() -> None:  # this rank's section into its gradient shard; the group's buffer goes
-            fold_reduced(self.grad_shard[g.shard_offset:g.shard_offset + g.section], mine, self.micro_since_step == 0)
+            shard = self.grad_shard[g.shard_offset:g.shard_offset + g.section]
+            fold_reduced(shard, mine, self.micro_since_step == 0)
             g.buffer = None
+            if final is not None:
+                final(shard)
 
         # qgZ has reduce-scatter's contract (the config refuses it without reduce_scatter); reduce_scatter=false
         # all-reduces the group's buffer and keeps this rank's section

@@ -95,6 +95,7 @@ class Stage3Runtime:
                                    names={id(p): n for p, n in zip(self.all_params, self.all_names)},
                                    quantized=self.quantized, keep_grads=zero.keep_gradient_buffers)
         self.reducer.on_complete = self.hooks.on_complete
+        self.on_final_grads = None  # callback(region): a region of the gradient shard final for the step
         self._handles = [p.register_post_accumulate_grad_hook(self.reducer.on_grad) for p in self.params]
         self._unguarded = False
         for module in model.modules():
@@ -125,6 +126,7 @@ class Stage3Runtime:
         self.hooks.abort_pass()
 
     def begin_backward(self, boundary: bool) -> None:
+        self.reducer.on_final, self.reducer.final_pass = self.on_final_grads, boundary
         self.reducer.begin_backward()
         self.hooks.begin_backward()
 

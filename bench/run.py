@@ -15,6 +15,7 @@
     python bench/run.py --suite gpu                  # on a GPU machine: the whole first-run record (bench/gpu_suite.py)
     python bench/run.py --suite bf16-state           # where training ends with bf16 optimizer state, small GPT
     python bench/run.py --suite paired --stage 0,1   # stage 0/1 and DDP/ZeroRedundancyOptimizer stepping in turn
+    python bench/run.py --suite offload --stage 2,3  # the offloaded step's time, grads copied in backward vs at step
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
@@ -48,6 +49,7 @@ from bench import (  # noqa: E402
     kernels_suite,
     memory_suite,
     nvme_suite,
+    offload_suite,
     paired_suite,
     peers,
     scale_suite,
@@ -55,9 +57,11 @@ from bench import (  # noqa: E402
 
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
           "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite, "gpu-static": gpu_static_suite,
-          "gpu": gpu_suite, "bf16-state": bf16_state_suite, "paired": paired_suite, "memory": memory_suite}
+          "gpu": gpu_suite, "bf16-state": bf16_state_suite, "paired": paired_suite, "memory": memory_suite,
+          "offload": offload_suite}
 # --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name
-MEASURED = [name for name in SUITES if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state", "paired")]
+MEASURED = [name for name in SUITES
+            if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state", "paired", "offload")]
 
 
 def _stages(text: str) -> list[int]:
@@ -152,6 +156,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             record = hf_suite.run(args.model or "25m")
         elif suite == "paired":
             record = paired_suite.run(args.stage, args.world, args.model or "small", args.steps)
+        elif suite == "offload":
+            record = offload_suite.run(args.stage, args.world, args.model or "small", args.steps,
+                                       precision=args.precision or "fp32")
         elif suite == "bf16-state":
             record = bf16_state_suite.run(args.model or "small", args.steps)
         elif suite == "gpu-static":

@@ -501,3 +501,19 @@ def test_memory_suite_measures_every_system_of_a_stage_and_gates_on_the_ratios()
     doubled = {**rec, "ratios": {**rec["ratios"], "stage3_peak_over_fsdp2": twice}}
     assert any("stage3_peak_over_fsdp2" in f for f in gates.check(doubled, committed))
     assert "formula" in memory_suite.table(rec)
+
+
+@pytest.mark.dist
+def test_offload_suite_accounts_for_where_the_gradients_went_down():
+    """The offload suite on the tiny GPT: each stage with gradients copied during backward and at step(); the
+    accounting says all of the gradient was on the host before step() in the first, none in the second."""
+    from bench import offload_suite
+
+    rec = offload_suite.run([1, 3], 2, "tiny", steps=4, progress=lambda line: None)
+    rows = {(r["stage"], r["grads_during_backward"]): r for r in rec["rows"]}
+    assert set(rows) == {(1, True), (1, False), (3, True), (3, False)}
+    for (stage, during), r in rows.items():
+        assert r["grad_bytes"] > 0 and r["steps_timed"] == 2
+        assert r["share_on_host_before_step"] == (1.0 if during else 0.0), (stage, during, r)
+    assert set(rec["ratios"]) == {f"stage{s}_step_during_backward_over_at_step" for s in (1, 3)}
+    assert "| 3 | during backward |" in offload_suite.table(rec)

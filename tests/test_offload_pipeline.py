@@ -91,3 +91,6 @@ def test_gradients_copied_during_backward_train_bit_for_bit_as_copied_at_the_ste
         went = [(a["grad_chunks_in_backward"], a["grad_chunks_at_step"]) for a in early["accounts"]]
         assert went == [(n, 0), (0, n), (n, 0), (n, 0)], went
         assert [(a["grad_chunks_in_backward"], a["grad_chunks_at_step"]) for a in late["accounts"]] == [(0, n)] * 4
+        total = {a["grad_bytes_in_backward"] + a["grad_bytes_at_step"] for a in early["accounts"] + late["accounts"]}
+        assert len(total) == 1 and total.pop() > 0  # every step moves the whole gradient shard, once
+        assert all(a["grad_bytes_in_backward"] == 0 for a in late["accounts"])

@@ -28,6 +28,7 @@ takes is the path CPU tests check.
 from __future__ import annotations
 
 import bisect
+import time
 
 import torch
 
@@ -73,7 +74,9 @@ class HostStep:
         self._sent: set[tuple[int, int]] | None = None  # chunks copied down in this boundary backward (None: none)
         self._spans: list[tuple[int, int, tuple[int, int]]] | None = None  # device gradient byte ranges, sorted
         self._missing: dict[tuple[int, int], int] = {}  # bytes of each chunk's gradient not yet landed
-        self.last_step = {"grad_chunks_in_backward": 0, "grad_chunks_at_step": 0}
+        self._backward_copy_s = 0.0  # host time copying (on CUDA: issuing copies of) gradients during backward
+        self._wait_s = 0.0
+        self.last_step: dict = {}  # the last applied step's accounting (see step())
 
     def staging_tensors(self) -> list[torch.Tensor]:
         """The host staging buffers: gradient copies (scratch within a step) and, where the parameters live on the
@@ -135,14 +138,16 @@ class HostStep:
     def _wait_down(self, gi: int, ci: int) -> None:
         event = self._events.pop((gi, ci), None)
         if event is not None:
+            start = time.perf_counter()
             event.synchronize()
+            self._wait_s += time.perf_counter() - start
 
     # -- gradients leaving during backward --------------------------------------------------------------------
     def begin_pass(self, boundary: bool) -> None:
         """A backward begins: at the boundary, the gradients that land in it are copied down as they land; any other
         pass changes gradients already copied, so the step copies them all."""
         self._sent = set() if boundary and self.during_backward else None
-        self._spans = None
+        self._spans, self._backward_copy_s = None, 0.0
 
     def invalidate(self) -> None:
         """The device gradients were written after they landed: the step copies every chunk again."""
@@ -173,14 +178,22 @@ class HostStep:
             if overlap > 0 and key not in self._sent:
                 self._missing[key] -= overlap
                 if self._missing[key] <= 0:
+                    start = time.perf_counter()
                     if self.stream is not None:  # the fold that made it final ran on the compute stream
                         self.stream.wait_stream(torch.cuda.current_stream())
                     self._down(*key)
                     self._sent.add(key)
+                    self._backward_copy_s += time.perf_counter() - start
             at += 1
 
     # -- the step ---------------------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, *, grad_scale: float, active: list[list[bool]]) -> None:
+        """The offloaded step; last_step then holds its accounting (host clock): how many chunks and bytes of the
+        gradient went down during backward and at the step, the host time copying them during backward (on CUDA:
+        issuing the copies), the step's host time, and within it the time the step waited for gradients (on a CPU:
+        copied them)."""
+        start = time.perf_counter()
+        self._wait_s = 0.0
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # gradients are final on the compute stream
         self._active = active
@@ -188,9 +201,16 @@ class HostStep:
         sent = self._sent or set()
         for gi, ci in order:
             if (gi, ci) not in sent:
+                copy_start = time.perf_counter()
                 self._down(gi, ci)
-        self.last_step = {"grad_chunks_in_backward": len(sent), "grad_chunks_at_step": len(order) - len(sent)}
-        self._sent = None
+                self._wait_s += time.perf_counter() - copy_start if self.stream is None else 0.0
+        size = {key: self.device_groups[key[0]].chunks[key[1]].grad for key in order}
+        moved = sum(size[key].numel() * size[key].element_size() for key in sent)
+        total = sum(t.numel() * t.element_size() for t in size.values())
+        self.last_step = {"grad_chunks_in_backward": len(sent), "grad_chunks_at_step": len(order) - len(sent),
+                          "grad_bytes_in_backward": moved, "grad_bytes_at_step": total - moved,
+                          "backward_copy_s": self._backward_copy_s if sent else 0.0}
+        self._sent, self._backward_copy_s = None, 0.0
         if isinstance(optimizer, ShardAdam):
             optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, after_chunk=self._up)
         else:  # a torch optimizer steps every piece at once
@@ -203,3 +223,4 @@ class HostStep:
             # The next forward reads the parameters on the compute stream: it waits for the uploads. The host
             # buffers are not rewritten before the next step's control all-reduce synchronises the host.
             torch.cuda.current_stream().wait_stream(self.stream)
+        self.last_step.update(step_s=time.perf_counter() - start, grad_wait_s=self._wait_s)

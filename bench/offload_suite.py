@@ -1,0 +1,133 @@
+"""The offload suite: where the time of an offloaded step goes, with gradients copied to the host during backward
+(zkern's default) and at step() (offload_optimizer.copy_grads_during_backward false), in the same run.
+
+    python bench/run.py --suite offload --stage 2,3           # the small GPT, world 2, CPU
+    python bench/run.py --suite offload --stage 3 --model 25m --steps 10 --json out.json
+
+Each timed step (after the warm-up) is split by the host clock into forward + backward (which holds the copies made
+during backward), the offloaded step (zkern/offload/host.py's accounting: the time it waited for gradients, and the
+rest: the host Adam and the uploads), and reports how many gradient bytes were on the host before step() began. On a
+CPU the copies are synchronous, so they are not hidden, only moved into backward: the record shows the accounting,
+not an overlap; on a GPU the copies run on a side stream while backward computes, and the step's wait for gradients
+is what was not hidden.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+
+import zkern
+from bench.engine_suite import MODELS, _git_sha
+from zkern.env_report import cpu_model
+from zkern.testing import TinyGPT, spawn
+
+
+def _config(stage: int, during_backward: bool, preset: dict, precision: str) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": preset["bucket"],
+            "offload_optimizer": {"device": "cpu", "copy_grads_during_backward": during_backward}}
+    if stage == 3:
+        zero["stage3_fetch_units"] = ["Block"]
+    cfg = {"train_micro_batch_size_per_gpu": preset["micro_batch"], "steps_per_print": 0, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _worker(rank: int, world: int, runs: list[dict], model: str, steps: int, warmup: int, precision: str) -> list:
+    preset = MODELS[model]
+    out = []
+    for run in runs:
+        torch.manual_seed(0)
+        engine = zkern.Engine(TinyGPT(**preset["model"]), _config(run["stage"], run["during"], preset, precision))
+        g = torch.Generator().manual_seed(rank)
+        seq, vocab = preset["model"]["seq"], preset["model"]["vocab"]
+        rows = []
+        for step in range(steps):
+            ids = torch.randint(0, vocab, (preset["micro_batch"], seq + 1), generator=g).to(engine.device)
+            t0 = _now(engine)
+            engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+            t1 = _now(engine)  # the compute stream done: copies on the side stream may still be on their way
+            engine.step()
+            t2 = _now(engine)
+            if step >= warmup:
+                rows.append({"forward_backward_s": t1 - t0, "step_call_s": t2 - t1, **engine.host_step.last_step})
+        out.append({**run, "rows": rows, "params": sum(engine.runtime.full_shape(p).numel()
+                                                        for p in engine.module.parameters())})
+        engine.destroy()
+    return out
+
+
+def _now(engine) -> float:
+    """The host clock once the device's compute stream has caught up (on a GPU calls only enqueue work)."""
+    if engine.device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    return time.perf_counter()
+
+
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def run(stages: list[int], world: int | None, model: str, steps: int | None = None, precision: str = "fp32",
+        progress=None) -> dict:
+    progress = progress or (lambda line: print(f"[bench] {line}", flush=True))
+    if any(s not in (1, 2, 3) for s in stages):
+        raise SystemExit(f"bench: the offload suite offloads the optimizer at stages 1-3, got {stages}")
+    world = world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    preset = MODELS[model]
+    steps = steps or preset["steps"]
+    warmup = preset["warmup"]
+    if steps <= warmup:
+        raise SystemExit(f"bench: the offload suite times the steps after {warmup} warm-up steps: give --steps above "
+                         f"{warmup}")
+    runs = [{"stage": s, "during": during} for s in stages for during in (True, False)]
+    progress(f"offload: {model}, stages {stages}, world {world}, {steps} steps ({warmup} warm-up)")
+    results = spawn(_worker, world, runs, model, steps, warmup, precision, timeout=3600)
+    rows = []
+    for i, run in enumerate(runs):
+        ranks = [r[i]["rows"] for r in results]
+        per = [{k: max(rk[j][k] for rk in ranks) for k in ranks[0][j]} for j in range(len(ranks[0]))]  # slowest rank
+        total = [r["forward_backward_s"] + r["step_call_s"] for r in per]
+        bytes_total = per[0]["grad_bytes_in_backward"] + per[0]["grad_bytes_at_step"]
+        rows.append({"stage": run["stage"], "grads_during_backward": run["during"],
+                     "step_s": statistics.median(total),
+                     "forward_backward_s": _median(per, "forward_backward_s"),
+                     "offloaded_step_s": _median(per, "step_s"), "grad_wait_s": _median(per, "grad_wait_s"),
+                     "backward_copy_s": _median(per, "backward_copy_s"),
+                     "grad_bytes": bytes_total,
+                     "share_on_host_before_step": per[0]["grad_bytes_in_backward"] / bytes_total if bytes_total else 0,
+                     "steps_timed": len(per)})
+        progress(f"stage {run['stage']}, grads during backward {run['during']}: step {rows[-1]['step_s'] * 1e3:.1f} ms")
+    ratios = {}
+    for s in stages:
+        on, off = [r for r in rows if r["stage"] == s and r["grads_during_backward"]], \
+            [r for r in rows if r["stage"] == s and not r["grads_during_backward"]]
+        ratios[f"stage{s}_step_during_backward_over_at_step"] = on[0]["step_s"] / off[0]["step_s"]
+    return {"suite": "offload", "model": model, "params": results[0][0]["params"], "world": world, "steps": steps,
+            "warmup": warmup, "precision": precision,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({cpu_model()})",
+            "versions": {"zkern": zkern.__version__, "torch": torch.__version__, "python": platform.python_version()},
+            "git_sha": _git_sha(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "rows": rows, "ratios": ratios}
+
+
+def table(record: dict) -> str:
+    out = [f"offload suite: {record['model']} GPT ({record['params']:,} parameters), world {record['world']}, "
+           f"{record['precision']}, optimizer on the host, medians of {record['steps'] - record['warmup']} steps "
+           f"(slowest rank), {record['device']}", "",
+           "| stage | grads to host | step | fwd+bwd | of it copying grads | offloaded step | of it waiting for grads "
+           "| grad bytes on host before step() |", "|---|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        out.append(f"| {r['stage']} | {'during backward' if r['grads_during_backward'] else 'at step()'} | "
+                   f"{r['step_s'] * 1e3:.1f} ms | {r['forward_backward_s'] * 1e3:.1f} ms | "
+                   f"{r['backward_copy_s'] * 1e3:.1f} ms | {r['offloaded_step_s'] * 1e3:.1f} ms | "
+                   f"{r['grad_wait_s'] * 1e3:.1f} ms | {r['share_on_host_before_step'] * 100:.0f}% of "
+                   f"{r['grad_bytes'] / 2**20:.1f} MiB |")
+    out.append("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in record["ratios"].items()))
+    return "\n".join(out)

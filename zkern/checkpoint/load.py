@@ -334,7 +334,8 @@ def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_
     rt.refresh()  # every whole copy (stage 1-2 buckets, stage 3 persistent units) from the loaded shards
     if load_module_only:
         return
-    if manifest["precision"] == "fp16" and engine.config.precision == "fp16":
+    # the scale a loss-scaling run reached (fp16, or torch_autocast in fp16; older manifests say fp16 only)
+    if manifest.get("loss_scaled", manifest["precision"] == "fp16") and engine.scaler.loss_scaled:
         engine.scaler.load_state_dict(manifest["loss_scaler"])
     saved_sched = manifest["lr_scheduler"]
     if load_lr_scheduler_states and saved_sched is not None:

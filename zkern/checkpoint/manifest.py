@@ -148,6 +148,8 @@ def _validate(body: dict, path: str) -> None:
     aliases = need(body, "aliases", dict, "")
     if not all(isinstance(v, str) for v in aliases.values()):
         raise CheckpointError(f"{path}: 'aliases' maps names to something other than names")
+    if not isinstance(body.get("loss_scaled", False), bool):
+        raise CheckpointError(f"{path}: 'loss_scaled' is not true or false")
     scaler = need(body, "loss_scaler", dict, "")
     for key, kind in (("scale", (int, float)), ("hysteresis_left", int), ("iter", int), ("last_overflow_iter", int)):
         if not isinstance(scaler.get(key), kind) or isinstance(scaler.get(key), bool):

@@ -188,6 +188,7 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
         "stage": zero.stage, "precision": cfg.precision, "offload_optimizer": zero.offload_optimizer_device,
         "offload_param": zero.offload_param_device, "saved_at": time.time(), "torch": torch.__version__,
         "loss_scaler": engine.scaler.state_dict(),
+        "loss_scaled": engine.scaler.loss_scaled,  # fp16, or torch_autocast in fp16
         "lr_scheduler": None if scheduler is None else plain(scheduler.state_dict(), "the lr scheduler's state"),
         "lr_scheduler_type": None if scheduler is None else type(scheduler).__name__,
         "optimizer": {"type": type(opt).__name__,

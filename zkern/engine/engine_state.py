@@ -99,7 +99,7 @@ def _scheduler(scheduler) -> Component:
 
 def _scaler(engine) -> Component:
     def reset() -> None:
-        vars(engine.scaler).update(vars(LossScaler.from_config(engine.config)))
+        vars(engine.scaler).update(vars(LossScaler.from_config(engine.config, engine.autocast_dtype)))
 
     return Component("loss_scaler", "training", reset=reset, snapshot=lambda: engine.scaler.state_dict())
 

@@ -33,6 +33,8 @@ class LossScaler:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_scale: float = 1.0
+    # the run scales its loss (fp16, or torch_autocast in fp16): a checkpoint's scaler state is restored only then
+    loss_scaled: bool = False
     _hysteresis_left: int = 0
     _iter: int = 0
     _last_overflow_iter: int = -1
@@ -45,14 +47,14 @@ class LossScaler:
         fp16 = cfg.fp16
         if autocast == torch.float16:
             return LossScaler(scale=float(2**16), dynamic=True, window=2000, hysteresis=1, min_scale=1.0,
-                              _hysteresis_left=1)
+                              loss_scaled=True, _hysteresis_left=1)
         if not fp16.enabled:
             return LossScaler(scale=1.0, dynamic=False)
         if fp16.loss_scale > 0:
-            return LossScaler(scale=fp16.loss_scale, dynamic=False)
+            return LossScaler(scale=fp16.loss_scale, dynamic=False, loss_scaled=True)
         return LossScaler(scale=float(2**fp16.initial_scale_power), dynamic=True, window=fp16.loss_scale_window,
                           hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
-                          min_scale=fp16.min_loss_scale, _hysteresis_left=fp16.hysteresis)
+                          min_scale=fp16.min_loss_scale, loss_scaled=True, _hysteresis_left=fp16.hysteresis)
 
     def update(self, overflow: bool) -> None:
         """Advance by one optimizer step that did (overflow=True) or did not overflow."""

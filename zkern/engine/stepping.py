@@ -108,7 +108,7 @@ def skip(engine: Engine, norm: float) -> None:
     engine.skipped_steps += 1
     engine.runtime.skipped_step()
     before = engine.scaler.scale
-    if engine.config.precision == "fp16" or engine.scaler.dynamic:  # fp16, or torch_autocast in fp16
+    if engine.scaler.loss_scaled:  # fp16, or torch_autocast in fp16
         engine.scaler.update(True)
         if engine.rank == 0:
             log.warning("zkern: OVERFLOW! Skipping step %d. Attempted loss scale: %g, reducing to %g",

@@ -148,7 +148,8 @@ class MoEBlock(Block):
         out = torch.zeros_like(h)
         for e in sorted(set(route.tolist())):  # only the experts this batch chose run
             rows = (route == e).nonzero().squeeze(1)
-            out = out.index_add(0, rows, self.experts[e](h[rows]))
+            # under torch.autocast an expert computes in 16 bits beside the fp32 residual: added in the residual's dtype
+            out = out.index_add(0, rows, self.experts[e](h[rows]).to(out.dtype))
         return x + out
 
 

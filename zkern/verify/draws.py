@@ -4,7 +4,8 @@ failing draw prints as a command that repeats it).
     python -c "import random; from zkern.verify.draws import random_draw; print(random_draw(random.Random(1)))"
 
 A draw trains a small GPT (or its routed-experts twin) for `steps` steps on a fixed global batch of GLOBAL
-sequences per step, split over `world` ranks and `accumulation` micro-steps. Events at chosen steps: a
+sequences per step, split over `world` ranks and `accumulation` micro-steps, in fp32, bf16 or fp16 (or fp32 weights
+under torch_autocast in bf16 or fp16). Events at chosen steps: a
 GatheredParameters write from rank 0, a save (sync or async) followed by a load (into the same live engine after a
 stray micro-step, or into a fresh engine, possibly of another world size and stage, possibly with layers frozen
 from then on, possibly leaving the optimizer, the scheduler or everything but the weights behind), an overflow (the
@@ -51,6 +52,7 @@ class Draw:
     world: int = 2
     stage: int = 0
     precision: str = "fp32"  # fp32 | bf16 | fp16
+    autocast: str = ""  # "" | bf16 | fp16: fp32 weights, the forward under torch_autocast in that dtype
     # bf16 optimizer state: "" | states (bf16 moments) | master (bf16 master and moments); "_sr": rounded
     # stochastically (bf16_stochastic_rounding)
     bf16_state: str = ""
@@ -102,7 +104,7 @@ class Draw:
     @property
     def exact(self) -> bool:
         """Comparable with the fp32 reference to float32 rounding (no 16-bit math, no quantized collective)."""
-        return self.precision == "fp32" and not (self.qwz or self.qgz)
+        return self.precision == "fp32" and not (self.qwz or self.qgz or self.autocast)
 
     @property
     def global_size(self) -> int:
@@ -168,6 +170,8 @@ class Draw:
         for name in ("write_at", "overflow_at", "dropped_at", "eval_at", "short_at", "spare_forward_at"):
             if getattr(self, name) >= self.steps:
                 problems.append(f"{name} beyond the last step")
+        if self.autocast and (self.autocast not in ("bf16", "fp16") or self.precision != "fp32" or self.qwz):
+            problems.append("autocast is bf16 or fp16, over fp32 weights, without qwZ (which torch_autocast refuses)")
         if self.bf16_state and (self.bf16_state not in BF16_STATES or self.precision != "bf16" or 0 in stages):
             problems.append(f"bf16_state must be one of {BF16_STATES}, with bf16 and stage 1-3 throughout")
         if self.optimizer not in OPTIMIZERS or self.scheduler not in SCHEDULERS or self.load_flags not in LOAD_FLAGS:
@@ -249,6 +253,8 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
             if values["load_into"] == "fresh" and rng.random() < 0.4:
                 values["world_after"] = rng.choice([w for w in worlds if w != world] or [world])
                 values["stage_after"] = rng.choice((0, 1, 2, 3))
+        if precision == "fp32" and not values.get("qwz") and rng.random() < 0.2:
+            values["autocast"] = rng.choice(("bf16", "bf16", "fp16"))
         if precision == "bf16" and stage > 0 and rng.random() < 0.4:
             values["bf16_state"] = rng.choice(BF16_STATES)
         if rng.random() < 0.2:

@@ -99,6 +99,8 @@ def config(draw: Draw, world: int, stage: int, root: str, device: str) -> dict:
             cfg["bf16_stochastic_rounding"] = draw.bf16_state.endswith("_sr")
     elif draw.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "hysteresis": 1, "loss_scale_window": 3}
+    if draw.autocast:
+        cfg["torch_autocast"] = {"enabled": True, "dtype": draw.autocast}
     return cfg
 
 

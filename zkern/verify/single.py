@@ -89,8 +89,9 @@ def same_arithmetic(draw: Draw) -> bool:
     """Whether the reference does the draw's arithmetic (Working): its 16-bit dtype, qwZ's int8 gathers, bf16
     optimizer state. Not qgZ: each rank's gradient is quantized before the ranks' sum, which the whole-batch
     reference never holds; those draws compute in fp32 here and are held to wider bounds (check.py). A stochastically
-    rounded bf16 master is kept at its fp32 expectation (reference())."""
-    return (draw.precision != "fp32" or draw.qwz) and not draw.qgz
+    rounded bf16 master is kept at its fp32 expectation (reference()). torch_autocast draws: the forward under
+    torch.autocast in the draw's dtype over the fp32 weights (the Working copy in fp32), fp16's loss scaled."""
+    return (draw.precision != "fp32" or draw.qwz or bool(draw.autocast)) and not draw.qgz
 
 
 def units_of(runs: list[list[dict]]) -> dict:
@@ -127,7 +128,7 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
     hyper = hyper_at(draw, count)  # what the scheduler set in the optimizer's groups: (lr, beta1)
     batches = global_batches(draw)
     losses, norms, skipped, global_steps = {}, {}, 0, 0
-    scale = LossScale() if draw.precision == "fp16" else None
+    scale = _loss_scale(draw)
     for step in range(draw.steps):
         now = next(k for k, (_, _, first, last) in enumerate(draw.phases) if first <= step < last)
         if now != phase:  # an engine built (or loaded into another layout): its gathers from now on
@@ -144,7 +145,8 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
         if step == draw.short_at:  # only the first micro-step of each rank ran: the batch's first 1 / accumulation,
             part = draw.accumulation  # its loss still divided by the accumulation steps
             idx, tgt = idx[:len(idx) // part], tgt[:len(tgt) // part]
-        loss = working.model(idx, tgt)
+        with torch.autocast("cpu", dtype=AUTOCAST[draw.autocast], enabled=bool(draw.autocast)):
+            loss = working.model(idx, tgt)
         losses[step] = loss.item()
         loss = loss / part if part > 1 else loss
         global_steps += 1
@@ -181,7 +183,7 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
                 opt = _optimizer(draw, model)
             if draw.load_flags == "module_only":  # and a fresh scheduler, scaler and counters
                 count, skipped, global_steps = -1, 0, 0
-                scale = LossScale() if draw.precision == "fp16" else None
+                scale = _loss_scale(draw)
             if draw.load_flags == "no_scheduler":  # the scheduler starts again; the optimizer's groups keep the lr
                 count = -1  # (and betas) they were saved with until its next step
             elif draw.load_flags:
@@ -200,19 +202,30 @@ def _after_load(draw: Draw, count: int, hyper: tuple) -> tuple:
     return hyper_at(draw, count)
 
 
+AUTOCAST = {"": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # torch_autocast's dtype
+
+
+def _loss_scale(draw: Draw):
+    """fp16's dynamic loss scale under the draws' settings; under torch_autocast in fp16, torch GradScaler's schedule
+    (2^16, doubled after 2000 clean steps: never within a draw), as the engine applies it."""
+    if draw.precision == "fp16":
+        return LossScale()
+    return LossScale(2.0 ** 16, 2000) if draw.autocast == "fp16" else None
+
+
 class LossScale:
     """DeepSpeed's dynamic loss scale under the draws' fp16 settings (runner.config: initial_scale_power 12,
     hysteresis 1, loss_scale_window 3), written out: an overflow halves it; every third optimizer step since the last
     overflow (or since the start) doubles it. The fp16 draws overflow only where a draw plants one (runner.train_step),
     so this is the whole trajectory."""
 
-    def __init__(self):
-        self.scale, self.iter, self.last_overflow = 2.0 ** 12, 0, -1
+    def __init__(self, initial: float = 2.0 ** 12, window: int = 3):
+        self.scale, self.window, self.iter, self.last_overflow = initial, window, 0, -1
 
     def update(self, overflow: bool) -> None:
         if overflow:
             self.scale = max(self.scale / 2, 1.0)
             self.last_overflow = self.iter
-        elif (self.iter - self.last_overflow) % 3 == 0:
+        elif (self.iter - self.last_overflow) % self.window == 0:
             self.scale *= 2
         self.iter += 1

@@ -147,8 +147,7 @@ def _openrlhf_worker(rank, world):
         actor_logits = actor(probe)
         matches = None if inference is None else torch.equal(inference(probe), actor_logits)
     out = {"state": actor.full_state_dict(rank0_only=True), "matches": matches, "received": received,
-           "reference_moved": (reference.full_state_dict()["blocks.0.fc.weight"]
-                               - actor_model.blocks[0].fc.weight.new_tensor(0)).sum().item()}
+           "reference_moved": reference.full_state_dict()["blocks.0.fc.weight"].sum().item()}
     actor.destroy()
     reference.destroy()
     return out

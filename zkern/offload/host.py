@@ -69,6 +69,7 @@ class HostStep:
                 self.staging_bytes += grad.numel() * grad.element_size()
                 chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))
             self.host_groups.append(ShardGroup(pieces=g.pieces, chunks=chunks))
+        self.grad_bytes = sum(c.grad.nbytes for g in self.host_groups for c in g.chunks)  # the shard, once a step
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self.during_backward = during_backward
         self._sent: set[tuple[int, int]] | None = None  # chunks copied down in this boundary backward (None: none)
@@ -204,11 +205,9 @@ class HostStep:
                 copy_start = time.perf_counter()
                 self._down(gi, ci)
                 self._wait_s += time.perf_counter() - copy_start if self.stream is None else 0.0
-        size = {key: self.device_groups[key[0]].chunks[key[1]].grad for key in order}
-        moved = sum(size[key].numel() * size[key].element_size() for key in sent)
-        total = sum(t.numel() * t.element_size() for t in size.values())
+        moved = sum(self.host_groups[gi].chunks[ci].grad.nbytes for gi, ci in sent)
         self.last_step = {"grad_chunks_in_backward": len(sent), "grad_chunks_at_step": len(order) - len(sent),
-                          "grad_bytes_in_backward": moved, "grad_bytes_at_step": total - moved,
+                          "grad_bytes_in_backward": moved, "grad_bytes_at_step": self.grad_bytes - moved,
                           "backward_copy_s": self._backward_copy_s if sent else 0.0}
         self._sent, self._backward_copy_s = None, 0.0
         if isinstance(optimizer, ShardAdam):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,17 @@ GLOBAL_BATCH = 4
 DATA_STEPS = 64  # the data of step s must not depend on how many steps a run asks for
 SCHEDULER = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
                                                           "warmup_num_steps": 4, "warmup_type": "linear"}}}
+
+
+# A checkpoint in manifest version 2, saved before the checkpoint was written from the state registry (its README).
+V2 = Path(__file__).parent / "data" / "checkpoint_v2"
+
+
+def v2_spec() -> TrainSpec:
+    """The run that wrote V2."""
+    return spec_for(1, stage=2, precision="fp16", fp16={"initial_scale_power": 16, "hysteresis": 1,
+                                                         "loss_scale_window": 2},
+                    extra_config=SCHEDULER, model={"vocab": 17, "seq": 8, "dim": 16})
 
 
 def spec_for(world: int, **kwargs) -> TrainSpec:

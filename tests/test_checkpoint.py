@@ -174,7 +174,7 @@ def in_flight_worker(rank: int, world: int, root: str) -> tuple[bool, bool]:
     engine.save_checkpoint(root, async_save=True)
     engine.wait_checkpoint()
     if rank == 1:
-        engine._pending_save = _StillWriting()  # rank 1's writer is slower than rank 0's
+        engine.checkpointer.pending = _StillWriting()  # rank 1's writer is slower than rank 0's
     return idle, engine.checkpoint_in_flight
 
 

@@ -7,23 +7,13 @@ loss scaler, LR scheduler and the torch generator all come back as the files hol
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import torch
-from checkpoint_runs import SCHEDULER, assert_same_state, build, spec_for, train
+from checkpoint_runs import V2, assert_same_state, build, train, v2_spec
 from safetensors.torch import load_file
 
 from zkern.checkpoint import load_fp32_state_dict, load_optimizer_state_dict
 from zkern.checkpoint.manifest import read_manifest
-
-V2 = Path(__file__).parent / "data" / "checkpoint_v2"
-FP16 = {"initial_scale_power": 16, "hysteresis": 1, "loss_scale_window": 2}
-
-
-def v2_spec():
-    """The run that wrote tests/data/checkpoint_v2 (its README)."""
-    return spec_for(1, stage=2, precision="fp16", fp16=FP16, extra_config=SCHEDULER,
-                    model={"vocab": 17, "seq": 8, "dim": 16})
 
 
 def test_a_version_2_checkpoint_loads_whole(tmp_path):

@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from checkpoint_runs import build, spec_for, train
+from checkpoint_runs import V2, build, spec_for, train, v2_spec
 
 from zkern.checkpoint import CheckpointError, consolidate, inspect, load_fp32_state_dict
 from zkern.checkpoint.manifest import manifest_bytes
@@ -133,27 +133,28 @@ def test_inspect_finds_every_damaged_byte_of_a_rank_file(saved, case):
     assert "checksums: FAILED" in report and file in report, report
 
 
-def test_a_version_1_checkpoint_with_whole_file_checksums_still_loads_and_verifies(saved, tmp_path):
+def test_a_version_1_checkpoint_with_whole_file_checksums_still_loads_and_verifies(tmp_path):
     """Version 1 manifests hold each file's whole sha256 instead of its header's: they load as before, and
-    `inspect` checks the whole-file checksum (a flipped byte is found)."""
+    `inspect` checks the whole-file checksum (a flipped byte is found). Made from the version-2 checkpoint in
+    tests/data (versions 1 and 2 differ in the checksums only)."""
     from zkern.checkpoint.tensorfile import file_sha256
 
-    engine, root = saved
     copy = tmp_path / "v1"
-    shutil.copytree(root / "base", copy)
-    tag = copy / "global_step2"
+    shutil.copytree(V2, copy)
+    tag = copy / "global_step3"
 
     def as_version_1(body):
+        assert body["version"] == 2
         body["version"] = 1
         for name, info in body["files"].items():
             del info["header_sha256"]
             info["sha256"] = file_sha256(str(tag / name))
 
     _manifest_edit(tag / "manifest.json", as_version_1)
-    fresh = build(spec_for(1, stage=2), 1)
+    fresh = build(v2_spec(), 1)
     fresh.load_checkpoint(copy)
-    reference = build(spec_for(1, stage=2), 1)
-    reference.load_checkpoint(root / "base")
+    reference = build(v2_spec(), 1)
+    reference.load_checkpoint(V2)
     assert_state_equal(engine_state(fresh), engine_state(reference))
     assert "checksums: all hold" in "\n".join(inspect(copy))
     _flip_weight(tag / "rank00000.safetensors")

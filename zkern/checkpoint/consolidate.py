@@ -18,7 +18,16 @@ import json
 import os
 import re
 
-from zkern.checkpoint.manifest import MANIFEST, check_sizes, entry_key, list_tags, read_latest, read_manifest, tag_dir
+from zkern.checkpoint.manifest import (
+    MANIFEST,
+    check_sizes,
+    entry_key,
+    list_tags,
+    read_latest,
+    read_manifest,
+    saved_state,
+    tag_dir,
+)
 from zkern.checkpoint.tensorfile import COPY_BLOCK, DTYPE_SIZES, StreamWriter, file_sha256, read_header
 from zkern.errors import CheckpointError
 
@@ -282,7 +291,10 @@ def inspect(ckpt_dir, verify: bool = True) -> list[str]:
             continue
         total = sum(f["bytes"] for f in m["files"].values())
         params = sum(_numel(i["shape"]) for i in m["params"].values())
-        lines.append(f"  {tag}: step {m['global_steps']} (skipped {m['skipped_steps']}), world {m['world_size']}, "
+        counters = saved_state(m).get("counters")
+        step, skipped = (counters.get("global_steps"), counters.get("skipped_steps")) \
+            if isinstance(counters, dict) else ("?", "?")
+        lines.append(f"  {tag}: step {step} (skipped {skipped}), world {m['world_size']}, "
                      f"stage {m['stage']}, {m['precision']}, offload optimizer={m['offload_optimizer']} "
                      f"param={m['offload_param']}; {len(m['params'])} trained tensors ({params:,} elements), "
                      f"{len(m['module'])} other; {len(m['files'])} files, {total / 2**20:.1f} MiB")

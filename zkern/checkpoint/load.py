@@ -1,30 +1,36 @@
-"""engine.load_checkpoint: find this rank's shard in a checkpoint written at any world size, stage or offload
-setting, read it into staging buffers, verify everything, and only then change the engine's state.
+"""Checkpointer.load: find this rank's shard in a checkpoint written at any world size, stage or offload setting,
+read it into staging buffers, verify everything, and only then change the engine's state.
 
     python -m pytest tests/test_checkpoint.py tests/test_checkpoint_topology.py -q
 
 Each rank asks, for every piece of its own shard (runtime.shard_map), for the elements [start, start + numel) of
 that parameter in the checkpoint's entries (ranges.RangeReader): the saver's partition is never replayed. Names and
 shapes are checked against the model, every file's size and header and every entry's sha256 against the manifest,
-before anything is allocated from the checkpoint's numbers or copied into the engine; then the ranks exchange
-their outcome, and either all apply or all raise.
+before anything is allocated from the checkpoint's numbers or copied into the engine; every state component the
+load restores checks its saved form (core/state.py); then the ranks exchange their outcome, and either all apply or
+all raise.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from zkern.checkpoint.control import all_gather_json
-from zkern.checkpoint.manifest import check_sizes, read_latest, read_manifest, tag_dir
+from zkern.checkpoint.manifest import check_sizes, read_latest, read_manifest, saved_state, tag_dir
 from zkern.checkpoint.ranges import TORCH_DTYPES, RangeReader
 from zkern.checkpoint.save import loco_layout, loco_reducer
-from zkern.checkpoint.save import module_state as engine_module_state
+from zkern.checkpoint.save import module_state as held_module_state
+from zkern.core.generators import encode
 from zkern.core.state import kinds_a_load_resets
 from zkern.errors import CheckpointError
 from zkern.optim.shard_adam import ShardAdam
+
+if TYPE_CHECKING:
+    from zkern.checkpoint.holdings import Holdings
 
 log = logging.getLogger("zkern")
 
@@ -43,10 +49,20 @@ class _Plan:
         self.commit = None  # ShardMap.commit: stores the resting views that are staged copies
         self.hyper: list[dict] = []  # per optimizer param group: the checked hyper-parameters to set
         self.loco: dict[str, torch.Tensor] | None = None  # LoCo's error buffers, where the layout matches
+        self.forms: dict[str, object] = {}  # component name -> its checked saved form, to restore
+        self.absent: list[str] = []  # components the load restores that the checkpoint holds nothing of
+        self.unknown: list[str] = []  # saved forms no component of this engine takes
 
 
-def load(engine, ctrl, load_dir, tag, *, strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-         load_module_only: bool):
+def restored_kinds(*, load_module_only: bool, load_lr_scheduler_states: bool) -> tuple[str, ...]:
+    """The kinds of plain-data state (saved forms) a load with these flags restores."""
+    if load_module_only:
+        return ()
+    return ("training", "lr_scheduler") if load_lr_scheduler_states else ("training",)
+
+
+def load(h: Holdings, ctrl, load_dir, tag, *, strict: bool, load_optimizer_states: bool,
+         load_lr_scheduler_states: bool, load_module_only: bool):
     load_dir = os.fspath(load_dir)
     status, manifest, path, plan = {}, None, None, None
     try:
@@ -63,10 +79,9 @@ def load(engine, ctrl, load_dir, tag, *, strict: bool, load_optimizer_states: bo
         else:
             manifest = read_manifest(path)
             check_sizes(manifest, os.path.join(path, "manifest.json"))
-            plan = _stage(engine, manifest, path, strict=strict,
-                          optimizer=load_optimizer_states and not load_module_only)
-            if load_lr_scheduler_states and not load_module_only:
-                _check_scheduler_state(engine, manifest, os.path.join(path, "manifest.json"))
+            plan = _stage(h, manifest, path, strict=strict, optimizer=load_optimizer_states and not load_module_only,
+                          kinds=restored_kinds(load_module_only=load_module_only,
+                                               load_lr_scheduler_states=load_lr_scheduler_states))
     except (CheckpointError, OSError) as e:
         status["error"] = str(e)
     except Exception as e:  # anything else a damaged checkpoint provokes still reaches every rank as an error
@@ -79,20 +94,20 @@ def load(engine, ctrl, load_dir, tag, *, strict: bool, load_optimizer_states: bo
         raise CheckpointError(f"load_checkpoint({load_dir!r}, tag={tag!r}) failed; the engine is unchanged. "
                               f"{own or ''}{' | other ranks: ' + others if others else ''}")
     if any("missing" in s for s in statuses):
-        if engine.rank == 0:
+        if h.rank == 0:
             log.warning("zkern: %s", next(s["missing"] for s in statuses if "missing" in s))
         return None, None
-    _apply(engine, manifest, plan, load_module_only=load_module_only,
+    _apply(h, manifest, plan, load_module_only=load_module_only,
            load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states)
     return path, manifest["client_state"]
 
 
-def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) -> _Plan:
-    rt = engine.runtime
+def _stage(h: Holdings, manifest: dict, path: str, *, strict: bool, optimizer: bool, kinds: tuple[str, ...]) -> _Plan:
+    rt = h.runtime
     smap = rt.shard_map()
     where = os.path.join(path, "manifest.json")
     saved_params, saved_module, aliases = manifest["params"], manifest["module"], manifest["aliases"]
-    module_state = engine_module_state(engine)
+    module_state = held_module_state(h)
     trainable = {id(p) for p in rt.params}
     # Names: the model's (state_dict) against the checkpoint's, tied names resolved through either side's aliases.
     model_names = set(module_state)
@@ -105,7 +120,7 @@ def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) 
         raise CheckpointError(f"{where}: does not match the model (load_module_strict=True): missing from the "
                               f"checkpoint {missing[:20]}{' ...' if len(missing) > 20 else ''}, in the checkpoint "
                               f"but not the model {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
-    if missing and engine.rank == 0:
+    if missing and h.rank == 0:
         log.warning("zkern: load_checkpoint: %d tensors of the model are not in the checkpoint and keep their "
                     "values: %s", len(missing), missing[:20])
 
@@ -132,8 +147,8 @@ def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) 
             raise CheckpointError(f"{where}: {found!r} has shape {table[found]['shape']}, the model's "
                                   f"{rt.names[i]!r} has {list(smap.shapes[i])}")
     if optimizer:
-        _check_optimizer(engine, manifest, where)
-        plan.hyper = _checked_hyper_parameters(engine.optimizer, manifest["optimizer"]["param_groups"], where)
+        _check_optimizer(h.optimizer, manifest, where)
+        plan.hyper = _checked_hyper_parameters(h.optimizer, manifest["optimizer"]["param_groups"], where)
     for gi, group in enumerate(rt.shard_groups):
         for k, piece in enumerate(group.pieces):
             index, start, _ = smap.pieces[gi][k]
@@ -145,7 +160,7 @@ def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) 
             reader.request(kind, name, start, staged)
             plan.copies.append((piece.reshape(-1), staged))
             if optimizer:
-                plan.optim.append((gi, k, piece, _stage_optimizer(engine, reader, manifest, name, start, piece)))
+                plan.optim.append((gi, k, piece, _stage_optimizer(h.optimizer, reader, manifest, name, start, piece)))
     resting = {id(p): [] for p, _, _, _ in smap.resting}
     for p, _, start, view in smap.resting:
         if view.numel():
@@ -175,27 +190,64 @@ def _stage(engine, manifest: dict, path: str, *, strict: bool, optimizer: bool) 
             plan.copies.append((live, staged))
             if master is not None:
                 plan.copies.append((master, staged))
-    rank_name = f"rank{engine.rank}"
-    for e in manifest["tensors"]:
+    rank_name = f"rank{h.rank}"
+    for e in manifest["tensors"]:  # versions 1-2: the torch generators as tensor entries
         if e["name"] == rank_name and e["kind"] in ("rng.cpu", "rng.cuda"):
             plan.rng[e["kind"][4:]] = staged = torch.empty(e["numel"], dtype=torch.uint8)
             reader.request(e["kind"], rank_name, 0, staged)
     if optimizer:
-        plan.loco = _stage_loco(engine, manifest, reader, where)
+        plan.loco = _stage_loco(h, manifest, reader, where)
     reader.check_files()
     reader.run()
+    _stage_forms(h, manifest, plan, kinds, where)
     return plan
 
 
-def _check_optimizer(engine, manifest: dict, where: str) -> None:
+def _own_forms(h: Holdings, manifest: dict, plan: _Plan) -> dict:
+    """This rank's own saved forms ({} when the checkpoint was saved by fewer ranks)."""
+    if manifest["version"] >= 3:
+        return manifest["rank_state"].get(f"rank{h.rank}", {})
+    if "cpu" not in plan.rng:
+        return {}
+    generators: dict = {"cpu": encode(plan.rng["cpu"])}
+    if "cuda" in plan.rng and h.device.type == "cuda":  # the saving rank's device's: this rank's device takes it
+        index = h.device.index if h.device.index is not None else torch.cuda.current_device()
+        generators["cuda"] = [None] * index + [encode(plan.rng["cuda"])]
+    return {"generators": generators}
+
+
+def _stage_forms(h: Holdings, manifest: dict, plan: _Plan, kinds: tuple[str, ...], where: str) -> None:
+    """The saved form of every component of the restored kinds, checked by the component itself."""
+    shared, own = saved_state(manifest), _own_forms(h, manifest, plan)
+    taken = set()
+    for c in h.registry:
+        if c.save is None:
+            continue
+        taken.add(c.name)
+        if c.kind not in kinds:
+            continue
+        forms = own if c.per_rank else shared
+        if c.name not in forms:
+            plan.absent.append(c.name)
+            continue
+        try:
+            if c.check is not None:
+                c.check(forms[c.name])
+        except (ValueError, TypeError, KeyError, IndexError, CheckpointError) as e:
+            raise CheckpointError(f"{where}: the saved {c.name!r} cannot be restored: {e}") from None
+        plan.forms[c.name] = forms[c.name]
+    plan.unknown = sorted((set(shared) | set(own)) - taken) if kinds else []
+
+
+def _check_optimizer(optimizer, manifest: dict, where: str) -> None:
     saved = manifest["optimizer"]
-    mine = type(engine.optimizer).__name__
+    mine = type(optimizer).__name__
     if saved["type"] != mine and not {saved["type"], mine} <= ADAM_FAMILY:
         raise CheckpointError(f"{where}: the checkpoint's optimizer is {saved['type']}, the engine's {mine}: their "
                               f"states do not correspond; pass load_optimizer_states=False to load the weights only")
-    if len(saved["param_groups"]) != len(engine.optimizer.param_groups):
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(f"{where}: the checkpoint's optimizer has {len(saved['param_groups'])} parameter "
-                              f"groups, the engine's {len(engine.optimizer.param_groups)}; pass "
+                              f"groups, the engine's {len(optimizer.param_groups)}; pass "
                               f"load_optimizer_states=False to load the weights only")
 
 
@@ -231,44 +283,15 @@ def _checked_hyper_parameters(optimizer, saved_groups: list, where: str) -> list
     return out
 
 
-def _same_kind(saved, live) -> bool:
-    """Plain JSON `saved` can stand where the live value is (numbers for numbers, lists for lists and tuples, ...)."""
-    if live is None or saved is None:
-        return True
-    if isinstance(live, bool) or isinstance(saved, bool):
-        return isinstance(live, bool) and isinstance(saved, bool)
-    if isinstance(live, (int, float)):
-        return isinstance(saved, (int, float))
-    if isinstance(live, (list, tuple)):
-        return isinstance(saved, list) and len(saved) == len(live) and all(map(_same_kind, saved, live))
-    if isinstance(live, dict):
-        return isinstance(saved, dict) and all(_same_kind(saved[k], live[k]) for k in saved.keys() & live.keys())
-    return isinstance(saved, type(live))
-
-
-def _check_scheduler_state(engine, manifest: dict, where: str) -> None:
-    """The saved scheduler state has the live scheduler's keys, each of the live value's kind: loading it cannot
-    fail half-way or plant a key the scheduler never had."""
-    saved, live = manifest["lr_scheduler"], engine.lr_scheduler
-    if saved is None or live is None:
-        return
-    mine = live.state_dict()
-    if set(saved) != set(mine) or not all(_same_kind(saved[k], mine[k]) for k in mine):
-        raise CheckpointError(f"{where}: the saved {manifest.get('lr_scheduler_type')} state (keys "
-                              f"{sorted(saved)[:10]}) does not fit this engine's {type(live).__name__} (keys "
-                              f"{sorted(mine)[:10]}); pass load_lr_scheduler_states=False to keep the scheduler as "
-                              f"it is")
-
-
-def _stage_loco(engine, manifest: dict, reader: RangeReader, where: str) -> dict[str, torch.Tensor] | None:
+def _stage_loco(h: Holdings, manifest: dict, reader: RangeReader, where: str) -> dict[str, torch.Tensor] | None:
     """This rank's LoCo error buffers, when the checkpoint's layout is this engine's (errors are per rank, hop and
     bucket); None, with a log line, when they cannot carry over and restart at zero."""
-    quantizer = loco_reducer(engine)
+    quantizer = loco_reducer(h.runtime)
     if quantizer is None:
         return None
     saved = manifest.get("loco")
-    if not isinstance(saved, dict) or saved.get("layout") != loco_layout(engine):
-        if engine.rank == 0:
+    if not isinstance(saved, dict) or saved.get("layout") != loco_layout(h):
+        if h.rank == 0:
             log.warning("zkern: load_checkpoint: %s LoCo error buffers for this layout (world size, ranks per node, "
                         "stage, buckets); they restart at zero, as at a reset_T boundary",
                         "the checkpoint has no" if not isinstance(saved, dict) else "the checkpoint's are not")
@@ -276,7 +299,7 @@ def _stage_loco(engine, manifest: dict, reader: RangeReader, where: str) -> dict
     if not isinstance(saved.get("steps"), int):
         raise CheckpointError(f"{where}: loco.steps is missing or not an integer")
     out = {}
-    rank_name = f"rank{engine.rank}"
+    rank_name = f"rank{h.rank}"
     for e in manifest["tensors"]:
         if e["name"] == rank_name and e["kind"].startswith("loco."):
             staged = torch.empty(e["numel"], dtype=TORCH_DTYPES[e["dtype"]])
@@ -285,7 +308,8 @@ def _stage_loco(engine, manifest: dict, reader: RangeReader, where: str) -> dict
     return out
 
 
-def _stage_optimizer(engine, reader: RangeReader, manifest: dict, name: str, start: int, piece: torch.Tensor) -> dict:
+def _stage_optimizer(optimizer, reader: RangeReader, manifest: dict, name: str, start: int,
+                     piece: torch.Tensor) -> dict:
     """This piece's optimizer state from the checkpoint, staged; {} when the checkpoint has none for it (it never
     stepped): the state is then reset, as for a fresh parameter."""
     opt = manifest["optimizer"]
@@ -297,63 +321,61 @@ def _stage_optimizer(engine, reader: RangeReader, manifest: dict, name: str, sta
     for key, value in opt["scalars"].get(name, {}).items():
         dtype = opt["scalar_types"].get(key)
         state[key] = value if dtype is None else torch.tensor(value, dtype=TORCH_DTYPES[dtype])
-    if isinstance(engine.optimizer, ShardAdam) and state and not {"exp_avg", "exp_avg_sq", "step"} <= set(state):
+    if isinstance(optimizer, ShardAdam) and state and not {"exp_avg", "exp_avg_sq", "step"} <= set(state):
         raise CheckpointError(f"the checkpoint's optimizer state of {name!r} has {sorted(state)}; zkern's Adam "
                               f"needs exp_avg, exp_avg_sq and step")
     return state
 
 
-def _apply(engine, manifest: dict, plan: _Plan, *, load_module_only: bool, load_optimizer_states: bool,
+def _apply(h: Holdings, manifest: dict, plan: _Plan, *, load_module_only: bool, load_optimizer_states: bool,
            load_lr_scheduler_states: bool) -> None:
-    rt, opt = engine.runtime, engine.optimizer
+    rt, opt, store = h.runtime, h.optimizer, h.store
     # What this load does not restore goes back to a fresh engine's value first (gradients accumulated since the last
     # step always; the optimizer, scheduler, scaler and counters by the flags): the engine then equals a fresh engine
     # loaded from the same checkpoint, whenever the load comes.
-    engine.state.reset(*kinds_a_load_resets(load_module_only=load_module_only,
-                                            load_optimizer_states=load_optimizer_states,
-                                            load_lr_scheduler_states=load_lr_scheduler_states))
+    h.registry.reset(*kinds_a_load_resets(load_module_only=load_module_only,
+                                          load_optimizer_states=load_optimizer_states,
+                                          load_lr_scheduler_states=load_lr_scheduler_states))
     with torch.no_grad():
         for live, staged in plan.copies:
-            engine.store.write(live, staged)  # in memory, or in the file of a master or working shard on NVMe
+            store.write(live, staged)  # in memory, or in the file of a master or working shard on NVMe
         if plan.commit is not None:
             plan.commit()
         # The working-dtype copies follow the masters (as the optimizer's own step writes them).
-        groups = [*rt.shard_groups, *(engine.host_step.host_groups if engine.host_step is not None else [])]
-        for g in groups:
+        for g in [*rt.shard_groups, *h.host_groups]:
             for chunk in g.chunks:
                 if chunk.out is not None:
-                    engine.store.write(chunk.out, engine.store.read(chunk.param))
+                    store.write(chunk.out, store.read(chunk.param))
         if load_optimizer_states and not load_module_only:
             for gi, k, piece, state in plan.optim:
                 _set_optimizer_state(opt, gi, k, piece, state)
             for group, values in zip(opt.param_groups, plan.hyper):
                 group.update(values)
             if plan.loco is not None:
-                loco_reducer(engine).load_errors(plan.loco, manifest["loco"]["steps"], engine.device)
-    engine.state.reset("derived")  # hpZ's slices no longer stand for the shards
+                loco_reducer(rt).load_errors(plan.loco, manifest["loco"]["steps"], h.device)
+    h.registry.reset("derived")  # hpZ's slices no longer stand for the shards
     rt.refresh()  # every whole copy (stage 1-2 buckets, stage 3 persistent units) from the loaded shards
-    if load_module_only:
-        return
-    # the scale a loss-scaling run reached (fp16, or torch_autocast in fp16; older manifests say fp16 only)
-    if manifest.get("loss_scaled", manifest["precision"] == "fp16") and engine.scaler.loss_scaled:
-        engine.scaler.load_state_dict(manifest["loss_scaler"])
-    saved_sched = manifest["lr_scheduler"]
-    if load_lr_scheduler_states and saved_sched is not None:
-        if engine.lr_scheduler is None:
-            log.warning("zkern: the checkpoint has a %s state but the engine has no lr scheduler; it is not loaded",
-                        manifest["lr_scheduler_type"])
-        else:
-            engine.lr_scheduler.load_state_dict(saved_sched)
-    engine.global_steps = manifest["global_steps"]
-    engine.skipped_steps = manifest["skipped_steps"]
-    engine.micro_steps = manifest["micro_steps"]
-    loader = next((c for c in engine.state if c.name == "dataloader"), None)
-    saved_loader = manifest.get("dataloader")
-    if loader is not None and isinstance(saved_loader, dict) and isinstance(saved_loader.get("epoch"), int):
-        loader.restore(saved_loader)
-    norm = manifest.get("last_grad_norm")
-    engine.last_grad_norm = float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) else None
-    _restore_rng(engine, manifest, plan)
+    _restore_forms(h, manifest, plan)
+
+
+def _restore_forms(h: Holdings, manifest: dict, plan: _Plan) -> None:
+    """Counters, loss scaler, scheduler, data-loader epoch, generators: each component takes its checked form back;
+    one the checkpoint holds nothing of starts from a fresh engine's value."""
+    for c in h.registry:
+        if c.name in plan.forms:
+            c.restore(plan.forms[c.name])
+        elif c.name in plan.absent:
+            if c.reset is not None:
+                c.reset()
+            if c.per_rank:
+                log.warning("zkern: rank %d: the checkpoint was saved by %d ranks and holds no %s of this rank; it "
+                            "continues from where it is", h.rank, manifest["world_size"], c.name)
+            elif h.rank == 0:
+                log.warning("zkern: load_checkpoint: the checkpoint holds no %s state; it starts from a fresh "
+                            "engine's value", c.name)
+    if plan.unknown and h.rank == 0:
+        log.warning("zkern: load_checkpoint: the checkpoint holds %s state, which this engine has no place for; "
+                    "it is not loaded", ", ".join(plan.unknown))
 
 
 def _set_optimizer_state(opt, gi: int, k: int, piece: torch.Tensor, state: dict) -> None:
@@ -371,13 +393,3 @@ def _set_optimizer_state(opt, gi: int, k: int, piece: torch.Tensor, state: dict)
         opt.state[piece] = new
     else:
         opt.state.pop(piece, None)
-
-
-def _restore_rng(engine, manifest: dict, plan: _Plan) -> None:
-    if "cpu" not in plan.rng:
-        log.warning("zkern: rank %d: the checkpoint was saved by %d ranks and holds no generator state for this "
-                    "rank; its torch RNG continues from where it is", engine.rank, manifest["world_size"])
-        return
-    torch.set_rng_state(plan.rng["cpu"])
-    if "cuda" in plan.rng and engine.device.type == "cuda":
-        torch.cuda.set_rng_state(plan.rng["cuda"], engine.device)

@@ -10,11 +10,16 @@
 A tensor entry is one contiguous range of one tensor of model.state_dict(), flattened: (kind, name, start, numel)
 in the manifest, stored under the key "kind:name:start" in a rank's file. kinds: "master" (fp32 weights of a
 trained parameter), "optim.<state>" (an optimizer state shaped like its parameter, e.g. optim.exp_avg), "module"
-(frozen parameters and buffers, in their own dtype), "rng.cpu" / "rng.cuda" (a rank's generator states, name
-"rank<r>"). Nothing here depends on the world size or stage that wrote it.
+(frozen parameters and buffers, in their own dtype), "loco.<bucket>" (a rank's LoCo error buffer, name "rank<r>").
+Nothing here depends on the world size or stage that wrote it.
 
-Version 2 checksums a file as its header's sha256 plus its tensors' (which tile the rest): a save hashes every byte
-once. Version 1 (still read) also held the whole file's sha256, which cost a second hash of every byte.
+Version 3 keeps every state component's saved form (core/state.py) as plain data: "state" maps a component's name
+to rank 0's form (counters, loss scaler, LR scheduler, data-loader epoch), "rank_state" maps "rank<r>" to that
+rank's own forms (its generators). Versions 1 and 2 (still read) held the counters, scaler, scheduler and epoch as
+fields of their own and the torch generators as tensor entries "rng.cpu" / "rng.cuda" (name "rank<r>"); the load
+reads them into the same forms (load.py). Version 2 checksums a file as its header's sha256 plus its tensors'
+(which tile the rest): a save hashes every byte once. Version 1 also held the whole file's sha256, which cost a
+second hash of every byte.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from zkern.errors import CheckpointError
 from zkern.safe_io import parse_json, read_capped
 
 FORMAT = "zkern-checkpoint"
-VERSION = 2
-READ_VERSIONS = (1, 2)
+VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
@@ -139,7 +144,7 @@ def _validate(body: dict, path: str) -> None:
     if body.get("version") not in READ_VERSIONS:
         raise CheckpointError(f"{path}: format version {body.get('version')!r}; this zkern reads versions "
                               f"{', '.join(map(str, READ_VERSIONS))} (a newer zkern wrote it: upgrade zkern)")
-    for key in ("world_size", "stage", "global_steps", "skipped_steps", "micro_steps"):
+    for key in ("world_size", "stage"):
         need(body, key, int, "")
     need(body, "precision", str, "")
     if "client_state" not in body:  # its value may be null; its absence would fail after the weights were applied
@@ -148,14 +153,12 @@ def _validate(body: dict, path: str) -> None:
     aliases = need(body, "aliases", dict, "")
     if not all(isinstance(v, str) for v in aliases.values()):
         raise CheckpointError(f"{path}: 'aliases' maps names to something other than names")
-    if not isinstance(body.get("loss_scaled", False), bool):
-        raise CheckpointError(f"{path}: 'loss_scaled' is not true or false")
-    scaler = need(body, "loss_scaler", dict, "")
-    for key, kind in (("scale", (int, float)), ("hysteresis_left", int), ("iter", int), ("last_overflow_iter", int)):
-        if not isinstance(scaler.get(key), kind) or isinstance(scaler.get(key), bool):
-            raise CheckpointError(f"{path}: loss_scaler[{key!r}] is missing or not a number")
-    if body.get("lr_scheduler") is not None and not isinstance(body["lr_scheduler"], dict):
-        raise CheckpointError(f"{path}: 'lr_scheduler' is neither null nor an object")
+    if body["version"] >= 3:  # each form is checked by its component when a load takes it
+        need(body, "state", dict, "")
+        if not all(isinstance(forms, dict) for forms in need(body, "rank_state", dict, "").values()):
+            raise CheckpointError(f"{path}: 'rank_state' holds something other than objects")
+    else:
+        _validate_version_2_state(body, path, need)
     optimizer = need(body, "optimizer", dict, "")
     need(optimizer, "type", str, "optimizer.")
     if not all(isinstance(g, dict) for g in need(optimizer, "param_groups", list, "optimizer.")):
@@ -187,6 +190,41 @@ def _validate(body: dict, path: str) -> None:
         if e["file"] not in files or e["dtype"] not in DTYPE_SIZES or e["start"] < 0 or e["numel"] < 0:
             raise CheckpointError(f"{path}: tensor entry {e.get('kind')}:{e.get('name')} names file {e['file']!r} "
                                   f"/ dtype {e['dtype']!r} / range start {e['start']} numel {e['numel']}: not valid")
+
+
+def _validate_version_2_state(body: dict, path: str, need) -> None:
+    """Versions 1-2: the counters, loss scaler and scheduler as fields of their own."""
+    for key in ("global_steps", "skipped_steps", "micro_steps"):
+        need(body, key, int, "")
+    if not isinstance(body.get("loss_scaled", False), bool):
+        raise CheckpointError(f"{path}: 'loss_scaled' is not true or false")
+    scaler = need(body, "loss_scaler", dict, "")
+    for key, kind in (("scale", (int, float)), ("hysteresis_left", int), ("iter", int), ("last_overflow_iter", int)):
+        if not isinstance(scaler.get(key), kind) or isinstance(scaler.get(key), bool):
+            raise CheckpointError(f"{path}: loss_scaler[{key!r}] is missing or not a number")
+    if body.get("lr_scheduler") is not None and not isinstance(body["lr_scheduler"], dict):
+        raise CheckpointError(f"{path}: 'lr_scheduler' is neither null nor an object")
+
+
+def saved_state(body: dict) -> dict:
+    """rank 0's saved forms by component name (core/state.py), from a manifest of any version: version 3 holds
+    them; versions 1-2 held the same values as fields of their own (their generators are tensor entries, which
+    the load reads per rank)."""
+    if body["version"] >= 3:
+        return body["state"]
+    norm = body.get("last_grad_norm")
+    state = {"counters": {"global_steps": body["global_steps"], "skipped_steps": body["skipped_steps"],
+                          "micro_steps": body["micro_steps"],
+                          "last_grad_norm": norm if isinstance(norm, (int, float)) and not isinstance(norm, bool)
+                          and math.isfinite(norm) else None if norm is None else str(float(norm))},
+             # older manifests said only the precision; fp16 scaled its loss
+             "loss_scaler": {"loss_scaled": body.get("loss_scaled", body["precision"] == "fp16"),
+                             "state": body["loss_scaler"]}}
+    if body.get("lr_scheduler") is not None:
+        state["lr_scheduler"] = {"type": body.get("lr_scheduler_type") or "scheduler", "state": body["lr_scheduler"]}
+    if isinstance(body.get("dataloader"), dict):
+        state["dataloader"] = body["dataloader"]
+    return state
 
 
 def read_latest(ckpt_dir: str) -> str | None:

@@ -1,4 +1,5 @@
-"""engine.save_checkpoint: what a rank holds, as ranges of the model's own tensors, written atomically.
+"""Checkpointer.save: what a rank holds, as ranges of the model's own tensors plus the state components' saved
+forms, written atomically.
 
     python -m pytest tests/test_checkpoint.py -q
 
@@ -6,8 +7,9 @@ The protocol (every rank calls it; the checkpoint group's messages keep ranks in
   1. ranks agree on the tag; rank 0 removes what killed saves left (.tmp-* directories) and names a fresh
      temporary directory .tmp-<tag>-<nonce> beside the tags;
   2. each rank writes rank<r>.safetensors there (its master and optimizer ranges, frozen-parameter shards, buffers
-     on rank 0, its generator states), hashing each tensor as it writes, and fsyncs it;
-  3. rank 0 gathers every rank's index, checks each file is visible and whole, writes manifest.json, fsyncs the
+     on rank 0), hashing each tensor as it writes, and fsyncs it;
+  3. rank 0 gathers every rank's index and per-rank saved forms (its generators), checks each file is visible and
+     whole, writes manifest.json, fsyncs the
      directory, renames it to <tag> (a tag saved before is moved aside first and removed after), fsyncs the parent,
      then points `latest` at the tag by writing a temporary file and renaming it;
   4. the outcome goes to every rank: all return, or all raise with the failing rank's reason.
@@ -40,7 +42,6 @@ from zkern.checkpoint.manifest import (
     TMP_PREFIX,
     VERSION,
     aside_tag,
-    check_plain,
     check_tag,
     entry_key,
     fsync_dir,
@@ -49,12 +50,14 @@ from zkern.checkpoint.manifest import (
     write_file_durably,
     write_latest,
 )
+from zkern.checkpoint.plain import jsonable, plain
 from zkern.checkpoint.ranges import byte_view, dtype_name
 from zkern.checkpoint.tensorfile import StreamWriter
 from zkern.errors import CheckpointError
 from zkern.optim.shard_adam import ShardAdam
 
 if TYPE_CHECKING:
+    from zkern.checkpoint.holdings import Holdings
     from zkern.offload.store import ShardStore
 
 log = logging.getLogger("zkern")
@@ -68,6 +71,7 @@ class Snapshot:
     scalars: dict[str, dict] = field(default_factory=dict)  # parameter name -> optimizer scalars (e.g. step)
     scalar_types: dict[str, str | None] = field(default_factory=dict)  # scalar key -> tensor dtype, None: a number
     body: dict = field(default_factory=dict)  # the manifest's fields (rank 0's are the ones written)
+    rank_state: dict = field(default_factory=dict)  # this rank's own saved forms (component name -> plain data)
     store: ShardStore | None = None  # the engine's: entries that rest in files (ZeRO-Infinity) are read as written
 
     def in_files(self, t: torch.Tensor) -> bool:
@@ -81,19 +85,6 @@ class Snapshot:
         return t if t.device.type == "cpu" else t.cpu()
 
 
-def plain(value, where: str):
-    """Hyper-parameters and scheduler states as JSON: tuples become lists (they are restored by the object's own
-    load), anything not plain data is an error."""
-    if isinstance(value, tuple):
-        value = list(value)
-    if isinstance(value, list):
-        return [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        return {k: plain(v, f"{where}[{k!r}]") for k, v in value.items()}
-    check_plain(value, where)
-    return value
-
-
 def optimizer_piece_state(optimizer: torch.optim.Optimizer, group: int, index: int, piece: torch.Tensor) -> dict:
     """The optimizer's state of one shard piece: per-element tensors and scalars."""
     if isinstance(optimizer, ShardAdam):
@@ -101,24 +92,24 @@ def optimizer_piece_state(optimizer: torch.optim.Optimizer, group: int, index: i
     return dict(optimizer.state.get(piece, {}))
 
 
-def module_state(engine) -> dict[str, torch.Tensor]:
+def module_state(h: Holdings) -> dict[str, torch.Tensor]:
     """model.state_dict(keep_vars=True): the names and the tensor objects (stage-3 parameters at rest are empty, and
     the runtime's guard against reading them steps aside for this walk over names and ids)."""
-    with engine.runtime.unguarded():
-        return engine.module.state_dict(keep_vars=True)
+    with h.runtime.unguarded():
+        return h.module.state_dict(keep_vars=True)
 
 
-def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snapshot:
+def snapshot(h: Holdings, *, client_state, exclude_frozen: bool, copy: bool) -> Snapshot:
     """What this rank writes. copy: values are copied into fresh host buffers (an asynchronous save), else the
     entries are views of the live state (written before the call returns)."""
-    rt, opt = engine.runtime, engine.optimizer
+    rt, opt = h.runtime, h.optimizer
     smap = rt.shard_map()
     snap = Snapshot(entries=[])
     # checkpoint.use_node_local_storage: each node's disk must hold what its ranks read back at the same layout, so
     # every rank writes what it holds whole (buffers, stage 0's pieces), not only the rank that writes it otherwise
-    node_local = engine.config.checkpoint.use_node_local_storage
+    node_local = h.config.checkpoint.use_node_local_storage
     # ZeRO-Infinity: master, moments or working shard on disk; each range is read as it is written
-    snap.store = engine.store
+    snap.store = h.store
     for gi, group in enumerate(rt.shard_groups):
         for i, piece in enumerate(group.pieces):
             index, start, mine = smap.pieces[gi][i]
@@ -151,7 +142,7 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
     for i, name in enumerate(rt.names):
         params[name] = {"shape": list(smap.shapes[i])}
         seen[id(rt.params[i])] = name
-    for name, t in module_state(engine).items():
+    for name, t in module_state(h).items():
         order.append(name)
         if id(t) in seen:
             if seen[id(t)] != name:
@@ -167,69 +158,49 @@ def snapshot(engine, *, client_state, exclude_frozen: bool, copy: bool) -> Snaps
             snap.entries.extend(("module", name, start, view) for start, view in ranges)
         else:
             module[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "frozen": frozen}
-            if engine.rank == 0 or node_local:
+            if h.rank == 0 or node_local:
                 snap.entries.append(("module", name, 0, t.detach().reshape(-1)))
-    quantizer = loco_reducer(engine)
+    quantizer = loco_reducer(rt)
     if quantizer is not None:  # per rank, hop and bucket: they carry over to this layout only (load._stage_loco)
-        snap.entries.extend((f"loco.{name}", f"rank{engine.rank}", 0, e.reshape(-1))
+        snap.entries.extend((f"loco.{name}", f"rank{h.rank}", 0, e.reshape(-1))
                             for name, e in quantizer.error_entries())
-    snap.entries.append(("rng.cpu", f"rank{engine.rank}", 0, torch.get_rng_state()))
-    if engine.device.type == "cuda":
-        snap.entries.append(("rng.cuda", f"rank{engine.rank}", 0, torch.cuda.get_rng_state(engine.device)))
     if copy:
-        snap.entries = _to_host(snap, pin=engine.device.type == "cuda")
-    cfg = engine.config
+        snap.entries = _to_host(snap, pin=h.device.type == "cuda")
+    # Counters, loss scaler, LR scheduler, data-loader epoch: rank 0's forms; generators: every rank's own.
+    snap.rank_state = plain(h.registry.saved_forms(per_rank=True), "this rank's saved state")
+    cfg = h.config
     zero = cfg.zero_optimization
-    scheduler = engine.lr_scheduler
     snap.body = {
-        "format": FORMAT, "version": VERSION, "global_steps": engine.global_steps,
-        "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps, "world_size": engine.world_size,
-        "last_grad_norm": engine.last_grad_norm,
+        "format": FORMAT, "version": VERSION, "world_size": h.world_size,
         "stage": zero.stage, "precision": cfg.precision, "offload_optimizer": zero.offload_optimizer_device,
         "offload_param": zero.offload_param_device, "saved_at": time.time(), "torch": torch.__version__,
-        "loss_scaler": engine.scaler.state_dict(),
-        "loss_scaled": engine.scaler.loss_scaled,  # fp16, or torch_autocast in fp16
-        "lr_scheduler": None if scheduler is None else plain(scheduler.state_dict(), "the lr scheduler's state"),
-        "lr_scheduler_type": None if scheduler is None else type(scheduler).__name__,
+        "state": plain(h.registry.saved_forms(per_rank=False), "the saved state"),
         "optimizer": {"type": type(opt).__name__,
                       "param_groups": [plain({k: v for k, v in g.items() if k != "params"}, f"param_groups[{gi}]")
                                        for gi, g in enumerate(opt.param_groups)]},
         "client_state": client_state,
         "params": params, "module": module, "aliases": aliases, "order": order,
         "excluded_frozen": bool(exclude_frozen),
-        "loco": None if quantizer is None else {"steps": quantizer.steps, "layout": loco_layout(engine)},
-        "dataloader": engine.state.snapshot("training").get("dataloader"),  # the sampler's epoch, where zkern made it
-        "config": plain(_jsonable(cfg.to_dict()), "the config"),
+        "loco": None if quantizer is None else {"steps": quantizer.steps, "layout": loco_layout(h)},
+        "config": plain(jsonable(cfg.to_dict()), "the config"),
     }
     return snap
 
 
-def loco_reducer(engine):
-    """The engine's qgZ reduction when it keeps LoCo error buffers, else None."""
-    runtime = engine.runtime
+def loco_reducer(runtime):
+    """The runtime's qgZ reduction when it keeps LoCo error buffers, else None."""
     quantizer = runtime.quantized
     return quantizer if quantizer is not None and quantizer.loco is not None else None
 
 
-def loco_layout(engine) -> dict:
+def loco_layout(h: Holdings) -> dict:
     """What LoCo's per-rank error buffers depend on: a checkpoint's carry over only to an engine where this is equal."""
-    zero = engine.config.zero_optimization
-    return {"world_size": engine.world_size, "ranks_per_node": engine.comm.node_size, "stage": zero.stage,
+    cfg = h.config
+    zero = cfg.zero_optimization
+    return {"world_size": h.world_size, "ranks_per_node": h.comm.node_size, "stage": zero.stage,
             "reduce_bucket_size": zero.reduce_bucket_size, "allgather_bucket_size": zero.allgather_bucket_size,
-            "group_size": zero.zeropp_grad_group_size, "trainable": list(engine.runtime.names),
-            "precision": engine.config.precision, "communication_data_type": engine.config.communication_data_type}
-
-
-def _jsonable(value):
-    """The config as plain data (enums and other objects by their str)."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and value == value
-                                                                 and abs(value) != float("inf")):
-        return value
-    return str(value)
+            "group_size": zero.zeropp_grad_group_size, "trainable": list(h.runtime.names),
+            "precision": cfg.precision, "communication_data_type": cfg.communication_data_type}
 
 
 def _to_host(snap: Snapshot, *, pin: bool):
@@ -301,7 +272,7 @@ def write(ctrl, snap: Snapshot, save_dir: str, tag: str, save_latest: bool, tag_
     try:
         os.makedirs(tmp, exist_ok=True)
         status = {"ok": True, "index": _write_rank_file(tmp, rank, snap), "scalars": snap.scalars,
-                  "scalar_types": snap.scalar_types}
+                  "scalar_types": snap.scalar_types, "rank_state": snap.rank_state}
     except (OSError, CheckpointError, ValueError) as e:
         status = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     statuses = all_gather_json(ctrl, status, "checkpoint: every rank's file index")
@@ -347,8 +318,8 @@ def _sweep(save_dir: str) -> None:
 
 
 def _manifest(tag: str, body: dict, statuses: list[dict]) -> dict:
-    """The manifest: rank 0's body with every rank's files, entries and optimizer scalars."""
-    files, tensors, scalars, scalar_types = {}, [], {}, {}
+    """The manifest: rank 0's body with every rank's files, entries, optimizer scalars and own saved forms."""
+    files, tensors, scalars, scalar_types, rank_state = {}, [], {}, {}, {}
     for r, s in enumerate(statuses):
         index = s["index"]
         files[index["file"]] = {"bytes": index["bytes"], "header_sha256": index["header_sha256"], "rank": r}
@@ -358,7 +329,8 @@ def _manifest(tag: str, body: dict, statuses: list[dict]) -> dict:
                 raise CheckpointError(f"optimizer scalars of {name!r} differ between ranks ({scalars[name]} and "
                                       f"{values} on rank {r}): the ranks' optimizers are out of step")
         scalar_types.update(s["scalar_types"])
-    body = {**body, "tag": tag, "files": files, "tensors": tensors}
+        rank_state[f"rank{r}"] = s["rank_state"]
+    body = {**body, "tag": tag, "files": files, "tensors": tensors, "rank_state": rank_state}
     body["optimizer"] = {**body["optimizer"], "scalars": scalars, "scalar_types": scalar_types}
     return body
 

@@ -18,6 +18,11 @@ the same checkpoint. The kinds, and the load that restores each:
 
 The registry also names every tensor each component owns, so a test can walk the engine's objects and fail on a
 tensor no component claims: new state cannot arrive without saying how it is saved, restored and reset.
+
+A component that is not a range of the model's tensors (counters, loss scaler, LR scheduler, data-loader epoch,
+generators) has a saved form: plain JSON data the checkpoint writes under its name (`save`), checks on every rank
+before a load changes anything (`check`) and gives back (`restore`). Registering one is all it takes for checkpoints
+to save, verify and restore it (zkern/checkpoint/ walks the registry and knows no component by name).
 """
 
 from __future__ import annotations
@@ -47,7 +52,10 @@ class Component:
     reset: Callable[[], None] | None = None
     snapshot: Callable[[], Any] | None = None
     tensors: Callable[[], Iterable[torch.Tensor]] = field(default=_nothing)
-    restore: Callable[[Any], None] | None = None  # where a checkpoint keeps the snapshot itself (plain data)
+    save: Callable[[], Any] | None = None  # its saved form in a checkpoint: plain JSON data
+    check: Callable[[Any], None] | None = None  # raises ValueError/TypeError on a saved form restore cannot take
+    restore: Callable[[Any], None] | None = None  # takes a checked saved form back
+    per_rank: bool = False  # every rank saves its own form (generators); else rank 0's stands for all
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -55,6 +63,9 @@ class Component:
         if self.kind in ("optimizer", "lr_scheduler", "training", "transient") and self.reset is None:
             raise ValueError(f"state component {self.name!r} of kind {self.kind!r} needs a reset: a load may have to "
                              f"return it to a fresh engine's value")
+        if (self.save is None) != (self.restore is None) or (self.check is not None and self.save is None):
+            raise ValueError(f"state component {self.name!r}: a saved form needs save, restore (and optionally "
+                             f"check) together")
 
 
 class StateRegistry:
@@ -80,6 +91,10 @@ class StateRegistry:
         for c in self.of_kind(*kinds):
             if c.reset is not None:
                 c.reset()
+
+    def saved_forms(self, *, per_rank: bool) -> dict[str, Any]:
+        """name -> saved form of every component a checkpoint writes as plain data (each rank's own, or the shared)."""
+        return {c.name: c.save() for c in self.components if c.save is not None and c.per_rank == per_rank}
 
     def snapshot(self, *kinds: str) -> dict[str, Any]:
         """name -> snapshot of every component of these kinds (all kinds with a snapshot when none are given)."""

@@ -18,6 +18,9 @@ import torch
 from torch.utils._pytree import tree_map
 
 from zkern import activation_checkpointing
+from zkern.checkpoint.checkpointer import Checkpointer
+from zkern.checkpoint.holdings import Holdings
+from zkern.checkpoint.save import checked_tag
 from zkern.comm.collectives import Comm, backend_for, init_distributed
 from zkern.config import Config
 from zkern.config.resolve import node_size
@@ -111,12 +114,15 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         self.last_grad_norm: float | None = None
         self._step_applied = False  # was_step_applied(): the last step() updated the parameters
         self._offloaded = None  # offload_states(): what it moved to the host (resident.py)
-        self._checkpoint_comm = None  # the checkpoint's own process group, made by the first save or load
-        self._pending_save = None  # an asynchronous save in flight
         # What the config asks to report beside training (timers, monitors, profiler, comms logger): no cost when off.
         self.reporter = Reporter(self)
         # Every stateful piece, with how it resets: loads, zero_grad and the tests walk this (core/state.py).
         self.state = build_registry(self)
+        # Saves and loads go through the registry and the shards (zkern/checkpoint/), never through the engine.
+        self.checkpointer = Checkpointer(Holdings(
+            registry=self.state, runtime=self.runtime, optimizer=self.optimizer, module=model, store=self.store,
+            comm=self.comm, device=self.device, config=cfg,
+            host_groups=tuple(self.host_step.host_groups) if self.host_step is not None else ()))
         param_views.register(self)  # zkern.safe_get_full_grad(p) finds p's engine
 
     # -- the training loop ------------------------------------------------------------------------------------
@@ -282,17 +288,14 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         the next save or load waits for it, and its error surfaces there). Returns the tag's directory."""
         saving.check_save(self)
         resident.require(self, "save_checkpoint")
-        return self._write_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
-
-    def _write_checkpoint(self, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool,
-                          async_save: bool = False) -> str | None:
-        return saving.write_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
-                                       async_save)
+        self.checkpointer.wait()  # before the tag is named: an earlier asynchronous save's error surfaces first
+        return self.checkpointer.save(save_dir, checked_tag(tag, self.global_steps), client_state,
+                                      save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters,
+                                      async_save=async_save)
 
     def wait_checkpoint(self) -> str | None:
         """Wait for the asynchronous save in flight, if any; returns its directory, or raises its error."""
-        pending, self._pending_save = self._pending_save, None
-        return None if pending is None else pending.wait()
+        return self.checkpointer.wait()
 
     def destroy(self) -> None:
         """Release what the engine holds outside this process (DeepSpeed's method): wait for an asynchronous save,
@@ -310,7 +313,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
     def checkpoint_in_flight(self) -> bool:
         """Whether an asynchronous save is still writing on any rank: one answer on every rank (a collective: a rank
         asking only its own writer could branch apart from the others)."""
-        return saving.checkpoint_in_flight(self)
+        return self.checkpointer.in_flight()
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -320,17 +323,12 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         to load. Everything is verified (checksums, names, shapes) before the engine changes; on any error no
         rank's state changes. What a load does not restore is first reset to a fresh engine's value (load_module_only:
         weights only; load_optimizer_states=False: fresh optimizer state), as docs/checkpoints.md says."""
-        from zkern.checkpoint.load import load
-
         saving.check_load(self, load_module_only)
         resident.require(self, "load_checkpoint")
-        self.wait_checkpoint()
-        return load(self, self._checkpoint_group(), load_dir, tag, strict=load_module_strict,
-                    load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
-                    load_module_only=load_module_only)
-
-    def _checkpoint_group(self):
-        return saving.checkpoint_group(self)
+        return self.checkpointer.load(load_dir, tag, strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states,
+                                      load_lr_scheduler_states=load_lr_scheduler_states,
+                                      load_module_only=load_module_only)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """fp32 weights with model.state_dict()'s names, on the host (a collective: call it on every rank). The

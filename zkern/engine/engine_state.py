@@ -7,9 +7,12 @@ staging), registered beside the stage runtime's in one StateRegistry (state.py).
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
+from zkern.checkpoint.plain import plain, same_kind
+from zkern.core.generators import check_rng_state, rng_state, set_rng_state
 from zkern.core.state import Component, StateRegistry, host_copy, hyper_parameters, restore_hyper_parameters
 from zkern.engine.precision import LossScaler
 from zkern.optim.shard_adam import ShardAdam
@@ -92,16 +95,44 @@ def _optimizer(optimizer: torch.optim.Optimizer, store) -> Component:
 
 
 def _scheduler(scheduler) -> Component:
+    """The scheduler's state_dict; a saved one must have the live one's keys, each of the live value's kind, so that
+    restoring it cannot fail half-way or plant a key the scheduler never had."""
     initial = copy.deepcopy(scheduler.state_dict())
+    kind = type(scheduler).__name__
+
+    def check(saved) -> None:
+        _fields(saved, {"type": str, "state": dict})
+        mine = scheduler.state_dict()
+        if set(saved["state"]) != set(mine) or not all(same_kind(saved["state"][k], mine[k]) for k in mine):
+            raise ValueError(f"the saved {saved['type']} state (keys {sorted(saved['state'])[:10]}) does not fit this "
+                             f"engine's {kind} (keys {sorted(mine)[:10]}); pass load_lr_scheduler_states=False to "
+                             f"keep the scheduler as it is")
+
     return Component("lr_scheduler", "lr_scheduler", reset=lambda: scheduler.load_state_dict(copy.deepcopy(initial)),
-                     snapshot=lambda: host_copy(scheduler.state_dict()))
+                     snapshot=lambda: host_copy(scheduler.state_dict()),
+                     save=lambda: {"type": kind, "state": plain(scheduler.state_dict(), "the lr scheduler's state")},
+                     check=check, restore=lambda saved: scheduler.load_state_dict(copy.deepcopy(saved["state"])))
 
 
 def _scaler(engine) -> Component:
+    """The loss scale a loss-scaling run reached (fp16, or torch_autocast in fp16). A checkpoint of a run that did
+    not scale its loss, or an engine that does not, leaves the scaler at a fresh engine's value."""
     def reset() -> None:
         vars(engine.scaler).update(vars(LossScaler.from_config(engine.config, engine.autocast_dtype)))
 
-    return Component("loss_scaler", "training", reset=reset, snapshot=lambda: engine.scaler.state_dict())
+    def check(saved) -> None:
+        _fields(saved, {"loss_scaled": bool, "state": dict})
+        _fields(saved["state"], {"scale": (int, float), "hysteresis_left": int, "iter": int,
+                                 "last_overflow_iter": int})
+
+    def restore(saved) -> None:
+        reset()
+        if saved["loss_scaled"] and engine.scaler.loss_scaled:
+            engine.scaler.load_state_dict(saved["state"])
+
+    return Component("loss_scaler", "training", reset=reset, snapshot=lambda: engine.scaler.state_dict(),
+                     save=lambda: {"loss_scaled": engine.scaler.loss_scaled, "state": engine.scaler.state_dict()},
+                     check=check, restore=restore)
 
 
 def _counters(engine) -> Component:
@@ -109,21 +140,48 @@ def _counters(engine) -> Component:
         engine.global_steps = engine.skipped_steps = engine.micro_steps = 0
         engine.last_grad_norm = None
 
-    return Component("counters", "training", reset=reset,
-                     snapshot=lambda: {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-                                       "micro_steps": engine.micro_steps, "last_grad_norm": engine.last_grad_norm})
+    def read() -> dict:
+        return {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+                "micro_steps": engine.micro_steps, "last_grad_norm": engine.last_grad_norm}
+
+    def save() -> dict:
+        norm = engine.last_grad_norm  # inf after an overflow: JSON holds it as text
+        return {**read(), "last_grad_norm": norm if norm is None or math.isfinite(norm) else str(norm)}
+
+    def check(saved) -> None:
+        _fields(saved, {"global_steps": int, "skipped_steps": int, "micro_steps": int,
+                        "last_grad_norm": (int, float, str, type(None))})
+        if isinstance(saved["last_grad_norm"], str) and saved["last_grad_norm"] not in NON_FINITE:
+            raise ValueError(f"'last_grad_norm' is {saved['last_grad_norm'][:20]!r}: a number, null or one of "
+                             f"{sorted(NON_FINITE)}")
+
+    def restore(saved) -> None:
+        engine.global_steps, engine.skipped_steps = saved["global_steps"], saved["skipped_steps"]
+        engine.micro_steps = saved["micro_steps"]
+        norm = saved["last_grad_norm"]
+        engine.last_grad_norm = None if norm is None else float(norm)
+
+    return Component("counters", "training", reset=reset, snapshot=read, save=save, check=check, restore=restore)
+
+
+NON_FINITE = {"inf", "-inf", "nan"}  # str(float) of what a grad norm can be besides a number
 
 
 def _generators(engine) -> Component:
-    """This rank's torch generators (saved per rank). A fresh engine's generators are the process's own, so a
-    reset leaves them alone: only a load that restores them moves them."""
+    """This rank's generators (Python, NumPy, torch CPU and CUDA), saved per rank in core/generators.py's form. A
+    fresh engine's generators are the process's own, so a reset leaves them alone: only a load that restores them
+    moves them."""
     def snapshot() -> dict:
         out = {"cpu": torch.get_rng_state()}
         if engine.device.type == "cuda":
             out["cuda"] = torch.cuda.get_rng_state(engine.device)
         return out
 
-    return Component("generators", "training", reset=lambda: None, snapshot=snapshot)
+    def check(saved) -> None:
+        check_rng_state(saved, "the saved generator state")
+
+    return Component("generators", "training", reset=lambda: None, snapshot=snapshot, save=rng_state, check=check,
+                     restore=set_rng_state, per_rank=True)
 
 
 def dataloader_component(sampler) -> Component:
@@ -131,5 +189,23 @@ def dataloader_component(sampler) -> Component:
     def reset() -> None:
         sampler.set_epoch(0)
 
-    return Component("dataloader", "training", reset=reset, snapshot=lambda: {"epoch": sampler.epoch},
+    def read() -> dict:
+        return {"epoch": sampler.epoch}
+
+    return Component("dataloader", "training", reset=reset, snapshot=read, save=read,
+                     check=lambda saved: _fields(saved, {"epoch": int}),
                      restore=lambda saved: sampler.set_epoch(saved["epoch"]))
+
+
+def _fields(saved, kinds: dict) -> None:
+    """saved is an object with these keys, each of its kind (a bool is no number)."""
+    if not isinstance(saved, dict):
+        raise TypeError(f"a {type(saved).__name__}, not an object")
+    for key, kind in kinds.items():
+        value = saved.get(key, _MISSING)
+        if value is _MISSING or not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise ValueError(f"{key!r} is {'missing' if value is _MISSING else repr(value)[:40]}, not "
+                             f"{getattr(kind, '__name__', ' or '.join(k.__name__ for k in kind))}")
+
+
+_MISSING = object()

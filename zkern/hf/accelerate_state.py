@@ -29,8 +29,8 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils.deepspeed import DeepSpeedSchedulerWrapper
 
 from zkern.checkpoint.tensorfile import file_sha256
+from zkern.core.generators import check_rng_state, rng_state, set_rng_state
 from zkern.errors import CheckpointError
-from zkern.hf.rng import check_rng_state, rng_state, set_rng_state
 
 TAG = "pytorch_model"  # Accelerate's tag for the first model's DeepSpeed checkpoint
 TENSORS = "accelerate_state.safetensors"
@@ -184,7 +184,7 @@ def save(acc, output_dir: str, kwargs: dict) -> str:
         own["tensors_sha256"] = _write_tensors(path, tensors) if acc.is_main_process else None
     elif acc.is_main_process and os.path.lexists(path):
         os.remove(path)  # a stale file from an earlier save to this directory would be mistaken for this one's
-    group = engine._checkpoint_group()
+    group = engine.checkpointer.group
     # The digest is the main process's (it wrote the file); every rank's generators are kept (one entry per rank).
     own["tensors_sha256"] = all_gather_json(group, own.get("tensors_sha256"), "the saved tensors' digest")[0]
     own["rng"] = all_gather_json(group, rng_state(), "the ranks' random generator states")
@@ -193,7 +193,7 @@ def save(acc, output_dir: str, kwargs: dict) -> str:
                     f"{engine.gradient_accumulation_steps}: the gradients accumulated since the last optimizer step "
                     f"are not saved (as under DeepSpeed); a run resumed from {output_dir} starts that accumulation "
                     f"over from zero gradients", main_process_only=True)
-    engine._write_checkpoint(output_dir, TAG, {KEY: own}, save_latest=True,
+    engine.checkpointer.save(output_dir, TAG, {KEY: own}, save_latest=True,
                              exclude_frozen_parameters=kwargs.get("exclude_frozen_parameters", False))
     return output_dir
 
@@ -236,7 +236,7 @@ def load(acc, input_dir: str, kwargs: dict) -> None:
         status["error"] = str(e)
     except Exception as e:  # whatever else a damaged entry provokes reaches every rank as an error
         status["error"] = f"{input_dir}: the Accelerate state cannot be read ({type(e).__name__}: {e})"
-    statuses = all_gather_json(engine._checkpoint_group(), status, "load_state: every rank's outcome")
+    statuses = all_gather_json(engine.checkpointer.group, status, "load_state: every rank's outcome")
     errors = [f"rank {r}: {st['error']}" for r, st in enumerate(statuses) if "error" in st]
     if errors:
         raise CheckpointError(f"load_state({input_dir!r}) failed; nothing was changed. {'; '.join(errors)}")

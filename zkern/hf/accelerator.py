@@ -44,11 +44,11 @@ from accelerate.utils import DistributedType, DummyOptim, DummyScheduler
 from accelerate.utils.deepspeed import DeepSpeedSchedulerWrapper
 
 from zkern.config import ConfigError
+from zkern.core.generators import rng_state, set_rng_state
 from zkern.engine.engine import Engine
 from zkern.hf import accelerate_state
 from zkern.hf.accelerate_glue import EngineWrapper, OptimizerWrapper, ZkernPlugin
 from zkern.hf.auto import AUTO, read_config
-from zkern.hf.rng import rng_state, set_rng_state
 
 # The config schedulers DeepSpeed hands to its engine when the script built one itself (zkern has the same classes).
 _CONFIG_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")

@@ -28,10 +28,10 @@ import torch
 import transformers
 
 from zkern.config import ConfigError
+from zkern.core.generators import rng_state, set_rng_state
 from zkern.engine.engine import Engine
 from zkern.hf.auto import fill_auto, read_config
 from zkern.hf.reference_models import check_reference_models, shard_reference_models
-from zkern.hf.rng import rng_state, set_rng_state
 
 # The Trainer methods zkern.hf.Trainer overrides; transformers 5.23-5.x has them all.
 _HOOKS = ("_build_accelerator_args", "create_optimizer", "create_scheduler", "_wrap_model", "_clip_grad_norm",
@@ -171,7 +171,7 @@ class Trainer(transformers.Trainer):
         from zkern.checkpoint.control import all_gather_json
 
         # Every rank's generators (HF keeps one file per rank); the checkpoint's client state is written by rank 0.
-        states = all_gather_json(self.engine._checkpoint_group(), rng_state(), "the ranks' random generator states")
+        states = all_gather_json(self.engine.checkpointer.group, rng_state(), "the ranks' random generator states")
         self.engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG, save_latest=False,
                                     client_state={"hf_rng": states})
 

@@ -13,10 +13,12 @@ and the one torch's public wheel pins (GATE_TRITON in the Makefile), installed a
    16-byte aligned and which integers are multiples of 16.
 2. Compile each specialisation ahead of time for sm_80 and sm_90 (Triton ships ptxas, cuobjdump, nvdisasm) and
    read registers, shared memory and spills (ptxas -v) and the width of every global load and store (the SASS).
-3. Check: no compile error, no spill; a launch whose pointers are all aligned and whose lengths are multiples of 16
-   ("aligned") moves its data with 128-bit loads and stores only, apart from the per-program scalars each kernel
-   declares below (table entries, a block's partial sum). Known failures are listed in KNOWN_NARROW with the
-   reason; the gate fails on any other narrow access, so a regression shows, and the list shrinks as they are fixed.
+3. Check: every op zkern.ops.OPS sends to Triton launched a kernel in the trace (and every CUDA op's file is
+   compiled in step 4); no compile error, no spill; a launch whose pointers are all aligned and whose lengths are
+   multiples of 16 ("aligned") moves its data with 128-bit loads and stores only, apart from the per-program
+   scalars each kernel declares below (table entries, a block's partial sum). Known failures are listed in
+   KNOWN_NARROW with the reason; the gate fails on any other narrow access, so a regression shows, and the list
+   shrinks as they are fixed.
 
 4. The CUDA C++ kernels (zkern/cuda/csrc/*.cu) compiled by nvcc for the same archs with zkern.cuda's flags (a spill
    is an error), each kernel read the same way: registers, spills, and its 128-bit loads and stores (each has an
@@ -299,7 +301,7 @@ def _triton_kernels() -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("--suite gpu-static compiles the kernels for NVIDIA targets: run it without "
                            "TRITON_INTERPRET=1 (it interprets the launchers in a subprocess of its own)")
-    kernels, failures = [], []
+    kernels, failures = [], op_table_gaps({spec["module"] for spec in specs})
     for spec in specs:
         label = f"{spec['kernel']}({', '.join(f'{k}={v}' for k, v in spec['signature'].items() if '*' in v)}; " \
                 f"{', '.join(f'{k}={v}' for k, v in spec['constexprs'].items())})" \
@@ -422,6 +424,21 @@ def _bindings_check() -> str | None:
                                *[f"-I{i}" for i in includes], os.path.join(cuda.CSRC, "bindings.cpp")],
                               capture_output=True, text=True)
     return None if done.returncode == 0 else done.stderr.strip()[-600:]
+
+
+def op_table_gaps(traced_modules: set[str]) -> list[str]:
+    """Failures for an op of zkern.ops.OPS whose Triton file launched no kernel in the trace, or whose CUDA file is
+    not among the sources zkern.cuda compiles: the gate checks every kernel the table dispatches to."""
+    from zkern import cuda, ops
+
+    gaps = []
+    for op, homes in ops.OPS.items():
+        if "triton" in homes and f"zkern.triton.{homes['triton']}" not in traced_modules:
+            gaps.append(f"{op}: zkern/triton/{homes['triton']}.py launched no kernel in the trace (drive it in "
+                        f"_drive_launchers)")
+        if "cuda" in homes and f"{homes['cuda']}.cu" not in cuda.KERNEL_SOURCES:
+            gaps.append(f"{op}: zkern/cuda/csrc/{homes['cuda']}.cu is not in zkern.cuda.KERNEL_SOURCES")
+    return gaps
 
 
 def cuda_kernels() -> tuple[list[dict], list[str]]:

@@ -54,8 +54,7 @@ def _cuda_backends() -> dict[str, str] | str:
         return "no CUDA device"
     try:
         probe = torch.empty(0, device="cuda")
-        return {op: ops.backend_for(probe, op) for op in ("adam_step_", "flatten", "unscale_and_check_",
-                                                           "quantize", "dequant_sum", "dequant_sum_requant")}
+        return {op: ops.backend_for(probe, op) for op in ops.OPS}
     except (RuntimeError, ValueError) as e:
         return f"error: {e}"
 

@@ -30,25 +30,42 @@ from zkern.cpu import _ext as cpu_ext
 BACKENDS = ("reference", "cpu", "triton", "cuda")
 
 
+# Every kernel op and, per backend that has it, the file that holds it: zkern/triton/<file>.py,
+# zkern/cuda/csrc/<file>.cu, the CPU extension's zkern/cpu/csrc/<file>.h. zkern.reference has every op (its twin:
+# the semantics, the signature). The one list: the dispatch below, the table's test (tests/test_ops.py),
+# zkern.env_report and the GPU static gate (bench/gpu_static_suite.py, which fails on a Triton or CUDA op it does not
+# compile) all read it.
+OPS: dict[str, dict[str, str]] = {
+    "flatten": {"triton": "flatten"},
+    "unflatten": {"triton": "flatten"},
+    "unflatten_into_": {"triton": "flatten"},
+    "unscale_and_check_": {"triton": "overflow"},
+    "adam_step_": {"cpu": "adam", "triton": "adam", "cuda": "adam"},
+    "quantize": {"triton": "quant", "cuda": "quant"},
+    "dequantize": {"triton": "quant", "cuda": "quant"},
+    "dequant_sum": {"triton": "quant", "cuda": "quant"},
+    "dequant_sum_requant": {"triton": "quant", "cuda": "quant"},
+}
+
+
+def ops_of(backend: str) -> tuple[str, ...]:
+    """The ops a backend has (every op for "reference")."""
+    return tuple(op for op, homes in OPS.items() if backend == "reference" or backend in homes)
+
+
 class _CpuBackend:
     """The CPU extension's ops (host tensors only)."""
 
     adam_step_ = staticmethod(cpu_ext.adam_step_)
 
 
-# Each Triton op and the file (zkern/triton/<file>.py) that holds it.
-TRITON_OPS = {"flatten": "flatten", "unflatten": "flatten", "unflatten_into_": "flatten",
-              "unscale_and_check_": "overflow", "adam_step_": "adam", "quantize": "quant", "dequantize": "quant",
-              "dequant_sum": "quant", "dequant_sum_requant": "quant"}
-
-
 class _LazyTriton:
     """zkern.triton's ops, each file imported on first use (importing Triton costs about a second)."""
 
     def __getattr__(self, op: str):
-        if op not in TRITON_OPS:
+        if "triton" not in OPS.get(op, {}):
             raise AttributeError(op)
-        return getattr(importlib.import_module(f"zkern.triton.{TRITON_OPS[op]}"), op)
+        return getattr(importlib.import_module(f"zkern.triton.{OPS[op]['triton']}"), op)
 
 
 def _triton_usable() -> bool:
@@ -57,8 +74,6 @@ def _triton_usable() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# The ops zkern.cuda has.
-CUDA_OPS = ("adam_step_", "quantize", "dequantize", "dequant_sum", "dequant_sum_requant")
 # The order a CUDA tensor's op looks for a backend in (see the module's docstring).
 ON_CUDA = ("triton", "cuda")
 
@@ -101,11 +116,7 @@ def forced_backend() -> str | None:
 
 
 def _has(backend: str, op: str) -> bool:
-    if backend == "triton":
-        return op in TRITON_OPS
-    if backend == "cuda":
-        return op in CUDA_OPS
-    return hasattr(AVAILABLE[backend], op)
+    return backend == "reference" or backend in OPS[op]
 
 
 def backend_for(t: torch.Tensor | None = None, op: str = "adam_step_") -> str:

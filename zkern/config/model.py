@@ -1,4 +1,6 @@
-"""DeepSpeed-style JSON / dict -> frozen dataclasses.
+"""zkern.Config: DeepSpeed-style JSON / dict -> frozen dataclasses, the combinations of keys checked once it is
+built (check_combinations), and its resolution against a world and a model (Config.resolve: "auto" filled, the
+batch arithmetic, the ranks per node).
 
     cfg = zkern.Config.load("ds_config.json")            # parse and validate the keys (parse.py)
     cfg = cfg.resolve(world_size=2, model=model)          # fill "auto", check the batch arithmetic
@@ -20,9 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zkern.config import keys as K
-from zkern.config.checks import check_combinations
+from zkern.config.keys import AUTO
 from zkern.config.parse import parse_config
-from zkern.config.resolve import resolve_config
 from zkern.config.sections import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -134,3 +135,186 @@ def read_json(path: str | os.PathLike, what: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{what} file {os.fspath(path)!r} holds a {type(data).__name__}, not a JSON object")
     return data
+
+
+# -- what one key alone cannot say: combinations of keys, checked once a Config is built from them ---------------
+def check_combinations(cfg: Config) -> None:
+    """What one key alone cannot say: combinations."""
+    zero = cfg.zero_optimization
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"'device' must be \"auto\", \"cpu\" or \"cuda\", got {cfg.device!r}")
+    if cfg.gradient_allreduce_op not in ("mean", "sum"):
+        raise ConfigError(f"'gradient_allreduce_op' must be \"mean\" or \"sum\", got {cfg.gradient_allreduce_op!r}")
+    if zero.offload_optimizer_device != "none" and zero.stage == 0:
+        raise ConfigError("'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (each rank offloads "
+                          "its optimizer shard); set 'zero_optimization.stage'")
+    if zero.offload_param_device == "nvme" and zero.offload_optimizer_device == "none":
+        raise ConfigError("'zero_optimization.offload_param' device \"nvme\" needs 'offload_optimizer' with device "
+                          "\"cpu\" or \"nvme\" too: the optimizer writes the updated shards into the parameter file "
+                          "from the host")
+    _check_zeropp(cfg)
+    _check_bf16_state(cfg)
+    _check_torch_autocast(cfg)
+
+
+def _check_torch_autocast(cfg: Config) -> None:
+    if not cfg.torch_autocast.enabled:
+        return
+    if cfg.precision != "fp32":
+        raise ConfigError(f"'torch_autocast.enabled' and '{cfg.precision}.enabled' are both true: the {cfg.precision} "
+                          f"section casts the weights to {cfg.precision}, torch_autocast keeps them fp32 and casts per "
+                          f"operation in the forward; choose one")
+    if cfg.zero_optimization.zero_quantized_weights:
+        raise ConfigError("'torch_autocast.enabled' with 'zero_optimization.zero_quantized_weights' (qwZ): DeepSpeed "
+                          "refuses the pair too (int8 weight gathers of fp32 weights under autocast); drop one")
+
+
+def _check_bf16_state(cfg: Config) -> None:
+    """bf16 master weights and moments: DeepSpeed's keys, with its conditions (bf16 on, a ZeRO stage); zkern also
+    takes bf16_optimizer_states alone (an fp32 master with bf16 moments), which DeepSpeed refuses."""
+    bf16 = cfg.bf16
+    for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        if getattr(bf16, key) and not bf16.enabled:
+            raise ConfigError(f"'bf16.{key}' keeps optimizer state in bf16 for bf16 training, and 'bf16.enabled' is "
+                              f"false; set it to true or remove '{key}'")
+        if getattr(bf16, key) and cfg.zero_optimization.stage == 0:
+            raise ConfigError(f"'bf16.{key}' applies to the ZeRO optimizer's shard (stages 1, 2 and 3), as in "
+                              f"DeepSpeed; set 'zero_optimization.stage' to 1 or more or remove it")
+    if cfg.bf16_stochastic_rounding and not (bf16.bf16_master_weights_and_grads or bf16.bf16_optimizer_states):
+        raise ConfigError("'bf16_stochastic_rounding' rounds the optimizer state kept in bf16, and none is: set "
+                          "'bf16.bf16_optimizer_states' or 'bf16.bf16_master_weights_and_grads', or remove it")
+
+
+def _check_zeropp(cfg: Config) -> None:
+    """ZeRO++'s keys against the stage and each other (the world is checked in resolve)."""
+    zero = cfg.zero_optimization
+    if zero.zero_quantized_weights and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.zero_quantized_weights' (qwZ) quantizes stage 3's parameter "
+                          f"all-gather; the config says stage {zero.stage}")
+    if zero.zero_quantized_nontrainable_weights and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.zero_quantized_nontrainable_weights' stores stage 3's frozen parameter "
+                          f"shards as int8; the config says stage {zero.stage} (frozen parameters are whole on every "
+                          f"rank below stage 3)")
+    if zero.zero_hpz_partition_size > 1 and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.zero_hpz_partition_size' (hpZ) keeps a secondary copy of stage 3's "
+                          f"partitioned parameters; the config says stage {zero.stage}")
+    if zero.zero_quantized_gradients and zero.stage not in (2, 3):
+        raise ConfigError(f"'zero_optimization.zero_quantized_gradients' (qgZ) replaces the gradient reduce-scatter "
+                          f"of stages 2 and 3; the config says stage {zero.stage}")
+    if zero.zero_quantized_gradients and not zero.reduce_scatter:
+        raise ConfigError("'zero_optimization.zero_quantized_gradients' replaces the reduce-scatter, and "
+                          "'reduce_scatter' is false; drop one of them")
+    if zero.loco_err_beta is not None:
+        if not zero.zero_quantized_gradients:
+            raise ConfigError("'zero_optimization.zeropp_loco_param' is error feedback for quantized gradients; set "
+                              "'zero_quantized_gradients': true or remove it")
+        if not zero.loco_err_beta < 1.0:
+            raise ConfigError(f"'zero_optimization.zeropp_loco_param.err_beta' must be in [0, 1), got "
+                              f"{zero.loco_err_beta}")
+    for key in ("zeropp_weight_group_size", "zeropp_grad_group_size"):
+        value = getattr(zero, key)
+        if value < 2 or value & (value - 1):
+            raise ConfigError(f"'zero_optimization.{key}' must be a power of two >= 2 (the kernels' tiles are), got "
+                              f"{value}")
+
+
+# -- Config.resolve: "auto" filled from the world size and the model, the batch arithmetic, ranks per node -------
+def node_size(cfg: Config, world: int) -> int:
+    """Ranks per node: the config's ranks_per_node, else the launcher's LOCAL_WORLD_SIZE, else the whole world."""
+    if cfg.ranks_per_node is not None:
+        return cfg.ranks_per_node
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local and local.isdigit() and int(local) >= 1 else world
+
+
+def _hidden_size(model: Any, key: str) -> int:
+    """The model's hidden size, where HF integrations read it: model.config.hidden_size (or hidden_sizes, the largest),
+    else its text_config's (a multimodal model)."""
+    config = getattr(model, "config", None)
+    for where in (config, getattr(config, "text_config", None)):
+        for attr in ("hidden_size", "d_model", "n_embd"):
+            value = getattr(where, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        sizes = getattr(where, "hidden_sizes", None)
+        if sizes:
+            return max(sizes)
+    raise ConfigError(f"'{key}' is \"auto\" but the model has no config.hidden_size to derive it from "
+                      f"(DeepSpeed's HF integration uses hidden_size**2); set a number")
+
+
+def _resolve_batch(cfg: Config, world: int) -> tuple[int, int, int]:
+    """DeepSpeed's rule: train = micro x accumulation x world; any two give the third."""
+    train, micro, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    autos = [k for k, v in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
+                            ("gradient_accumulation_steps", gas)) if v == AUTO]
+    if len(autos) > 1:
+        raise ConfigError(f"{' and '.join(repr(a) for a in autos)} are \"auto\"; zkern can derive one of the three "
+                          f"batch keys from the other two and the world size ({world}), not more")
+    train, micro, gas = (None if v == AUTO else v for v in (train, micro, gas))
+    if train is not None and micro is not None and gas is not None:
+        if train != micro * gas * world:
+            raise ConfigError(f"'train_batch_size' ({train}) != 'train_micro_batch_size_per_gpu' ({micro}) x "
+                              f"'gradient_accumulation_steps' ({gas}) x world size ({world}) = {micro * gas * world}")
+    elif train is not None and micro is not None:
+        if train % (micro * world):
+            raise ConfigError(f"'train_batch_size' ({train}) is not divisible by 'train_micro_batch_size_per_gpu' "
+                              f"({micro}) x world size ({world}) = {micro * world}; gradient_accumulation_steps "
+                              f"would not be a whole number")
+        gas = train // (micro * world)
+    elif train is not None and gas is not None:
+        if train % (gas * world):
+            raise ConfigError(f"'train_batch_size' ({train}) is not divisible by 'gradient_accumulation_steps' ({gas}) "
+                              f"x world size ({world}) = {gas * world}; train_micro_batch_size_per_gpu would not be "
+                              f"a whole number")
+        micro = train // (gas * world)
+    elif micro is not None and gas is not None:
+        train = micro * gas * world
+    elif train is not None:
+        gas = 1
+        if train % world:
+            raise ConfigError(f"'train_batch_size' ({train}) is not divisible by the world size ({world})")
+        micro = train // world
+    elif micro is not None:
+        gas = 1
+        train = micro * world
+    else:
+        raise ConfigError("set 'train_batch_size' or 'train_micro_batch_size_per_gpu' (DeepSpeed needs one of them)")
+    return train, micro, gas
+
+
+def resolve_config(cfg: Config, world: int, model: Any) -> Config:
+    if not isinstance(world, int) or world < 1:
+        raise ConfigError(f"world size must be a positive integer, got {world!r}")
+    train, micro, gas = _resolve_batch(cfg, world)
+    zero = cfg.zero_optimization
+    # DeepSpeed's HF integration: reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 hidden^2,
+    # stage3_param_persistence_threshold = 10 hidden.
+    autos = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+             "stage3_param_persistence_threshold": lambda h: 10 * h}
+    filled = [*cfg.notes.filled]
+    for key, rule in autos.items():
+        if getattr(zero, key) == AUTO:
+            value = rule(_hidden_size(model, f"zero_optimization.{key}"))
+            zero = dataclasses.replace(zero, **{key: value})
+            filled.append((f"zero_optimization.{key}", f"{value} (from the model's hidden size)"))
+    for key, value in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
+                       ("gradient_accumulation_steps", gas)):
+        if getattr(cfg, key) == AUTO:
+            filled.append((key, f"{value} (from the other two and the world size {world})"))
+    if zero.overlap_comm is None:
+        zero = dataclasses.replace(zero, overlap_comm=zero.stage == 3)
+    k = zero.zero_hpz_partition_size
+    if world % k:
+        raise ConfigError(f"'zero_optimization.zero_hpz_partition_size' ({k}) must divide the world size ({world}): "
+                          f"{world} ranks = {world // k} groups of {k} + {world % k} left over; set it to the ranks "
+                          f"per node, a divisor of {world}")
+    per_node = node_size(cfg, world)
+    if world % per_node:
+        raise ConfigError(f"ranks per node ({per_node}, from 'ranks_per_node' or LOCAL_WORLD_SIZE) must divide the "
+                          f"world size ({world})")
+    predivide = float(world) if cfg.gradient_predivide_factor is None else cfg.gradient_predivide_factor
+    notes = dataclasses.replace(cfg.notes, filled=tuple(filled))
+    return dataclasses.replace(cfg, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
+                               gradient_accumulation_steps=gas, zero_optimization=zero, world_size=world,
+                               gradient_predivide_factor=predivide, notes=notes)

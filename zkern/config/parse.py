@@ -34,7 +34,7 @@ from zkern.errors import ConfigError
 
 # -- the sections -------------------------------------------------------------------------------------------------
 def parse_config(raw: dict) -> dict[str, Any]:
-    """The fields of a zkern.Config from a DeepSpeed config dict (Config.load builds it and checks.py checks it)."""
+    """The fields of a zkern.Config from a DeepSpeed config dict (Config.load builds it and checks its combinations)."""
     notes = Notes()
     raw = dict(raw)
     if "bfloat16" in raw and "bf16" in raw:

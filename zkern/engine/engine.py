@@ -23,7 +23,7 @@ from zkern.checkpoint.holdings import Holdings
 from zkern.checkpoint.save import checked_tag
 from zkern.comm.collectives import Comm, backend_for, init_distributed
 from zkern.config import Config
-from zkern.config.resolve import node_size
+from zkern.config.model import node_size
 from zkern.core.runtime import Runtime
 from zkern.core.spec import RuntimeSpec
 from zkern.engine import build, param_views, precision, reporting, resident, saving, stepping, streaming, weights

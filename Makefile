@@ -24,7 +24,7 @@ $(STAMP): setup.py pyproject.toml $(wildcard zkern/cpu/csrc/*)
 
 # The whole suite, then the tests of the CPU kernels again on the paths this CPU would not pick: zkern's AVX2 Adam
 # with torch's AVX2 kernels, and zkern's scalar Adam with torch's scalar kernels (a CPU without AVX2).
-CPU_KERNEL_TESTS := tests/test_cpu_adam.py tests/test_reference.py tests/test_offload.py tests/test_nvme.py
+CPU_KERNEL_TESTS := tests/kernels/test_cpu_adam.py tests/kernels/test_reference.py tests/offload/test_offload.py tests/offload/test_nvme.py
 
 # --durations: the slowest tests go to CI's log, where the 30-minute budget is watched.
 test: setup

@@ -87,8 +87,8 @@ for step in "$@"; do
             run world2 170 $P world2 --json "$R/world2.json" >"$R/world2.log" 2>&1 &
             W2=$!
             OMP_NUM_THREADS=1 run tests 170 python3 -m pytest -q -p no:cacheprovider -p bench.lease_failures -n 14 \
-                --timeout 90 --durations 15 --junitxml "$R/tests.xml" tests/test_triton.py tests/test_gpu.py \
-                tests/test_cuda_kernels.py tests/test_bf16_state.py
+                --timeout 90 --durations 15 --junitxml "$R/tests.xml" tests/kernels/test_triton.py tests/bench/test_gpu.py \
+                tests/kernels/test_cuda_kernels.py tests/optim/test_bf16_state.py
             wait $W2
             tail -15 "$R/world2.log" ;;
         memory2) run memory2 90 $P variants zkern3 fsdp2-fused --model "$M" --world 2 --threads 8 \

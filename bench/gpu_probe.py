@@ -1,6 +1,6 @@
 """What one lent GPU can tell in minutes: the machine's ceilings, each system's step time and the memory the
 allocator really holds, and zkern over NCCL at world 2 on one card. Every part runs on a CPU too (smaller), which is
-how tests/test_gpu_probe.py checks it.
+how tests/bench/test_gpu_probe.py checks it.
 
     python bench/gpu_probe.py bw --json out/bw.json
     python bench/gpu_probe.py variants zkern0 zkern3 ddp-fused fsdp2-fused --model 1b --json out/variants.json

@@ -5,7 +5,7 @@ distinct NCCL_HOSTID each, the ranks look like separate hosts and talk over loop
 (NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1), every one on cuda:0 (LOCAL_RANK=0). That proves the NCCL path (groups,
 the order of the two communicators' collectives, streams, results equal to one process), never a speed. If NCCL
 refuses anyway, the checks run over gloo with CUDA tensors (zkern's backend_for patched in the ranks) and the
-record says so. On a CPU the same checks run over gloo: that is how tests/test_gpu_probe.py checks this file.
+record says so. On a CPU the same checks run over gloo: that is how tests/bench/test_gpu_probe.py checks this file.
 
   smoke        all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single on real data, checked
   stages_fp32  stages 0-3 (fp32, accumulation 2, clipping) against single-process torch AdamW, parameter by

@@ -1,5 +1,5 @@
 """Scale suite: a MODEL of stage 3's and ZeRO++'s step time for 7B and 70B GPT shapes from 8 to 1024 GPUs, built
-from the bytes zkern's counters showed (tests/test_zeropp.py checks them to the byte) and link bandwidths
+from the bytes zkern's counters showed (tests/comm/test_zeropp.py checks them to the byte) and link bandwidths
 given as arguments, checked against the one point this machine can measure (world 4 = 2 "nodes" x 2 ranks).
 
     python bench/run.py --suite scale                      # table + check (a world-4 run of the small model)

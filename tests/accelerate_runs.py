@@ -1,4 +1,4 @@
-"""Helpers for tests/test_hf_accelerator.py: run examples/accelerate_clm.py's main() in the calling rank, on plain
+"""Helpers for tests/hf/test_hf_accelerator.py: run examples/accelerate_clm.py's main() in the calling rank, on plain
 Accelerate (DDP, the reference) or on zkern.hf.Accelerator with a config, and read back what it logged.
 """
 

@@ -1,7 +1,7 @@
 """Shared pieces of the checkpoint tests: a training loop over a fixed global batch that any world size splits the
 same way (so runs at different world sizes train on the same data), and the rank workers.
 
-    python -m pytest tests/test_checkpoint.py tests/test_checkpoint_topology.py -q
+    python -m pytest tests/checkpoint/test_checkpoint.py tests/checkpoint/test_checkpoint_topology.py -q
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ zkern's Triton kernels run on the CPU under the interpreter (on a GPU machine th
 
 ZKERN_TEST_BACKEND=triton forces one backend for every op in the whole run (spawned ranks inherit it), so that every
 view the engine hands a kernel meets the real launcher's checks (slow under the interpreter: a manual run; CI trains
-the engine on the Triton path in tests/test_triton.py)."""
+the engine on the Triton path in tests/kernels/test_triton.py)."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""A torchrun script for tests/test_engine_api.py: train two stage-3 steps, then report, from the last exit hook
+"""A torchrun script for tests/engine/test_engine_api.py: train two stage-3 steps, then report, from the last exit hook
 to run, how many gloo worker threads are still alive in this rank (two a group).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/exit_script.py OUT {zkern_group,user_group}

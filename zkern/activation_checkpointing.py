@@ -1,6 +1,6 @@
 """Activation checkpointing with DeepSpeed's API and config section, on torch's non-reentrant checkpoint.
 
-    python -m pytest tests/test_activation_checkpointing.py -q
+    python -m pytest tests/engine/test_activation_checkpointing.py -q
 
     hidden = zkern.checkpointing.checkpoint(block, hidden, mask)   # as deepspeed.checkpointing.checkpoint
 

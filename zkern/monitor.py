@@ -1,7 +1,7 @@
 """DeepSpeed's monitors: tensorboard, csv_monitor, wandb and comet, written on rank 0 with DeepSpeed's event names
 and files, so that dashboards built on a DeepSpeed run keep working.
 
-    python -m pytest tests/test_reporting.py -q
+    python -m pytest tests/engine/test_reporting.py -q
 
 Events are (name, value, samples): "Train/Samples/train_loss" (the mean loss of the accumulation), "Train/Samples/lr"
 (param group 0's), "Train/Samples/loss_scale" (fp16), and with wall_clock_breakdown the phase times

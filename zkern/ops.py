@@ -32,7 +32,7 @@ BACKENDS = ("reference", "cpu", "triton", "cuda")
 
 # Every kernel op and, per backend that has it, the file that holds it: zkern/triton/<file>.py,
 # zkern/cuda/csrc/<file>.cu, the CPU extension's zkern/cpu/csrc/<file>.h. zkern.reference has every op (its twin:
-# the semantics, the signature). The one list: the dispatch below, the table's test (tests/test_ops.py),
+# the semantics, the signature). The one list: the dispatch below, the table's test (tests/kernels/test_ops.py),
 # zkern.env_report and the GPU static gate (bench/gpu_static_suite.py, which fails on a Triton or CUDA op it does not
 # compile) all read it.
 OPS: dict[str, dict[str, str]] = {

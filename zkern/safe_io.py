@@ -2,7 +2,7 @@
 blocking on a FIFO or a device, JSON of bounded size and depth, names confined to the directory. Every failure is a
 CheckpointError that names the file.
 
-    python -m pytest tests/test_checkpoint_safety.py -q
+    python -m pytest tests/checkpoint/test_checkpoint_safety.py -q
 """
 
 from __future__ import annotations

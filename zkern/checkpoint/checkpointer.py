@@ -2,7 +2,7 @@
 own process group, and the asynchronous save in flight. Engine.save_checkpoint / load_checkpoint and zkern.hf's
 savers call it; nothing here reads the engine.
 
-    python -m pytest tests/test_checkpoint.py tests/test_checkpoint_compat.py -q
+    python -m pytest tests/checkpoint/test_checkpoint.py tests/checkpoint/test_checkpoint_compat.py -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The checkpoint's own collectives: small JSON messages between ranks on a process group of their own.
 
-    python -m pytest tests/test_checkpoint.py -q
+    python -m pytest tests/checkpoint/test_checkpoint.py -q
 
 A save or load agrees across ranks (a temporary directory's name, every rank's file index and whether it
 succeeded) so that no rank commits or changes state while another failed, and none waits forever: the group

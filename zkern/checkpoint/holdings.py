@@ -1,7 +1,7 @@
 """What one rank's checkpoint is made of, named: the checkpoint reaches the engine's state through these parts and
 nothing else (an engine builds one; a test or another trainer can build one from its own parts).
 
-    python -m pytest tests/test_checkpoint.py -q
+    python -m pytest tests/checkpoint/test_checkpoint.py -q
 """
 
 from __future__ import annotations

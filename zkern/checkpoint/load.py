@@ -1,7 +1,7 @@
 """Checkpointer.load: find this rank's shard in a checkpoint written at any world size, stage or offload setting,
 read it into staging buffers, verify everything, and only then change the engine's state.
 
-    python -m pytest tests/test_checkpoint.py tests/test_checkpoint_topology.py -q
+    python -m pytest tests/checkpoint/test_checkpoint.py tests/checkpoint/test_checkpoint_topology.py -q
 
 Each rank asks, for every piece of its own shard (runtime.shard_map), for the elements [start, start + numel) of
 that parameter in the checkpoint's entries (ranges.RangeReader): the saver's partition is never replayed. Names and

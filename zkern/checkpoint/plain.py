@@ -1,7 +1,7 @@
 """Plain JSON data: what a checkpoint's manifest holds besides tensor entries (hyper-parameters, saved forms of the
 state components, the config), and the test that a saved value can stand where a live one is.
 
-    python -m pytest tests/test_checkpoint_hostile.py -q
+    python -m pytest tests/checkpoint/test_checkpoint_hostile.py -q
 """
 
 from __future__ import annotations

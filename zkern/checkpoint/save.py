@@ -1,7 +1,7 @@
 """Checkpointer.save: what a rank holds, as ranges of the model's own tensors plus the state components' saved
 forms, written atomically.
 
-    python -m pytest tests/test_checkpoint.py -q
+    python -m pytest tests/checkpoint/test_checkpoint.py -q
 
 The protocol (every rank calls it; the checkpoint group's messages keep ranks in step, none waits forever):
   1. ranks agree on the tag; rank 0 removes what killed saves left (.tmp-* directories) and names a fresh

@@ -1,6 +1,6 @@
 """Collectives with byte counters, timeouts and errors that name the rank and the collective.
 
-    python -m pytest tests/test_comm.py -q
+    python -m pytest tests/comm/test_comm.py -q
 
 Every collective the engine issues goes through a Comm, so that (1) comm_stats() can report exactly what this
 rank sent, (2) a failure or timeout raises CommError naming the rank, the collective and what it was for, and

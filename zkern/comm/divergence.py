@@ -1,7 +1,7 @@
 """Stage 3 across ranks: every rank must issue the same all-gathers in the same order. This file says what each
 rank is about to do (a tag), checks that the ranks agree, and works out what to gather together when they do not.
 
-    python -m pytest tests/test_stage3_moe.py -q
+    python -m pytest tests/stage3/test_stage3_moe.py -q
 
 Two checks, one cheap and one exact:
   - verifying passes (a step's first pass, passes after the gather order changed, and every pass after a

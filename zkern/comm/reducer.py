@@ -1,6 +1,6 @@
 """BucketReducer: the one path every stage's gradient buckets are reduced through.
 
-    python -m pytest tests/test_schedule.py tests/test_zeropp.py -q
+    python -m pytest tests/comm/test_schedule.py tests/comm/test_zeropp.py -q
 
 A bucket is a flat gradient buffer of `world` equal sections. Launching it issues one collective: a reduce-scatter
 into this rank's section (qgZ's two-hop int4 reduction in its place when the config asks for quantized gradients),

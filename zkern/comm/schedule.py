@@ -1,6 +1,6 @@
 """The order of gradient reductions: one plan for every rank, whatever order backward produces gradients in.
 
-    python -m pytest tests/test_schedule.py -q
+    python -m pytest tests/comm/test_schedule.py -q
 
 Collectives pair up by order, so every rank must reduce its gradient buckets in the same sequence. Backward does
 not produce gradients in the same order on every rank (two parameter groups, a parameter one rank does not use,

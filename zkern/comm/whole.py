@@ -1,7 +1,7 @@
 """Whole tensors from the ranks' shards, one bucket at a time: the fp32 weights (full_state_dict), the 16-bit
 weights (save_16bit_model) and the reduced gradients, for stages 0-2 (flat buckets) and 3 (fetch units) alike.
 
-    python -m pytest tests/test_engine.py -q -k state_dict
+    python -m pytest tests/engine/test_engine.py -q -k state_dict
 
 A bucket (a stage 0-2 flat bucket, or a stage 3 unit) is padded to world equal chunks, rank r holding
 chunk r; gathering the chunks gives the bucket whole, and each tensor in it is a slice at a known offset. One

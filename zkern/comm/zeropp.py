@@ -1,7 +1,7 @@
 """ZeRO++ (Wang et al. 2023): quantized weight all-gather (qwZ), hierarchical secondary partition (hpZ), and the
 quantized two-hop gradient all-to-all (qgZ) with LoCo error feedback.
 
-    python -m pytest tests/test_zeropp.py -q
+    python -m pytest tests/comm/test_zeropp.py -q
 
 qwZ   every rank quantizes its chunk of a unit to int8 (one fp32 scale per WEIGHT_GROUP elements), the ranks
       all-gather one uint8 message each (codes, then the scales' bytes), and every rank dequantizes every

@@ -5,9 +5,9 @@
     python -m zkern.config check ds_config.json           # what zkern makes of a file, without a job
 
 The rooms, lowest first: keys.py (every key of DeepSpeed 0.19 and what zkern does with it), sections.py (one frozen
-dataclass per section), parse.py (a dict -> the sections, with notes on what was inert, warned, renamed), model.py (Config,
-which ties them together, with the combinations of keys it checks and "auto" and the batch arithmetic it resolves
-against a world), report.py (the start-up block and the `check` command).
+dataclass per section), parse.py (a dict -> the sections, with notes on what was inert, warned, renamed), model.py
+(Config, which ties them together, with the combinations of keys it checks and "auto" and the batch arithmetic it
+resolves against a world), report.py (the start-up block and the `check` command).
 """
 
 from zkern.config.model import Config, read_json

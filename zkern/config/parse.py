@@ -1,6 +1,6 @@
 """Parse a DeepSpeed-style config dict against the key tables (keys.py) into zkern.Config.
 
-    python -m pytest tests/test_config.py tests/test_config_real.py -q
+    python -m pytest tests/config/test_config.py tests/config/test_config_real.py -q
 
 One walk over the file, section by section (walk.py reads each section against its key table); here, what each
 section becomes: the dataclasses of sections.py, with DeepSpeed's older spellings and its section-level rules. The

@@ -4,7 +4,7 @@ accepted range), "auto" that nothing in zkern resolves given DeepSpeed's default
 top level and an error inside a section whose DeepSpeed model forbids them, a near-miss of a known key always an
 error that says "did you mean". parse.py walks each section of a file with it.
 
-    python -m pytest tests/test_config.py -q
+    python -m pytest tests/config/test_config.py -q
 """
 
 from __future__ import annotations

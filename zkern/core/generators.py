@@ -4,7 +4,7 @@ zkern.hf.Accelerator re-apply it when Hugging Face's loops expect it. Hugging Fa
 a checkpoint zkern reads never runs code. A restored state makes dropout, sampling and shuffling draw exactly what
 they would have drawn.
 
-    python -m pytest tests/test_checkpoint.py tests/test_hf_trainer.py -q
+    python -m pytest tests/checkpoint/test_checkpoint.py tests/hf/test_hf_trainer.py -q
 """
 
 from __future__ import annotations

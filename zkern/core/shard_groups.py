@@ -2,7 +2,7 @@
 chunks (one per bucket: contiguous master, gradient and working-copy ranges). The stage runtimes build them; the
 optimizers (optim/), the host step (offload/) and the engine read them, so they live here, below all of those.
 
-    python -m pytest tests/test_optimizers.py -q
+    python -m pytest tests/optim/test_optimizers.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The engine's training state in one registry: every stateful piece says what kind of state it is, how it returns
 to a fresh engine's value, what it looks like (for tests and the differential fuzzer), and which tensors it owns.
 
-    python -m pytest tests/test_state.py -q
+    python -m pytest tests/core/test_state.py -q
 
 A load, whatever its flags and whenever it comes (mid-accumulation included), first resets every component the
 checkpoint will not restore, then writes what it restores: the engine ends exactly as a fresh engine loaded from

@@ -1,7 +1,7 @@
 """The fused CPU Adam extension (zkern.cpu._adam_ext) seen from Python: loading, ISA choice, checked calls.
 
     python -m zkern.env_report                       # which path is active, and why
-    ZKERN_CPU_ISA=avx2 python -m pytest tests/test_cpu_adam.py -q
+    ZKERN_CPU_ISA=avx2 python -m pytest tests/kernels/test_cpu_adam.py -q
 
 The extension takes raw data pointers, so every check a torch op would make happens here first: device,
 dtype, contiguity, sizes. The ISA path is the fastest this CPU supports, or the one ZKERN_CPU_ISA forces

@@ -8,7 +8,7 @@ csrc/adam.cu and csrc/quant.cu hold the kernels and their launchers over raw poi
 libtorch, so nvcc checks them on any machine (bench/gpu_static_suite.py: no spill, 128-bit loads and stores).
 Their per-element arithmetic is zkern/csrc/zk_math.h, zk_adam.h and zk_quant.h, which the CPU extension compiles
 too: zkern.cpu._ext runs the very same code on the host (adam_step_(isa="shared"), quantize,
-dequant_sum_requant), and tests/test_cuda_shared.py holds it to zkern/reference.py. csrc/bindings.cpp binds the
+dequant_sum_requant), and tests/kernels/test_cuda_shared.py holds it to zkern/reference.py. csrc/bindings.cpp binds the
 launchers to torch; it is built on first use with torch.utils.cpp_extension (nvcc and ninja), only where torch has
 CUDA. Every function here keeps zkern.reference's signature and semantics.
 """

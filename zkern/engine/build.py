@@ -1,6 +1,6 @@
 """Engine construction: device, initial broadcast, parameter groups, optimizer and LR scheduler.
 
-    python -m pytest tests/test_engine_build.py -q
+    python -m pytest tests/engine/test_engine_build.py -q
 
 Each function does one step of zkern.Engine.__init__ and raises a clear error on input it cannot take.
 """

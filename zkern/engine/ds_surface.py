@@ -4,7 +4,7 @@ OpenRLHF, LLaMA-Factory, Lightning): batch sizes, learning rates, the last norm,
 rollouts. Each answers what zkern does, under DeepSpeed's name and calling convention (methods where DeepSpeed has
 methods); docs/frameworks.md lists them with what is not provided.
 
-    python -m pytest tests/test_engine_frameworks.py -q -k surface
+    python -m pytest tests/engine/test_engine_frameworks.py -q -k surface
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The engine's own state components (optimizer, LR scheduler, loss scaler, counters, generators, offload
 staging), registered beside the stage runtime's in one StateRegistry (state.py).
 
-    python -m pytest tests/test_state.py -q
+    python -m pytest tests/core/test_state.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DeepSpeed's flops_profiler: at profile_step, one forward counted by torch's flop counter and timed per module;
 a table of parameters, FLOPs, latency and achieved FLOP/s per module (to output_file, else the log), rank 0.
 
-    python -m pytest tests/test_reporting.py -q -k flops
+    python -m pytest tests/engine/test_reporting.py -q -k flops
 
 module_depth limits the depth listed (-1: all), top_modules how many modules per depth are listed by FLOPs (the
 whole model always comes first), detailed lists every module of those depths. Parameter counts are the whole

@@ -15,7 +15,7 @@ The getters are local, and so are the gradient and optimizer-state writes (each 
 safe_set_full_grad every rank passes the same full value); a write of the fp32 value is a collective, because the
 working copies of the weights follow it.
 
-    python -m pytest tests/test_engine_surface.py -q -k "local or set_full_grad"
+    python -m pytest tests/engine/test_engine_surface.py -q -k "local or set_full_grad"
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ new fp32 tensor of the parameter's full shape on the engine's device. A write go
 one the optimizer is about to apply, before clipping: the gradient of the accumulation's mean loss, averaged over ranks,
 unscaled (a plain single-process run's p.grad for the same global batch).
 
-    python -m pytest tests/test_engine_frameworks.py -q -k safe_get
+    python -m pytest tests/engine/test_engine_frameworks.py -q -k safe_get
 """
 
 from __future__ import annotations

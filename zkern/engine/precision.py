@@ -1,6 +1,6 @@
 """Mixed precision: working dtype choice and the fp16 loss scaler (DeepSpeed's dynamic loss scaling rules).
 
-    python -m pytest tests/test_precision.py -q
+    python -m pytest tests/engine/test_precision.py -q
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 whole on every rank (rank 0's values, broadcast at build), no gradients, no shards. At stage 3 such an engine keeps
 Stage3Runtime, its parameters partitioned and gathered per forward like frozen ones.
 
-    python -m pytest tests/test_engine_frameworks.py -q -k reference
+    python -m pytest tests/engine/test_engine_frameworks.py -q -k reference
 """
 
 from __future__ import annotations

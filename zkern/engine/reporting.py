@@ -2,7 +2,7 @@
 flops_profiler and the monitors (zkern/monitor.py). Each costs nothing when off: the engine calls these hooks, which
 return at once.
 
-    python -m pytest tests/test_reporting.py -q
+    python -m pytest tests/engine/test_reporting.py -q
 
 Times are the host clock around each phase, after a CUDA synchronisation when the engine is on a GPU (as DeepSpeed's
 timers synchronise), so a phase's time is its GPU work; they are logged every steps_per_print optimizer steps on

@@ -1,9 +1,9 @@
 """engine.offload_states() / reload_states(): the engine's device memory moved to the host and back, as colocated
 RLHF frees the GPU for its rollouts (OpenRLHF, verl) with DeepSpeed's calls of the same names.
 
-    python -m pytest tests/test_engine_frameworks.py -q -k offload_states
+    python -m pytest tests/engine/test_engine_frameworks.py -q -k offload_states
 
-What moves is found through the state registry, which claims every tensor the engine owns (tests/test_state.py
+What moves is found through the state registry, which claims every tensor the engine owns (tests/core/test_state.py
 fails on one it does not): each storage on the engine's device, whole, copied into a host buffer (pinned on CUDA)
 and resized to nothing, so the allocator gets its bytes back while every view of it (parameters, optimizer pieces,
 bucket views) stays the same object. reload_states() gives each storage its size back and copies the bytes in:

@@ -1,6 +1,6 @@
 """When the engine may save or load a checkpoint (the Checkpointer, zkern/checkpoint/checkpointer.py, does the rest).
 
-    python -m pytest tests/test_checkpoint.py -q
+    python -m pytest tests/checkpoint/test_checkpoint.py -q
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 gather signature, which parameters got gradients), then skip, or clip and step where the optimizer lives, then the
 loss scale, the LR schedule and the runtime's after-step work.
 
-    python -m pytest tests/test_engine.py tests/test_precision.py -q
+    python -m pytest tests/engine/test_engine.py tests/engine/test_precision.py -q
 
 The control all-reduce's .tolist() is the one host synchronisation of the step.
 """

@@ -1,7 +1,7 @@
 """Whole weights out of an engine, with model.state_dict()'s names: fp32 (full_state_dict), the training dtype
 (full_working_state_dict) and DeepSpeed's save_16bit_model file. Collectives: every rank calls them.
 
-    python -m pytest tests/test_engine_api.py -q
+    python -m pytest tests/engine/test_engine_api.py -q
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     torchrun --nproc-per-node 2 examples/accelerate_clm.py      (or accelerate launch with a DEEPSPEED config)
-    python -m pytest tests/test_hf_accelerator.py -q
+    python -m pytest tests/hf/test_hf_accelerator.py -q
 
 The Accelerator is Accelerate's own, in its DeepSpeed mode (distributed_type DEEPSPEED, a DeepSpeedPlugin holding the
 config), so a script behaves as it does under Accelerate+DeepSpeed: the same "auto" filling from the prepared

@@ -2,7 +2,7 @@
 
     model = zkern.hf.from_pretrained(GPT2LMHeadModel, "path/to/model", "ds_config.json")
     engine = zkern.Engine(model, "ds_config.json")        # or zkern.hf.Trainer(model=model, ...)
-    python -m pytest tests/test_hf_pretrained.py -q
+    python -m pytest tests/hf/test_hf_pretrained.py -q
 
 transformers' own from_pretrained under DeepSpeed ZeRO-3 loads every tensor whole on every rank and then partitions
 it, so a host with 8 ranks reads the model 8 times and holds 8 copies at once. Here the model is built under

@@ -1,7 +1,7 @@
 """zkern.hf.Trainer: Hugging Face's Trainer with a zkern engine in place of DDP or DeepSpeed.
 
     torchrun --nproc-per-node 2 examples/hf_trainer.py
-    python -m pytest tests/test_hf_trainer.py -q
+    python -m pytest tests/hf/test_hf_trainer.py -q
 
 Everything HF's Trainer does stays its own (data, loss and its normalisation over accumulation and ranks, logging,
 evaluation, callbacks, checkpoint rotation, trainer state); the engine takes the backward, the reduction, the

@@ -1,6 +1,6 @@
 """ZeRO-Offload: the optimizer step on the host, fed through host staging buffers.
 
-    python -m pytest tests/test_offload.py -q
+    python -m pytest tests/offload/test_offload.py -q
 
 With zero_optimization.offload_optimizer.device = "cpu", the stage runtimes keep the fp32 master shard on the
 host (host_tensor) and the optimizer's moments follow it there. Each step, HostStep copies this rank's

@@ -1,7 +1,7 @@
 """ZeRO-Infinity's optimizer on NVMe: the fp32 master and both Adam moments of this rank's shard live in files and
 stream through a few host tile buffers while the CPU Adam steps.
 
-    python -m pytest tests/test_nvme.py tests/test_nvme_engine.py -q
+    python -m pytest tests/offload/test_nvme.py tests/offload/test_nvme_engine.py -q
 
 NvmeShard holds the files. A region is one fp32 master buffer of a stage runtime (stage 3 has one; stages 1-2 one
 per parameter group); each region has three files, master-<i>.bin, exp_avg-<i>.bin and exp_avg_sq-<i>.bin, laid

@@ -1,6 +1,6 @@
 """ZeRO-Infinity's parameters on NVMe: stage 3's working-dtype parameter shard in a file, read ahead of use.
 
-    python -m pytest tests/test_nvme_engine.py -q
+    python -m pytest tests/offload/test_nvme_engine.py -q
 
 With offload_param.device "nvme" the stage-3 runtime's param_shard is a meta stand-in (shape and dtype, no
 data; see nvme.py for why) and its values live in params.bin, laid out like the shard and padded to whole 4 KiB

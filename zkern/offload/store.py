@@ -1,7 +1,7 @@
 """ShardStore: where the bytes of this rank's shards live, and the one place that tells a resident tensor from a
 stand-in for bytes that are elsewhere.
 
-    python -m pytest tests/test_store.py tests/test_nvme_engine.py -q
+    python -m pytest tests/offload/test_store.py tests/offload/test_nvme_engine.py -q
 
 A shard (the fp32 master, the working copy, the gradient shard, an optimizer moment) rests in one of four homes:
 
@@ -17,7 +17,7 @@ A shard (the fp32 master, the working copy, the gradient shard, an optimizer mom
 
 Code that reads or writes a range of a shard (a step, a load, a checkpoint, GatheredParameters, full_state_dict)
 passes the tensor it holds to read()/write() and never asks which home it is; code that counts memory asks
-resident_bytes(). tests/test_layout.py holds that no other module asks `is_meta`.
+resident_bytes(). tests/house/test_layout.py holds that no other module asks `is_meta`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 its norms summed over every rank's pieces of the parameter), with DeepSpeed's formulas; SGD and Adagrad are torch's
 own classes on the pieces (element-wise, so exact).
 
-    python -m pytest tests/test_optimizers.py -q
+    python -m pytest tests/optim/test_optimizers.py -q
 
 They are torch optimizers whose params are the shard pieces (shard_adam.step_torch_optimizer gives each active
 piece its fp32 gradient), so LR schedulers, checkpoints and the registry see the usual param_groups and state.

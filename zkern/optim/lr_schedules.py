@@ -1,7 +1,7 @@
 """DeepSpeed's learning-rate schedulers with its formulas, driving an optimizer's param_groups[i]["lr"]: WarmupLR,
 WarmupDecayLR, WarmupCosineLR, OneCycle (which also cycles Adam's beta1) and LRRangeTest.
 
-    python -m pytest tests/test_lr_schedules.py -q        # step by step against DeepSpeed's own classes
+    python -m pytest tests/optim/test_lr_schedules.py -q        # step by step against DeepSpeed's own classes
 
 The engine calls step() once per optimizer step that was not skipped, as DeepSpeed does. Every scheduler counts
 its steps in last_batch_iteration (-1 before the first), sets the lr at construction as DeepSpeed's does, and saves

@@ -1,6 +1,6 @@
 """FlatGroup: one optimizer group's trainable parameters packed into flat buffers, for ZeRO stages 0, 1 and 2.
 
-    python -m pytest tests/test_engine.py -q -k "stage0 or stage1 or stage2"
+    python -m pytest tests/engine/test_engine.py -q -k "stage0 or stage1 or stage2"
 
 Its parameters become views into one flat working-dtype buffer laid out by partition.plan_layout; its gradients
 views into a flat buffer (stages 0-1) or are folded bucket by bucket into a shard (stage 2); this rank steps its

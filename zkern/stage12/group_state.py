@@ -1,7 +1,7 @@
 """A FlatGroup's tensors read whole, its fp32 master written, and what it holds: for full_state_dict, the state
 registry, GatheredParameters and memory_report.
 
-    python -m pytest tests/test_engine_api.py tests/test_state.py -q
+    python -m pytest tests/engine/test_engine_api.py tests/core/test_state.py -q
 """
 
 from __future__ import annotations

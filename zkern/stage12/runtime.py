@@ -1,6 +1,6 @@
 """ZeRO stages 0, 1 and 2: flat parameter buffers, bucketed gradient reduction, shard bookkeeping.
 
-    python -m pytest tests/test_engine.py -q -k "stage0 or stage1 or stage2"
+    python -m pytest tests/engine/test_engine.py -q -k "stage0 or stage1 or stage2"
 
 One FlatGroup per (optimizer param group, dtype). Its trainable parameters become views into one flat buffer
 laid out by partition.plan_layout (reverse registration order, so buckets fill roughly as backward runs).

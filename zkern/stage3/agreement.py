@@ -3,7 +3,7 @@ gather different units (routed experts), the smallest module containing them all
 nearest running ancestor gathers on every rank (stage3_merge_divergent_modules), or a CommError names the ranks and
 the units before any data moves.
 
-    python -m pytest tests/test_stage3_moe.py -q
+    python -m pytest tests/stage3/test_stage3_moe.py -q
 
 Functions of the module hooks (h: a hooks.Stage3Hooks), which call agree() before a verified gather.
 """

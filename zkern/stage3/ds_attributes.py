@@ -4,7 +4,7 @@ NOT_AVAILABLE or INFLIGHT: whether the parameter is whole on this rank now). Ope
 not available, LLaMA-Factory counts parameters with `ds_numel` (0 of them without it), axolotl and others test
 `hasattr(p, "ds_id")`.
 
-    python -m pytest tests/test_engine_frameworks.py -q -k ds_attributes
+    python -m pytest tests/engine/test_engine_frameworks.py -q -k ds_attributes
 
 `ds_status` compares equal to DeepSpeed's own `ZeroParamStatus` where a script imported deepspeed before building
 the engine (it is then DeepSpeed's enum), else to zkern's `ZeroParamStatus` below, with the same names and values.

@@ -1,7 +1,7 @@
 """Stage 3's external reads: in the recording passes a torch function mode watches for parameters at rest, and a
 module that reads another unit's parameter (a tied head reading the embedding) gathers that unit from then on.
 
-    python -m pytest tests/test_stage3.py -q -k "tied or external"
+    python -m pytest tests/stage3/test_stage3.py -q -k "tied or external"
 """
 
 from __future__ import annotations

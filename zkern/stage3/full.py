@@ -1,7 +1,7 @@
 """Stage 3's whole tensors, one unit at a time: the fp32 weights of full_state_dict, the working-dtype weights of
 save_16bit_model and the reduced gradients the tests compare (collectives: every rank calls them).
 
-    python -m pytest tests/test_stage3.py -q -k full
+    python -m pytest tests/stage3/test_stage3.py -q -k full
 """
 
 from __future__ import annotations

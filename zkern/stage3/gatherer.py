@@ -1,7 +1,7 @@
 """Stage 3's gathering: bring fetch units from rest to whole and back, prefetch along the recorded order, and keep
 the counts (live elements, gathers per unit, the step's gather signature, the shard version).
 
-    python -m pytest tests/test_stage3.py -q
+    python -m pytest tests/stage3/test_stage3.py -q
 
 Every all-gather of a unit goes through Gatherer.gather (or regather, for a unit already whole), and every
 release through Gatherer.release, which moves the unit's lifecycle (lifecycle.Unit) and the parameters' .data

@@ -1,7 +1,7 @@
 """Stage 3's module hooks: which units a running module holds, when they are gathered for backward, how reads of
 another module's parameters are found, and what happens when ranks would gather different units.
 
-    python -m pytest tests/test_stage3.py tests/test_stage3_checkpointing.py tests/test_stage3_moe.py -q
+    python -m pytest tests/stage3/ -q
 
   forward   a module's pre-hook opens a frame and acquires the units it needs (gathering those at rest); its
             post-hook, registered with always_call=True so that it runs even when the module raises (torch's

@@ -1,7 +1,7 @@
 """How stage 3 lays a model out: fetch units, this rank's shards in their homes, the initial partition, the
 optimizer's shard groups, and the map a checkpoint saves and loads by.
 
-    python -m pytest tests/test_stage3.py tests/test_zeropp_frozen.py -q
+    python -m pytest tests/stage3/test_stage3.py tests/comm/test_zeropp_frozen.py -q
 
 Functions of the runtime (rt: a Stage3Runtime under construction or built); runtime.py calls them once each, in the
 order they appear here, and shard_map per save or load.

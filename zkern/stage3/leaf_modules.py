@@ -7,7 +7,7 @@ gathers the same parameters on every rank. LLaMA-Factory and others flag their M
 The flag is DeepSpeed's own attribute (`module._z3_leaf`), so modules flagged by DeepSpeed's function are leaves on
 zkern too; the config's zero_optimization.leaf_module and stage3_fetch_units pick units the same way.
 
-    python -m pytest tests/test_framework_flows.py -q
+    python -m pytest tests/hf/test_framework_flows.py -q
 """
 
 from __future__ import annotations

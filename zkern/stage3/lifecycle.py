@@ -1,7 +1,7 @@
 """Stage 3's fetch-unit lifecycle: the states a unit passes through in a step, the only transitions between them,
 and the invariants checked at the end of every forward and backward pass.
 
-    python -m pytest tests/test_lifecycle.py -q
+    python -m pytest tests/stage3/test_lifecycle.py -q
 
 Two state machines per unit, each changed only through Unit's methods (an illegal transition raises):
 

@@ -1,7 +1,7 @@
 """Stage 3's gather-order record: what the last pass gathered, where this pass is in it, and whether this pass
 still follows it (prefetch is only safe while it does).
 
-    python -m pytest tests/test_order.py -q
+    python -m pytest tests/stage3/test_order.py -q
 
 Pure bookkeeping over unit indices, one record per phase ("forward", "backward"); no torch.
 """

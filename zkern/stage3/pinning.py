@@ -1,7 +1,7 @@
 """Stage 3's units held whole outside a forward: zkern.GatheredParameters (pin and unpin, a modifier rank's writes
 into every shard) and gathered_for_generation (every unit pinned, module hooks aside).
 
-    python -m pytest tests/test_gathered.py -q
+    python -m pytest tests/stage3/test_gathered.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Stage 3's gradient reduction: gradients land in their reduce group's buffer as backward produces them; groups
 are reduce-scattered into this rank's gradient shard in one fixed order, the same on every rank.
 
-    python -m pytest tests/test_stage3_moe.py -q
+    python -m pytest tests/stage3/test_stage3_moe.py -q
 
 A reduce group is a run of consecutive trainable units up to reduce_bucket_size elements (units.plan_reduce_groups),
 with a rank-major buffer so that one reduce-scatter leaves each rank the contiguous shard range of the group:
@@ -16,7 +16,7 @@ and every group before it is complete: which rank completes what when may differ
 reduce-scatters never does. They run on a process group of their own (Comm.sibling), so their order never has to
 interleave with the gathers' for the pairing; for NCCL, whose collectives on one GPU must also interleave alike
 across communicators, a group holding a divergent unit (completed at different points on different ranks) waits
-for the end of backward, so the interleaving is the same on every rank too (tests/test_collective_order.py).
+for the end of backward, so the interleaving is the same on every rank too (tests/comm/test_collective_order.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a stage-3 runtime holds and says: its state components for the engine's registry, memory by kind, and the
 start-up lines about its layout.
 
-    python -m pytest tests/test_state.py tests/test_reporting.py -q
+    python -m pytest tests/core/test_state.py tests/engine/test_reporting.py -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ZeRO stage 3: parameters partitioned at rest, gathered per fetch unit while needed, prefetched ahead.
 
-    python -m pytest tests/test_stage3.py tests/test_stage3_checkpointing.py tests/test_stage3_moe.py -q
+    python -m pytest tests/stage3/ -q
 
 At rest every parameter's .data is an empty tensor; each rank holds its chunk of every fetch unit (units.py)
 in `param_shard` (working dtype; on the host with offload_param, in a file with offload_param "nvme"), `master`

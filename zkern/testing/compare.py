@@ -1,6 +1,6 @@
 """The comparisons zkern's equivalence tests use, with tolerances derived from the arithmetic.
 
-    python -m pytest tests/test_engine.py -q -k wrong_result
+    python -m pytest tests/engine/test_engine.py -q -k wrong_result
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Spawning N ranks over gloo on 127.0.0.1 (torchrun's environment variables, a free port picked at run time).
 
-    python -m pytest tests/test_engine.py -q -k world
+    python -m pytest tests/engine/test_engine.py -q -k world
 """
 
 from __future__ import annotations

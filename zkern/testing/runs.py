@@ -1,7 +1,7 @@
 """A training run described once (TrainSpec) and run three ways: zkern's engine on every rank, a plain
 single-process torch reference on the global batch, and the stock-PyTorch peers (DDP, ZeroRedundancyOptimizer).
 
-    python -m pytest tests/test_engine.py -q
+    python -m pytest tests/engine/test_engine.py -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """adam_step_: fused Adam/AdamW over a flat fp32 master shard, with the low-precision copy in the same pass.
 
-    python -m pytest tests/test_triton.py -q -k adam
+    python -m pytest tests/kernels/test_triton.py -q -k adam
 
 zkern.reference.adam_step_'s semantics: gradients fp32/fp16/bf16 (upcast, times grad_scale), the master and the
 moments fp32 or bf16 (bf16 stored rounded to nearest even, or stochastically with the reference's hash),

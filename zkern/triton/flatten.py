@@ -1,6 +1,6 @@
 """flatten / unflatten_into_: any number of tensors to or from one flat buffer in ONE launch each.
 
-    python -m pytest tests/test_triton.py -q -k flatten
+    python -m pytest tests/kernels/test_triton.py -q -k flatten
 
 The launcher builds a table (each tensor's address, dtype code, size and offset in the flat buffer) and a
 block list (which tensor and which element each program starts at), so a thousand small tensors cost one

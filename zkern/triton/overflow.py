@@ -1,6 +1,6 @@
 """unscale_and_check_: one pass over a flat gradient buffer: unscale in place, flag NaN/inf, sum of squares.
 
-    python -m pytest tests/test_triton.py -q -k unscale
+    python -m pytest tests/kernels/test_triton.py -q -k unscale
 
 Each program writes its block's flag and fp32 sum of squares to a small partials buffer; one device-side
 reduction of those (a few thousand values for a 2^24-element buffer) gives the totals, deterministically (no

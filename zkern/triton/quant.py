@@ -1,6 +1,6 @@
 """Blockwise symmetric int8 / int4 quantization, dequantization, and the fused dequantize-and-sum.
 
-    python -m pytest tests/test_triton.py -q -k quant
+    python -m pytest tests/kernels/test_triton.py -q -k quant
 
 The exact rules (scales, rounding, all-zero groups, NaN/inf groups, int4 packing) are zkern.reference's;
 these kernels reproduce its codes and scales bit for bit. Each program takes about TILE_ELEMENTS elements,

@@ -1,7 +1,7 @@
 """What a draw's engine run must match: the single-process reference (single.py) within bounds derived from the
 arithmetic, and, where a draw saves and loads within one layout, the same draw without the save and load bit for bit.
 
-    python -m pytest tests/test_verify.py -q
+    python -m pytest tests/verify/test_verify.py -q
 
 Bounds. Exact draws (fp32, no quantized collective) hold zkern's equivalence bar (zkern.testing.compare_params: float32
 rounding, or 1e-3 lr per step where Adam's division amplifies it), losses and gradient norms to 1e-4 relative. Draws
@@ -231,8 +231,8 @@ def _lion_flips(draw: Draw, trained: dict, expected: dict, applied: int) -> tupl
 # schedule's); every optimizer but Lion, which is drawn exact only (draws.py). torch_autocast draws take their
 # autocast dtype's bound: measured at most 0.0105 (bf16) and 0.0011 (fp16) over 48 draws (2026-11-27). On the draws'
 # tiny models a 16-bit matmul moves the results little: an engine that ignored torch_autocast measured 0.002-0.05
-# over 16 draws, mostly inside these bounds, so that bug is the unit tests' to catch (tests/test_precision.py reads
-# the forward's dtype).
+# over 16 draws, mostly inside these bounds, so that bug is the unit tests' to catch (tests/engine/test_precision.py
+# reads the forward's dtype).
 TOWARD_SAME_ARITHMETIC = {"fp32": 0.01, "fp16": 0.03, "bf16": 0.1}
 # A bf16 master rounded stochastically (bf16_stochastic_rounding) is the fp32 master in expectation, which the
 # reference keeps; each step adds its own rounding noise of up to one bf16 spacing of the weight (2^-7 of it: for a

@@ -7,7 +7,7 @@ in the net.
     python -m zkern.verify.mutants --only adam.no_update        # one
 
 The mutants and their planting are in planted.py; this file is the driver: the draws that reach each mutant's code,
-which of them kills which (KILLERS, replayed by tests/test_verify.py), and the hunt.
+which of them kills which (KILLERS, replayed by tests/verify/test_verify.py), and the hunt.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 computes with, and where qwZ's int8 gathers put their quantization groups. runner.py and trainer_loop.py both
 report them; check.py and single.py read them.
 
-    python -m pytest tests/test_verify.py -q
+    python -m pytest tests/verify/test_verify.py -q
 """
 
 from __future__ import annotations

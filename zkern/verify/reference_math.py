@@ -2,7 +2,7 @@
 none of zkern's optimizer or scheduler code runs in the reference. torch's own AdamW, Adam, SGD and Adagrad step it
 where DeepSpeed's config names them; Lion and Lamb, which torch lacks, are below.
 
-    python -m pytest tests/test_verify.py -q -k schedule      # these schedules against DeepSpeed's own classes
+    python -m pytest tests/verify/test_verify.py -q -k schedule      # these schedules against DeepSpeed's own classes
 """
 
 from __future__ import annotations

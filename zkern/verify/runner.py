@@ -1,7 +1,7 @@
 """A draw on zkern's engine, on every rank: build, train, write, overflow, save, load, as the draw says; what it
 returns is what check.py compares with the single-process reference (single.py).
 
-    python -m pytest tests/test_verify.py -q
+    python -m pytest tests/verify/test_verify.py -q
 """
 
 from __future__ import annotations

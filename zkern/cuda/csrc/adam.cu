@@ -1,7 +1,7 @@
 // zkern/cuda/csrc/adam.cu: the fused multi-tensor Adam/AdamW step on CUDA, with the 16-bit copy-out and bf16
 // optimizer state (round to nearest even, or stochastic). The arithmetic is zkern/csrc/zk_math.h's, which the
 // CPU extension compiles too: zk_adam.h's step_element is what each element goes through here, and what
-// zkern.cpu._ext.adam_step_shared runs on the host for tests/test_cuda_shared.py to hold to zkern/reference.py.
+// zkern.cpu._ext.adam_step_shared runs on the host for tests/kernels/test_cuda_shared.py to hold to zkern/reference.py.
 //
 // One launch steps up to kMaxTensors tensors: each block takes one kChunk-element chunk of one tensor (the
 // block table rides in the kernel's arguments, as a multi-tensor apply does), each thread kVec consecutive

@@ -26,55 +26,32 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_map
 
-from zkern.comm.divergence import (
-    TagKind,
-    path_under,
-)
+from zkern.comm.divergence import TagKind, path_under
 from zkern.errors import InvariantError
-from zkern.stage3 import agreement
+from zkern.stage3.agreement import Agreement
 from zkern.stage3.external import WatchAtRest
 from zkern.stage3.gatherer import Gatherer
 from zkern.stage3.lifecycle import DataState, GradState, Unit, check_pass_end
+from zkern.stage3.modules import Frame, ModuleMap, Pass
 
 log = logging.getLogger("zkern")
-
-@dataclass(eq=False)
-class Frame:
-    """One running module call and the units it holds."""
-
-    module: torch.nn.Module
-    acquired: list[Unit] = field(default_factory=list)
 
 
 class Stage3Hooks:
     def __init__(self, root: torch.nn.Module, units: list[Unit], needs: dict[torch.nn.Module, list[int]],
                  gatherer: Gatherer, *, merge_divergent: bool):
         self.root, self.units, self.gatherer, self.comm = root, units, gatherer, gatherer.comm
-        self.needs = needs  # module -> units it reads (planned, declared and detected)
-        self.merged: dict[torch.nn.Module, list[int]] = {}  # container -> units of children chosen per rank
-        self.backward_set: list[int] = []  # units every rank gathers when backward begins (divergent backward needs)
+        self.modules = ModuleMap(root, units, needs)  # names, numbers, and which units each module gathers
+        self.state = Pass()  # the pass in progress: phase, verification, open frames
+        self.agreement = Agreement(gatherer, units, self.modules, self.state, merge_divergent=merge_divergent,
+                                   hold=self._hold, hook_mid_call=self._hook_mid_call, abort=self.abort_pass)
         self._divergent_held: list[Unit] = []  # divergent units backward holds now (released at shared events)
-        self.merge_divergent = merge_divergent
-        self.by_path = dict(root.named_modules())
-        self.modules = list(self.by_path.values())
-        self.paths = {id(m): name for name, m in self.by_path.items()}
-        self.module_index = {id(m): i for i, m in enumerate(self.modules)}
-        self.unit_of = {id(p): u for u in units for p in u.plan.params}
-        self.frames: list[Frame] = []
-        self.phase = "forward"
-        self.verify = False  # this pass exchanges a tag before each gather (decided when the pass begins)
-        self.departed = False  # this pass left its record here: every further gather is agreed first
-        self.recording = True  # this forward pass follows no record (it watches for external reads)
-        self.in_hook = False
         self.suspended = False  # every unit is pinned whole (gathered_for_generation): forwards need no hooks
-        self.needs_changed = False
         self._watch: WatchAtRest | None = None
-        self._said: set[str] = set()
         self._handles = []
         self._hooked: set[int] = set()
         self._hooked_mid_call: set[int] = set()  # hooked by a merge while running: no frame for that call
@@ -89,10 +66,12 @@ class Stage3Hooks:
         self._handles.append(module.register_forward_pre_hook(self._pre_forward))
         self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
 
-    def _wanted(self, module: torch.nn.Module) -> list[int]:
-        own = self.needs.get(module, [])
-        merged = self.merged.get(module)
-        return own if not merged else own + [i for i in merged if i not in own]
+    def _hook_mid_call(self, module: torch.nn.Module) -> None:
+        """A merge made `module` a container while it runs: hook it (torch calls the new post-hook for the running
+        call, whose pre-hook never ran)."""
+        if id(module) not in self._hooked:
+            self._hooked_mid_call.add(id(module))
+            self.hook_module(module)
 
     # -- acquiring and releasing ------------------------------------------------------------------------------
     def _acquire(self, u: Unit, *, frame: Frame | None, requester: torch.nn.Module | None) -> None:
@@ -101,15 +80,15 @@ class Stage3Hooks:
         if u.persistent:
             return
         if self.comm.world > 1 and (not u.live or u.prefetched):
-            if not self.verify and not self.departed and not self.gatherer.catch_up(u, self.phase):
+            if not self.state.verify and not self.state.departed and not self.gatherer.catch_up(u, self.state.phase):
                 self._depart(u)
-            if (self.verify or self.departed) and not u.live:
-                agreement.agree(self, (TagKind.GATHER, u.index, self._module_number(requester)), requester=frame)
-        event = self.gatherer.use(u, self.phase)
+            if (self.state.verify or self.state.departed) and not u.live:
+                self.agreement.agree((TagKind.GATHER, u.index, self.modules.number(requester)), requester=frame)
+        event = self.gatherer.use(u, self.state.phase)
         if frame is not None:
             u.ref()
             frame.acquired.append(u)
-        if self.phase == "backward":
+        if self.state.phase == "backward":
             self._hold(u, requester if event else None)
             if event and requester is not None:
                 self._release_divergent(requester, keep=u)
@@ -134,11 +113,11 @@ class Stage3Hooks:
         for their gradients keeps its copy as a lingering one)."""
         if not self._divergent_held:
             return
-        where, kept = self._path(requester), []
+        where, kept = self.modules.path(requester), []
         for v in self._divergent_held:
             if not v.held:  # released elsewhere (end of backward)
                 continue
-            if v is keep or v.refs or path_under(where, self._path(v.holder)):
+            if v is keep or v.refs or path_under(where, self.modules.path(v.holder)):
                 kept.append(v)
                 continue
             v.held, v.holder = False, None
@@ -159,57 +138,59 @@ class Stage3Hooks:
     def _pre_forward(self, module: torch.nn.Module, args) -> None:
         if self.suspended:
             return
-        if module is self.root and self.phase == "forward" and not self.frames:
+        if module is self.root and self.state.phase == "forward" and not self.state.frames:
             self._begin_forward()
         frame = Frame(module)
-        self.frames.append(frame)
-        self.in_hook = True
+        self.state.frames.append(frame)
+        self.state.in_hook = True
         try:
-            if self.phase == "forward":
-                for ui in self.needs.get(module, ()):
+            if self.state.phase == "forward":
+                for ui in self.modules.needs.get(module, ()):
                     self.units[ui].touched = True
-            for ui in self._wanted(module):
+            for ui in self.modules.wanted(module):
                 self._acquire(self.units[ui], frame=frame, requester=module)
         finally:
-            self.in_hook = False
+            self.state.in_hook = False
 
     def _post_forward(self, module: torch.nn.Module, args, output):
         # always_call: also runs when the module raised (then torch passes output=None and re-raises after us).
         if self.suspended:
             return output
         raised = output is None and sys.exc_info()[1] is not None
-        self.in_hook = True
+        self.state.in_hook = True
         try:
             self._pop_frame(module, raised)
-            if not raised and torch.is_grad_enabled() and self._wanted(module):
+            if not raised and torch.is_grad_enabled() and self.modules.wanted(module):
                 output = tree_map(lambda t: self._hook_output(t, module), output)
-            if module is self.root and self.phase == "forward" and not self.frames:
+            if module is self.root and self.state.phase == "forward" and not self.state.frames:
                 if raised:
                     self.abort_pass()
                 else:
                     self._end_forward()
         finally:
-            self.in_hook = False
+            self.state.in_hook = False
         return output
 
     def _pop_frame(self, module: torch.nn.Module, raised: bool) -> None:
-        index = next((i for i in range(len(self.frames) - 1, -1, -1) if self.frames[i].module is module), None)
+        frames = self.state.frames
+        index = next((i for i in range(len(frames) - 1, -1, -1) if frames[i].module is module), None)
         if index is None:
             # The pass was already aborted (a divergence raised inside a pre-hook), or a merge hooked this module
             # while it ran (torch then calls the new post-hook for the running call, whose pre-hook never ran).
             if raised or id(module) in self._hooked_mid_call:
                 return
-            raise InvariantError(f"zkern stage 3: the forward hook of '{self._path(module)}' ran without its "
+            raise InvariantError(f"zkern stage 3: the forward hook of '{self.modules.path(module)}' ran without its "
                                  f"pre-hook: hooks were added or removed while the module was running")
-        skipped = self.frames[index + 1:]
+        skipped = self.state.frames[index + 1:]
         if skipped and not raised:
-            names = ", ".join(f"'{self._path(f.module)}' (holding {[u.name for u in f.acquired]})" for f in skipped)
-            raise InvariantError(f"zkern stage 3: '{self._path(module)}' finished while modules it called had not: "
-                                 f"{names}. Their forward hooks never ran: a BaseException (not an Exception) "
+            names = ", ".join(f"'{self.modules.path(f.module)}' (holding {[u.name for u in f.acquired]})"
+                              for f in skipped)
+            raise InvariantError(f"zkern stage 3: '{self.modules.path(module)}' finished while modules it called had "
+                                 f"not: {names}. Their forward hooks never ran: a BaseException (not an Exception) "
                                  f"raised inside them was caught by their caller, so torch skipped the hooks")
-        for frame in reversed(self.frames[index:]):
+        for frame in reversed(self.state.frames[index:]):
             self._close(frame)
-        del self.frames[index:]
+        del self.state.frames[index:]
 
     def _hook_output(self, t, module: torch.nn.Module):
         if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -220,26 +201,27 @@ class Stage3Hooks:
         """A pass that follows its record needs u, which the rest of the record does not hold (a module this rank
         never ran in the recorded pass): issue the rest of the record, as the other ranks will, then agree on every
         further all-gather with them; those that finished their pass serve it (_serve)."""
-        self.gatherer.drain(self.phase)
-        self.departed = True
-        self.needs_changed = True  # the next passes record afresh, verifying
-        if f"depart:{self.phase}" not in self._said:  # said by the rank it happens on, once
-            self._said.add(f"depart:{self.phase}")
+        self.gatherer.drain(self.state.phase)
+        self.state.departed = True
+        self.modules.changed = True  # the next passes record afresh, verifying
+        if self.modules.once(f"depart:{self.state.phase}"):  # said by the rank it happens on, once
             log.warning("zkern stage 3: rank %d's %s pass needs unit '%s' where its recorded order has none left; its "
                         "further all-gathers are agreed with the other ranks one by one, and the next passes record "
-                        "the order afresh (said once)", self.comm.rank, self.phase, u.name)
+                        "the order afresh (said once)", self.comm.rank, self.state.phase, u.name)
 
     def _begin_forward(self) -> None:
-        self.departed = False
-        self.verify = self.gatherer.begin_pass("forward")
-        self.recording = self.gatherer.order.recording_only("forward")
-        if self.recording:
-            self._watch = WatchAtRest(self)
+        self.state.departed = False
+        self.state.verify = self.gatherer.begin_pass("forward")
+        self.state.recording = self.gatherer.order.recording_only("forward")
+        if self.state.recording:
+            self._watch = WatchAtRest(self.modules, self.state, self.comm.rank, hook_module=self.hook_module,
+                                      acquire=lambda u, frame, module: self._acquire(u, frame=frame,
+                                                                                     requester=module))
             self._watch.__enter__()
 
     def _end_forward(self) -> None:
         self._stop_watching()
-        agreement.agree_end(self, TagKind.END_FORWARD)
+        self.agreement.agree_end(TagKind.END_FORWARD)
         self._end_pass("forward")
         check_pass_end(self.units, "forward")
 
@@ -251,61 +233,61 @@ class Stage3Hooks:
     def _end_pass(self, phase: str) -> None:
         self.gatherer.end_pass(phase)
         self._hooked_mid_call.clear()
-        if self.needs_changed:  # a module adopted or merged units: the next passes gather in another order
+        if self.modules.changed:  # a module adopted or merged units: the next passes gather in another order
             self.gatherer.order.forget()
-            self.needs_changed = False
+            self.modules.changed = False
 
     def abort_pass(self) -> None:
         """The model raised inside a pass: drop what the pass held, so the next call starts clean (idempotent)."""
         self._stop_watching()
-        for frame in reversed(self.frames):
+        for frame in reversed(self.state.frames):
             self._close(frame)
-        self.frames.clear()
-        self.in_hook = False
+        self.state.frames.clear()
+        self.state.in_hook = False
         for u in self.units:
             if u.data is not DataState.REST and u.refs == 0:
-                if self.phase == "forward":
+                if self.state.phase == "forward":
                     u.held = False
                 self.release(u)
         self.gatherer.drop_prefetched()
-        self.gatherer.order.abandon(self.phase)
+        self.gatherer.order.abandon(self.state.phase)
 
     # -- backward ---------------------------------------------------------------------------------------------
     def _pre_backward(self, module: torch.nn.Module, grad):
-        self.in_hook = True
+        self.state.in_hook = True
         try:
-            for ui in self._wanted(module):
+            for ui in self.modules.wanted(module):
                 self._acquire(self.units[ui], frame=None, requester=module)
         finally:
-            self.in_hook = False
+            self.state.in_hook = False
         return grad
 
     def begin_backward(self) -> None:
         """After the reducer opened the pass: decide verification, and gather what every rank needs first."""
-        self.phase = "backward"
-        self.verify = self.gatherer.begin_pass("backward")
-        self.in_hook = True
+        self.state.phase = "backward"
+        self.state.verify = self.gatherer.begin_pass("backward")
+        self.state.in_hook = True
         try:
-            for ui in self.backward_set:  # held by the root: until backward ends
+            for ui in self.modules.backward_set:  # held by the root: until backward ends
                 self._acquire(self.units[ui], frame=None, requester=self.root)
         finally:
-            self.in_hook = False
+            self.state.in_hook = False
 
     def agree_end_backward(self) -> None:
         """loss.backward() returned: issue what the record still holds and agree with every rank that backward
         ended, serving the all-gathers a rank that left its record still needs. This comes before the wait for the
         reductions, which another rank may complete only after such a gather."""
-        self.in_hook = True
+        self.state.in_hook = True
         try:
-            agreement.agree_end(self, TagKind.END_BACKWARD)
+            self.agreement.agree_end(TagKind.END_BACKWARD)
         finally:
-            self.in_hook = False
+            self.state.in_hook = False
 
     def end_backward(self) -> None:
         """Every gradient is in and reduced: release what backward held."""
         self.release_backward()
         self._end_pass("backward")
-        self.phase = "forward"
+        self.state.phase = "forward"
 
     def release_backward(self) -> None:
         """Backward is over (or failed): nothing it held or left lingering stays gathered."""
@@ -324,22 +306,6 @@ class Stage3Hooks:
         elif u.held and not u.divergent:
             u.held = False
             self.release(u)
-
-    # -- names ------------------------------------------------------------------------------------------------
-    def _path(self, module: torch.nn.Module) -> str:
-        return self.paths.get(id(module), f"<{type(module).__name__} outside the model>")
-
-    def _module_number(self, module: torch.nn.Module | None) -> int:
-        return -1 if module is None else self.module_index.get(id(module), -1)
-
-    def _param_name(self, p: torch.nn.Parameter) -> str:
-        u = self.unit_of[id(p)]
-        return next(n for q, n in zip(u.plan.params, u.plan.names) if q is p)
-
-    def _say(self, key: str, message: str) -> None:
-        if key not in self._said and self.comm.rank == 0:
-            log.warning(message)
-        self._said.add(key)
 
     def close(self) -> None:
         for h in self._handles:

@@ -5,18 +5,20 @@
 At rest every parameter's .data is an empty tensor; each rank holds its chunk of every fetch unit (units.py)
 in `param_shard` (working dtype; on the host with offload_param, in a file with offload_param "nvme"), `master`
 (fp32: mixed precision, or on the host with offload_optimizer, in files with its device "nvme") and
-`grad_shard`. A shard in files is a stand-in here: self.store (offload/store.py) reads and writes every range.
-The layout is partition.plan_unit_layout: one bucket per unit, padded to whole 64-element chunks, rank r owning chunk r.
-With zero_quantized_nontrainable_weights the units with nothing to train are laid out last and rest as int8 in
-the store's `int8` (zeropp.FrozenStore): the three dense buffers stop before their chunks.
+`grad_shard`, all in self.shards (shards.py). A shard in files is a stand-in there: shards.store
+(offload/store.py) reads and writes every range. The layout is partition.plan_unit_layout: one bucket per unit,
+padded to whole 64-element chunks, rank r owning chunk r. With zero_quantized_nontrainable_weights the units with
+nothing to train are laid out last and rest as int8 in the store's `int8` (zeropp.FrozenStore): the three dense
+buffers stop before their chunks.
 
 The pieces, one job each:
   units.py          fetch units and reduce groups planned from the model
+  shards.py         this rank's chunks of every unit and where each parameter lies in them (the helpers' parts)
   lifecycle.py      the unit's states and the only transitions between them; invariants at each pass's end
   layout.py         the units laid out, this rank's shards allocated and written, the shard groups, the shard map
   gatherer.py       gather, release, prefetch along order.py's record, versions, counts, the gather signature
   hooks.py          module frames and backward holds; external.py finds reads of parameters at rest, agreement.py
-                    lines ranks up when they would gather different units and merges them
+                    lines ranks up when they would gather different units and merges them (both over modules.py)
   reduce.py         gradient buckets reduced in one fixed order on a process group of their own
   gathered.py       zkern.GatheredParameters over pinning.py (pin, unpin, a modifier rank's writes)
   full.py, report.py  whole tensors; state components, memory and start-up lines
@@ -38,11 +40,12 @@ from zkern.core.runtime import ShardMap
 from zkern.core.spec import RuntimeSpec
 from zkern.core.state import Component
 from zkern.offload.store import ShardStore
-from zkern.stage3 import ds_attributes, full, layout, pinning, report
+from zkern.stage3 import full, layout, pinning, report
 from zkern.stage3.gatherer import Gatherer
 from zkern.stage3.hooks import Stage3Hooks
 from zkern.stage3.lifecycle import DataState, Unit, check_pass_end
 from zkern.stage3.reduce import GradReducer
+from zkern.stage3.shards import Shards
 
 log = logging.getLogger("zkern")
 
@@ -54,33 +57,34 @@ class Stage3Runtime:
                  comm: Comm, store: ShardStore, param_files=None):
         """spec: dtypes, buckets and offload as resolved from the config (core/spec.py); spec.zero's stage-3 keys.
         store: where the shards live (offload/store.py); with its optimizer files (offload_optimizer.device "nvme")
-        the master shard is one region of them, self.master its stand-in. param_files(numel, dtype, units) -> an
-        nvme_params.NvmeParams when offload_param.device is "nvme" (self.param_shard its stand-in)."""
+        the master shard is one region of them, shards.master its stand-in. param_files(numel, dtype, units) -> an
+        nvme_params.NvmeParams when offload_param.device is "nvme" (shards.param_shard its stand-in)."""
         if comm.world > MAX_SIGNATURE_WORLD:
             raise ValueError(f"stage 3 checks its gathers across at most {MAX_SIGNATURE_WORLD} ranks, got {comm.world}")
         zero, dtype, device = spec.zero, spec.dtype, spec.device
-        self.params_on_host = spec.offload_param in ("cpu", "nvme")  # gathers start from host values
         self.comm, self.dtype, self.mixed = comm, dtype, spec.mixed
         self.merge_divergent = zero.stage3_merge_divergent_modules
         self.root = model
-        needs = layout.plan(self, model, groups, zero)  # units, their buckets, parameter shapes and offsets
-        layout.allocate(self, spec, store, param_files)  # param_shard, master, grad_shard, the int8 units
-        layout.partition(self)  # every rank's chunk of every unit written; parameters to rest
+        # gathers start from host values with offload_param
+        self.shards = s = Shards(comm, dtype, params_on_host=spec.offload_param in ("cpu", "nvme"))
+        needs = layout.plan(s, model, groups, zero)  # units, their buckets, parameter shapes and offsets
+        layout.allocate(s, spec, store, param_files)  # param_shard, master, grad_shard, the int8 units
+        layout.partition(s)  # every rank's chunk of every unit written; parameters to rest
+        # What the engine's runtime interface and the tests read.
+        self.units, self.params, self.names, self.param_store = s.units, s.params, s.names, s.param_store
 
-        where = {id(p): (self._full_shape[id(p)], self._offset[id(p)]) for p in self.all_params}
+        where = {id(p): (s.full_shapes[id(p)], s.offsets[id(p)]) for p in s.all_params}
         # hpZ: a secondary copy of every unit that is gathered and freed (persistent ones stay whole anyway).
-        self.secondary = None
         if zero.zero_hpz_partition_size > 1:
-            self.secondary = Secondary(comm, zero.zero_hpz_partition_size,
-                                       {u.index: u.bucket.padded for u in self.units if not u.persistent}, dtype,
-                                       device)
-        self.gatherer = Gatherer(self.units, comm, param_shard=self.param_shard, dtype=dtype, device=device,
+            s.secondary = Secondary(comm, zero.zero_hpz_partition_size,
+                                    {u.index: u.bucket.padded for u in s.units if not u.persistent}, dtype, device)
+        self.gatherer = Gatherer(s.units, comm, param_shard=s.param_shard, dtype=dtype, device=device,
                                  layout=where,
-                                 params_on_host=self.params_on_host, param_store=self.param_store,
+                                 params_on_host=s.params_on_host, param_store=s.param_store,
                                  prefetch_numel=zero.stage3_prefetch_bucket_size,
                                  max_live=zero.stage3_max_live_parameters,
                                  quantize_weights=zero.zeropp_weight_group_size if zero.zero_quantized_weights else 0,
-                                 secondary=self.secondary, frozen=self.store.int8)
+                                 secondary=s.secondary, frozen=s.store.int8)
         for u in self.units:
             if u.persistent:
                 self.gatherer.gather(u, async_op=False)
@@ -88,26 +92,26 @@ class Stage3Runtime:
         self._child_handles = layout.watch_optional_children(model, self.units, needs)
         reduce_comm = comm.sibling()
         self.quantized = QuantizedReduce.from_config(reduce_comm, zero)
-        self.reducer = GradReducer(self.units, reduce_comm, grad_shard=self.grad_shard,
+        self.reducer = GradReducer(s.units, reduce_comm, grad_shard=s.grad_shard,
                                    comm_dtype=spec.comm_dtype, bucket_numel=spec.bucket_numel,
-                                   overlap=spec.overlap, reduce_scatter=spec.reduce_scatter, offsets=self._offset,
-                                   params=self.params,
-                                   names={id(p): n for p, n in zip(self.all_params, self.all_names)},
+                                   overlap=spec.overlap, reduce_scatter=spec.reduce_scatter, offsets=s.offsets,
+                                   params=s.params,
+                                   names={id(p): n for p, n in zip(s.all_params, s.all_names)},
                                    quantized=self.quantized, keep_grads=zero.keep_gradient_buffers)
         self.reducer.on_complete = self.hooks.on_complete
         self.on_final_grads = None  # callback(region): a region of the gradient shard final for the step
         self._handles = [p.register_post_accumulate_grad_hook(self.reducer.on_grad) for p in self.params]
         self._unguarded = False
         for module in model.modules():
-            if any(id(p) in self._unit_of for p in module.parameters(recurse=False)):
+            if any(id(p) in s.unit_of for p in module.parameters(recurse=False)):
                 self._handles.append(module.register_state_dict_pre_hook(self._state_dict_guard))
                 self._handles.append(module.register_load_state_dict_pre_hook(self._load_guard))
-        self.shard_groups = layout.make_shard_groups(self, groups)
+        self.shard_groups = layout.make_shard_groups(s, groups)
         # ds_id, ds_shape, ds_numel, ds_tensor, ds_status: what frameworks read
-        ds_attributes.attach(self, {u.index for u in self.units if u.data is DataState.GATHERED})
+        layout.attach_ds_attributes(s, {u.index for u in s.units if u.data is DataState.GATHERED})
         if not zero.keep_gradient_buffers:  # until the first backward (its chunk views exist now)
             self.reducer.free_grads()
-        register_owner(self.all_params, self)
+        register_owner(s.all_params, self)
 
     # -- the pass ---------------------------------------------------------------------------------------------
     @property
@@ -118,7 +122,7 @@ class Stage3Runtime:
     def abort_pass(self, error: BaseException) -> None:
         """The model raised inside forward: drop what the pass held, so the next call starts clean, and tell the
         user the likely stage-3 cause of a shape error."""
-        if isinstance(error, RuntimeError) and not isinstance(error, CommError) and not self.hooks.recording:
+        if isinstance(error, RuntimeError) and not isinstance(error, CommError) and not self.hooks.state.recording:
             error.add_note("zkern stage 3: parameters of modules that are not running are empty at rest. If this "
                            "forward read another module's parameter in a way the first step did not (a branch "
                            "taken only now), declare it before creating the engine: "
@@ -141,15 +145,15 @@ class Stage3Runtime:
         self.hooks.abort_pass()
         self.reducer.abort()
         self.hooks.release_backward()
-        self.hooks.phase = "forward"
+        self.hooks.state.phase = "forward"
 
     # -- step -------------------------------------------------------------------------------------------------
     def active(self, flags: list[bool]) -> list[list[bool]]:
-        return [[flags[i] for i in per_group] for per_group in self._pieces_param]
+        return [[flags[i] for i in per_group] for per_group in self.shards.pieces_param]
 
     def grad_segments(self) -> list[torch.Tensor]:
         self.reducer.ensure_grads()  # a step with no backward since the last finds zeros
-        return [self.grad_shard]
+        return [self.shards.grad_shard]
 
     def gather_signature(self) -> int:
         """The signature of the all-gathers issued since the last step (divergence.py)."""
@@ -195,10 +199,10 @@ class Stage3Runtime:
         self.gatherer.after_step()
 
     def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
-        return self._full_shape.get(id(p), p.shape)
+        return self.shards.full_shapes.get(id(p), p.shape)
 
     def shard_map(self) -> ShardMap:
-        return layout.shard_map(self)
+        return layout.shard_map(self.shards)
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
@@ -207,20 +211,20 @@ class Stage3Runtime:
     # -- GatheredParameters -----------------------------------------------------------------------------------
     def hooks_suspended(self):
         """Module hooks step aside while every unit is pinned (pinning.py)."""
-        return pinning.hooks_suspended(self)
+        return pinning.hooks_suspended(self.hooks, self.units)
 
     def generation_params(self) -> tuple[list[torch.nn.Parameter], int, int]:
-        return pinning.generation_params(self)
+        return pinning.generation_params(self.units, self.gatherer.max_live)
 
     def pin(self, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list[Unit]:
-        return pinning.pin(self, params, modifier_rank)
+        return pinning.pin(self.shards, self.gatherer, params, modifier_rank)
 
     def unpin(self, units: list[Unit], modifier_rank: int | None) -> None:
-        pinning.unpin(self, units, modifier_rank)
+        pinning.unpin(self.shards, self.gatherer, units, modifier_rank)
 
     def add_external_reader(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
-        u = self._unit_of[id(p)]
-        wanted = self.hooks.needs.setdefault(module, [])
+        u = self.shards.unit_of[id(p)]
+        wanted = self.hooks.modules.needs.setdefault(module, [])
         if not u.persistent and u.index not in wanted:
             wanted.append(u.index)
             self.hooks.hook_module(module)
@@ -235,10 +239,11 @@ class Stage3Runtime:
     def _guard(self, module: torch.nn.Module, what: str) -> None:
         if self._unguarded:
             return
-        at_rest = [n for n, p in module._parameters.items() if p is not None and id(p) in self._unit_of
-                   and self._unit_of[id(p)].data is DataState.REST]
+        unit_of = self.shards.unit_of
+        at_rest = [n for n, p in module._parameters.items() if p is not None and id(p) in unit_of
+                   and unit_of[id(p)].data is DataState.REST]
         if at_rest:
-            path = self.hooks.paths.get(id(module), type(module).__name__) or "<root>"
+            path = self.hooks.modules.paths.get(id(module), type(module).__name__) or "<root>"
             raise RuntimeError(
                 f"zkern stage 3: {what} of module '{path}' would see its parameters {at_rest} empty: at stage 3 "
                 f"they are partitioned across ranks. Read or load them inside `with zkern.GatheredParameters("
@@ -256,17 +261,17 @@ class Stage3Runtime:
 
     # -- whole weights ----------------------------------------------------------------------------------------
     def full_fp32(self, rank0_only: bool, only: set[int] | None = None) -> dict[int, torch.Tensor] | None:
-        return full.full_fp32(self, rank0_only, only)
+        return full.full_fp32(self.shards, rank0_only, only)
 
     def full_working(self, rank0_only: bool = False) -> dict[int, torch.Tensor] | None:
-        return full.full_working(self, rank0_only)
+        return full.full_working(self.shards, rank0_only)
 
     def full_grads(self, only: set[int] | None = None) -> dict[int, torch.Tensor]:
-        return full.full_grads(self, only)
+        return full.full_grads(self.shards, self.reducer, only)
 
     # -- state (core/state.py) ------------------------------------------------------------------------------
     def state_components(self) -> list[Component]:
-        return report.state_components(self)
+        return report.state_components(self.shards, self.reducer, self.quantized, self.zero_grad)
 
     # -- accounting -------------------------------------------------------------------------------------------
     @property
@@ -288,10 +293,10 @@ class Stage3Runtime:
         return {u.name: self.gatherer.counts[u.index] for u in self.units}
 
     def memory(self) -> dict[str, int]:
-        return report.memory(self)
+        return report.memory(self.shards, self.reducer, self.quantized)
 
     def describe(self) -> list[str]:
-        return report.describe(self)
+        return report.describe(self.shards)
 
     def warnings(self, reduce_bucket_size: int) -> list[str]:
-        return report.warnings(self, reduce_bucket_size)
+        return report.warnings(self.comm, self.reducer, reduce_bucket_size)

@@ -20,6 +20,7 @@ import torch
 from zkern.testing.ranks import spawn
 from zkern.verify.check import compare, compare_runs
 from zkern.verify.draws import Draw
+from zkern.verify.reference_math import hyper_at
 from zkern.verify.runner import run_phases
 from zkern.verify.single import reference, units_of
 
@@ -64,18 +65,23 @@ def loco_twin(draw: Draw) -> Draw | None:
 def loco_can_act(draw: Draw) -> bool:
     """Whether an error LoCo keeps can reach an update: its errors feed the next reduction of the same engine (a
     later micro-step of the step, or the next step), and restart at zero after a skipped step, a batch dropped by
-    zero_grad (its reductions consumed them) and a load into another layout. At world 1 nothing is reduced. Counted
-    within one engine lifetime only (a load between two steps is taken to restart them: fewer draws checked, never a
-    draw held to a change that cannot happen)."""
+    zero_grad (its reductions consumed them) and a load into another layout. At world 1 nothing is reduced; a step
+    whose learning rate is 0 moves nothing (a warm-up from 0, as the Trainer's, runs its first two applied steps at
+    0, as DeepSpeed's WarmupLR does). Counted within one engine lifetime only (a load between two steps is taken to
+    restart them: fewer draws checked, never a draw held to a change that cannot happen)."""
+    moves, applied = {}, 0  # step -> whether its update can move the weights; optimizer steps applied before it
+    for step in range(draw.steps):
+        moves[step] = hyper_at(draw, applied - 1)[0] > 0
+        applied += step != draw.overflow_at
     for world, _, first, last in draw.phases:
         if world < 2:
             continue
         for step in range(first, last):
             if step == draw.overflow_at:
                 continue
-            if draw.accumulation >= 2 and step != draw.short_at:  # micro 1's errors reach micro 2's reduction
+            if draw.accumulation >= 2 and step != draw.short_at and moves[step]:  # micro 1's errors reach micro 2's
                 return True
-            if step + 1 < last and step + 1 not in (draw.overflow_at, draw.dropped_at):
+            if step + 1 < last and step + 1 not in (draw.overflow_at, draw.dropped_at) and moves[step + 1]:
                 return True
     return False
 

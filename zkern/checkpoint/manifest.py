@@ -213,10 +213,12 @@ def saved_state(body: dict) -> dict:
     if body["version"] >= 3:
         return body["state"]
     norm = body.get("last_grad_norm")
+    if isinstance(norm, bool) or not isinstance(norm, (int, float)):
+        norm = None  # as those versions' loads read anything but a number
+    elif not math.isfinite(norm):
+        norm = str(float(norm))  # inf after an overflow: the counters' text form
     state = {"counters": {"global_steps": body["global_steps"], "skipped_steps": body["skipped_steps"],
-                          "micro_steps": body["micro_steps"],
-                          "last_grad_norm": norm if isinstance(norm, (int, float)) and not isinstance(norm, bool)
-                          and math.isfinite(norm) else None if norm is None else str(float(norm))},
+                          "micro_steps": body["micro_steps"], "last_grad_norm": norm},
              # older manifests said only the precision; fp16 scaled its loss
              "loss_scaler": {"loss_scaled": body.get("loss_scaled", body["precision"] == "fp16"),
                              "state": body["loss_scaler"]}}

@@ -43,9 +43,9 @@ log = logging.getLogger("zkern")
 
 class Stage3Hooks:
     def __init__(self, root: torch.nn.Module, units: list[Unit], needs: dict[torch.nn.Module, list[int]],
-                 gatherer: Gatherer, *, merge_divergent: bool):
+                 gatherer: Gatherer, *, unit_of: dict[int, Unit], merge_divergent: bool):
         self.root, self.units, self.gatherer, self.comm = root, units, gatherer, gatherer.comm
-        self.modules = ModuleMap(root, units, needs)  # names, numbers, and which units each module gathers
+        self.modules = ModuleMap(root, unit_of, needs)  # names, numbers, and which units each module gathers
         self.state = Pass()  # the pass in progress: phase, verification, open frames
         self.agreement = Agreement(gatherer, units, self.modules, self.state, merge_divergent=merge_divergent,
                                    hold=self._hold, hook_mid_call=self._hook_mid_call, abort=self.abort_pass)

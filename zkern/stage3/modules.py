@@ -41,7 +41,8 @@ class ModuleMap:
     """The model's modules by name and number, and the units each module gathers: planned and declared (needs),
     detected (external.py adds to needs), and merged where ranks diverged (agreement.py)."""
 
-    def __init__(self, root: torch.nn.Module, units: list[Unit], needs: dict[torch.nn.Module, list[int]]):
+    def __init__(self, root: torch.nn.Module, unit_of: dict[int, Unit], needs: dict[torch.nn.Module, list[int]]):
+        """unit_of: id(parameter) -> its unit (the runtime's Shards.unit_of)."""
         self.root = root
         self.needs = needs  # module -> units it reads (planned, declared and detected)
         self.merged: dict[torch.nn.Module, list[int]] = {}  # container -> units of children chosen per rank
@@ -51,7 +52,7 @@ class ModuleMap:
         self.modules = list(self.by_path.values())
         self.paths = {id(m): name for name, m in self.by_path.items()}
         self.module_index = {id(m): i for i, m in enumerate(self.modules)}
-        self.unit_of = {id(p): u for u in units for p in u.plan.params}
+        self.unit_of = unit_of
         self._said: set[str] = set()
 
     def wanted(self, module: torch.nn.Module) -> list[int]:

@@ -88,7 +88,8 @@ class Stage3Runtime:
         for u in self.units:
             if u.persistent:
                 self.gatherer.gather(u, async_op=False)
-        self.hooks = Stage3Hooks(model, self.units, needs, self.gatherer, merge_divergent=self.merge_divergent)
+        self.hooks = Stage3Hooks(model, s.units, needs, self.gatherer, unit_of=s.unit_of,
+                                 merge_divergent=self.merge_divergent)
         self._child_handles = layout.watch_optional_children(model, self.units, needs)
         reduce_comm = comm.sibling()
         self.quantized = QuantizedReduce.from_config(reduce_comm, zero)

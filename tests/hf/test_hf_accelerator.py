@@ -377,6 +377,27 @@ def test_save_state_round_trips_what_accelerate_saves_without_pickle(solo, tmp_p
     assert got["nested"][0]["t"].dtype == torch.int16
 
 
+def test_a_save_that_kept_its_own_copy_of_the_generators_is_read_as_it_was_written(solo, tmp_path):
+    """Saves before 2026-11-27 kept every process's generators in Accelerate's entry as well as in the engine's
+    record; where that copy is there, it is the one applied (today's saves keep only the engine's)."""
+    from zkern.checkpoint.manifest import manifest_bytes
+    from zkern.core.generators import rng_state
+
+    acc, model, optimizer, loader, scheduler = prepared(stage_config(1))
+    train(acc, model, optimizer, loader, scheduler, 2)
+    acc.save_state(str(tmp_path))
+    path = tmp_path / "pytorch_model" / "manifest.json"
+    outer = json.loads(path.read_text())
+    assert "rng" not in outer["manifest"]["client_state"]["zkern.hf.Accelerator"]  # one record: the engine's
+    torch.manual_seed(1234)
+    outer["manifest"]["client_state"]["zkern.hf.Accelerator"]["rng"] = [rng_state()]
+    expected = torch.rand(4)
+    path.write_bytes(manifest_bytes(outer["manifest"]))
+    train(acc, model, optimizer, loader, scheduler, 2)
+    acc.load_state(str(tmp_path))
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
+
+
 def test_a_damaged_or_foreign_accelerate_state_is_an_error(solo, tmp_path):
     from zkern.errors import CheckpointError
 
@@ -579,7 +600,7 @@ def _damaged_rng_worker(rank: int, world: int, root: str) -> dict:
         path = os.path.join(root, "pytorch_model", "manifest.json")
         with open(path) as f:
             outer = json.load(f)
-        outer["manifest"]["client_state"]["zkern.hf.Accelerator"]["rng"][1]["cpu"] = "not base64 at all!"
+        outer["manifest"]["rank_state"]["rank1"]["generators"]["cpu"] = "not base64 at all!"
         with open(path, "wb") as f:
             f.write(manifest_bytes(outer["manifest"]))
     torch.distributed.barrier()

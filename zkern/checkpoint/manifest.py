@@ -206,6 +206,15 @@ def _validate_version_2_state(body: dict, path: str, need) -> None:
         raise CheckpointError(f"{path}: 'lr_scheduler' is neither null nor an object")
 
 
+def rank_forms(body: dict, rank: int) -> dict | None:
+    """Rank `rank`'s own saved forms (component name -> form: its generators) from a version-3 manifest; None where
+    the checkpoint holds none for that rank (saved by fewer ranks) or is of versions 1-2 (their generators are
+    tensor entries of the rank files, which the load reads)."""
+    if body["version"] < 3:
+        return None
+    return body["rank_state"].get(f"rank{rank}")
+
+
 def saved_state(body: dict) -> dict:
     """rank 0's saved forms by component name (core/state.py), from a manifest of any version: version 3 holds
     them; versions 1-2 held the same values as fields of their own (their generators are tensor entries, which

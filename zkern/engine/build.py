@@ -188,25 +188,26 @@ def _other_optimizer(cfg: Config, shard_groups: list[ShardGroup], requested: lis
     return cls([{"params": g.pieces, **base, **ov} for g, ov in zip(shard_groups, overrides)], **base)
 
 
-def optimizer_side(engine, client, lr_scheduler, requested: list[dict] | None):
-    """(host_step, optimizer, lr_scheduler) of a built engine: with offload the optimizer sees the host staging's
+def optimizer_side(cfg: Config, spec: RuntimeSpec, runtime: Runtime, comm: Comm, store: ShardStore,
+                   nvme_shard: nvme.NvmeShard | None, client, lr_scheduler, requested: list[dict] | None, *,
+                   inference: bool):
+    """(host_step, optimizer, lr_scheduler) of a built runtime: with offload the optimizer sees the host staging's
     shard groups (host master, gradient and parameter buffers); an engine without an optimizer has none of them."""
     from zkern.offload.host import HostStep
 
-    if engine.inference:
+    if inference:
         return None, None, None
-    spec, zero = engine.spec, engine.config.zero_optimization
-    shard_groups, host_step = engine.runtime.shard_groups, None
-    if engine.offload:
+    zero = cfg.zero_optimization
+    shard_groups, host_step = runtime.shard_groups, None
+    if spec.offloaded:
         host_step = HostStep(shard_groups, pin=spec.pin_optimizer, out_on_host=zero.offload_param_device != "none",
-                             store=engine.store, during_backward=zero.offload_optimizer_copy_grads_during_backward)
+                             store=store, during_backward=zero.offload_optimizer_copy_grads_during_backward)
         if host_step.during_backward:  # each gradient region goes to the host as its reduction lands
-            engine.runtime.on_final_grads = host_step.grad_final
+            runtime.on_final_grads = host_step.grad_final
         shard_groups = host_step.host_groups
-    optimizer = build_optimizer(engine.config, client, shard_groups, requested, nvme=engine.nvme, rank=engine.rank,
-                                spec=spec)
-    attach_layout(optimizer, engine.runtime, engine.comm, zero.stage)
-    return host_step, optimizer, build_scheduler_for(engine.config, lr_scheduler, optimizer)
+    optimizer = build_optimizer(cfg, client, shard_groups, requested, nvme=nvme_shard, rank=comm.rank, spec=spec)
+    attach_layout(optimizer, runtime, comm, zero.stage)
+    return host_step, optimizer, build_scheduler_for(cfg, lr_scheduler, optimizer)
 
 
 def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_groups: list[ShardGroup],

@@ -15,17 +15,10 @@ import os
 
 import torch
 
-from zkern.engine import resident, weights
+from zkern.engine import weights
+from zkern.engine.counters import Count
 
 log = logging.getLogger("zkern")
-
-
-class Count(int):
-    """An int DeepSpeed exposes as a method: `engine.gradient_accumulation_steps` reads as the count zkern's own
-    code uses and `engine.gradient_accumulation_steps()` calls as DeepSpeed's engine does."""
-
-    def __call__(self) -> int:
-        return int(self)
 
 
 class DeepSpeedSurface:
@@ -43,7 +36,40 @@ class DeepSpeedSurface:
                 raise
             return getattr(module, name)
 
-    # -- batch and step counters ---------------------------------------------------------------------------------
+    # -- batch and step counters (engine.counters: counters.py) -------------------------------------------------
+    @property
+    def gradient_accumulation_steps(self) -> Count:
+        """Micro-steps per optimizer step: an int, and a method as DeepSpeed's (`gradient_accumulation_steps()`)."""
+        return self.counters.accumulation_steps
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (skipped ones included, as DeepSpeed counts them)."""
+        return self.counters.global_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
+
+    @property
+    def micro_steps(self) -> int:
+        """step() calls, boundary or not."""
+        return self.counters.micro_steps
+
+    @property
+    def pending_micro_steps(self) -> int:
+        """Micro-steps accumulated since the last optimizer step."""
+        return self.counters.pending_micro_steps
+
+    @property
+    def backward_unstepped(self) -> bool:
+        """A backward ran whose step() has not (its gradients are held)."""
+        return self.counters.backward_unstepped
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        return self.counters.last_grad_norm
+
     def zero_optimization_stage(self) -> int:
         """DeepSpeed's accessor: the ZeRO stage this engine runs."""
         return self.config.zero_optimization.stage
@@ -84,10 +110,10 @@ class DeepSpeedSurface:
     def _set_batch(self, micro: int, accumulation: int) -> None:
         import dataclasses
 
-        self.config = dataclasses.replace(self.config, train_micro_batch_size_per_gpu=micro,
-                                          gradient_accumulation_steps=accumulation,
-                                          train_batch_size=micro * accumulation * self.world_size)
-        self.gradient_accumulation_steps = Count(accumulation)
+        self.parts.config = dataclasses.replace(self.config, train_micro_batch_size_per_gpu=micro,
+                                                gradient_accumulation_steps=accumulation,
+                                                train_batch_size=micro * accumulation * self.world_size)
+        self.counters.accumulation_steps = Count(accumulation)
         if self.rank == 0:
             log.info("zkern: train_batch_size %d = micro-batch %d x %d accumulation steps x %d ranks",
                      self.config.train_batch_size, micro, accumulation, self.world_size)
@@ -100,7 +126,7 @@ class DeepSpeedSurface:
 
     def was_step_applied(self) -> bool:
         """Whether the last step() updated the parameters (False between boundaries and after a skipped step)."""
-        return self._step_applied
+        return self.counters.step_applied
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last boundary step, before clipping (inf after an overflow; None before any)."""
@@ -192,7 +218,7 @@ class DeepSpeedSurface:
         if self.config.zero_optimization.stage != 3:
             raise ValueError("_zero3_consolidated_16bit_state_dict is ZeRO stage 3's; below it call "
                              "engine.full_working_state_dict()")
-        values = weights.full_working_state_dict(self, rank0_only=True)
+        values = weights.full_working_state_dict(self.parts, rank0_only=True)
         if values is not None and exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             values = {k: v for k, v in values.items() if k not in frozen}
@@ -209,8 +235,8 @@ class DeepSpeedSurface:
         rollout) until reload_states(); the engine refuses to train or save meanwhile. include: DeepSpeed's
         OffloadStateTypeEnum members or their names ("optim_states", "hp_params", "lp_params", "lp_grads",
         "contiguous_grad_buffer"); None moves all."""
-        resident.offload(self, include, device, pin_memory, non_blocking)
+        self.residency.offload(self.state, include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what offload_states moved; training continues bit for bit."""
-        resident.reload(self, non_blocking)
+        self.residency.reload(non_blocking)

@@ -26,12 +26,15 @@ from zkern.config import Config
 from zkern.config.model import node_size
 from zkern.core.runtime import Runtime
 from zkern.core.spec import RuntimeSpec
-from zkern.engine import build, param_views, precision, reporting, resident, saving, stepping, streaming, weights
-from zkern.engine.ds_surface import Count, DeepSpeedSurface
+from zkern.engine import build, param_views, precision, reporting, saving, stepping, streaming, weights
+from zkern.engine.counters import Count, Counters
+from zkern.engine.ds_surface import DeepSpeedSurface
 from zkern.engine.engine_state import build_registry
+from zkern.engine.parts import EngineParts
 from zkern.engine.precision import LossScaler
 from zkern.engine.replicated import ReplicatedRuntime
 from zkern.engine.reporting import Reporter
+from zkern.engine.resident import Residency
 from zkern.offload import nvme
 from zkern.offload.store import ShardStore
 from zkern.stage3.sharded_init import release_freed_memory
@@ -65,69 +68,73 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         if cfg.activation_checkpointing is not None:
             activation_checkpointing.configure(None, deepspeed_config=cfg)
         declare_known_readers(model)
-        self.device = build.pick_device(model, cfg.device)
-        group, rank, world = init_distributed(self.device, cfg.comm_timeout_s)
-        self.config = cfg = cfg.resolve(world, model)
-        self.comm = Comm(group, rank, world, cfg.comm_timeout_s, backend_for(self.device),
-                         node_size=node_size(cfg, world))
+        self.device = device = build.pick_device(model, cfg.device)
+        group, rank, world = init_distributed(device, cfg.comm_timeout_s)
+        cfg = cfg.resolve(world, model)
+        self.comm = comm = Comm(group, rank, world, cfg.comm_timeout_s, backend_for(device),
+                                node_size=node_size(cfg, world))
         self.rank, self.world_size = rank, world
         self.module = model
         zero = cfg.zero_optimization
         bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
         # Rank 0's values everywhere, a bucket at a time; stage 3 broadcasts parameters unit by unit as it
         # partitions them, so only buffers go here.
-        build.broadcast_state(model, self.comm, bucket, params=zero.stage != 3)
+        build.broadcast_state(model, comm, bucket, params=zero.stage != 3)
 
-        self.spec = spec = RuntimeSpec.resolve(cfg, self.device)
+        self.spec = spec = RuntimeSpec.resolve(cfg, device)
         self.dtype = spec.dtype
         # No optimizer anywhere: a reference, teacher or eval model (TRL, OpenRLHF, Accelerate's eval models). Its
         # parameters are frozen; at stage 3 they stay partitioned and are gathered per forward, below it whole.
-        self.inference = optimizer is None and cfg.optimizer is None
+        self.inference = inference = optimizer is None and cfg.optimizer is None
         groups, requested = build.checked_groups(model, optimizer, model_parameters, spec, lr_scheduler=lr_scheduler,
-                                                 inference=self.inference)
-        self.offload = spec.offloaded and not self.inference
+                                                 inference=inference)
+        self.offload = spec.offloaded and not inference
         # ZeRO-Infinity: the fp32 master and moments in files of this rank's own (offload/nvme.py), made before the
         # runtime, which writes the initial masters into them as it partitions.
         self.nvme = nvme.shard_from_config(cfg, rank, master_dtype=spec.master_dtype, state_dtype=spec.state_dtype) \
             if zero.offload_optimizer_device == "nvme" else None
-        self.store = ShardStore(self.device, nvme=self.nvme)  # where every shard lives (offload/store.py)
+        self.store = ShardStore(device, nvme=self.nvme)  # where every shard lives (offload/store.py)
         # The runtimes build their buffers on the device from the parameters where they are (the host, typically), a
         # bucket or unit at a time; then what is still whole moves. The model is never whole on the device first.
-        self.runtime: Runtime = ReplicatedRuntime(model) if self.inference and zero.stage < 3 else \
-            build.make_runtime(model, groups, spec, cfg, comm=self.comm, store=self.store)
-        model.to(self.device).to(self.dtype)
+        self.runtime: Runtime = ReplicatedRuntime(model) if inference and zero.stage < 3 else \
+            build.make_runtime(model, groups, spec, cfg, comm=comm, store=self.store)
+        model.to(device).to(self.dtype)
         release_freed_memory()
-        reporting.log_layout(self)
+        reporting.log_layout(cfg, self.runtime, rank)
         # The optimizer over the shard groups (with offload: the host staging's), none for an inference engine.
-        self.host_step, self.optimizer, self.lr_scheduler = build.optimizer_side(self, optimizer, lr_scheduler,
-                                                                                 requested)
-        reporting.log_offload(self)
-        self.autocast_dtype = precision.autocast_dtype(cfg, self.device)  # torch_autocast's, else None
+        self.host_step, self.optimizer, self.lr_scheduler = build.optimizer_side(
+            cfg, spec, self.runtime, comm, self.store, self.nvme, optimizer, lr_scheduler, requested,
+            inference=inference)
+        self.autocast_dtype = precision.autocast_dtype(cfg, device)  # torch_autocast's, else None
         self.scaler = LossScaler.from_config(cfg, self.autocast_dtype)
-        self.gradient_accumulation_steps = Count(cfg.gradient_accumulation_steps)  # DeepSpeed's is a method
-        self.micro_steps = 0
-        self.pending_micro_steps = 0  # micro-steps accumulated since the last optimizer step
-        self.backward_unstepped = False  # a backward ran whose step() has not (its gradients are held)
-        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word, else the count decides
-        self.global_steps = 0
-        self.skipped_steps = 0
-        self.last_grad_norm: float | None = None
-        self._step_applied = False  # was_step_applied(): the last step() updated the parameters
-        self._offloaded = None  # offload_states(): what it moved to the host (resident.py)
+        # The training counters (counters.py): global_steps, micro_steps and the rest read from them.
+        self.counters = Counters(Count(cfg.gradient_accumulation_steps))
+        self.residency = Residency(device, mixed=spec.dtype != torch.float32)  # offload_states()' (resident.py)
+        # What the helpers acting for the engine are given (parts.py): never the engine itself.
+        self.parts = parts = EngineParts(
+            config=cfg, device=device, spec=spec, comm=comm, module=model, runtime=self.runtime, store=self.store,
+            nvme=self.nvme, optimizer=self.optimizer, host_step=self.host_step, lr_scheduler=self.lr_scheduler,
+            scaler=self.scaler, counters=self.counters, residency=self.residency)
+        reporting.log_offload(parts)
         # What the config asks to report beside training (timers, monitors, profiler, comms logger): no cost when off.
-        self.reporter = Reporter(self)
+        self.reporter = Reporter(parts)
         # Every stateful piece, with how it resets: loads, zero_grad and the tests walk this (core/state.py).
-        self.state = build_registry(self)
+        self.state = build_registry(parts, self.reporter)
         # Saves and loads go through the registry and the shards (zkern/checkpoint/), never through the engine.
         self.checkpointer = Checkpointer(Holdings(
             registry=self.state, runtime=self.runtime, optimizer=self.optimizer, module=model, store=self.store,
-            comm=self.comm, device=self.device, config=cfg,
+            comm=comm, device=device, config=cfg,
             host_groups=tuple(self.host_step.host_groups) if self.host_step is not None else ()))
-        param_views.register(self)  # zkern.safe_get_full_grad(p) finds p's engine
+        param_views.register(parts)  # zkern.safe_get_full_grad(p) finds p's engine
+
+    @property
+    def config(self) -> Config:
+        """The resolved config (set_train_batch_size replaces it with one of the new batch size)."""
+        return self.parts.config
 
     # -- the training loop ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        resident.require(self, "forward", reads=("lp_params",))
+        self.residency.require("forward", reads=("lp_params",))
         cast = _input_cast(self.config)  # fp16 or bf16 auto_cast: the float inputs in the training dtype
         if cast is not None:
             args, kwargs = tree_map(cast, (args, kwargs))
@@ -140,9 +147,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next step() will update the parameters."""
-        if self._boundary is not None:
-            return self._boundary
-        return self.pending_micro_steps + 1 == self.gradient_accumulation_steps
+        return self.counters.at_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Say whether the coming micro-step ends an accumulation (DeepSpeed's method), for loops whose
@@ -151,32 +156,27 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         accumulation's losses yourself if you want its mean."""
         if is_boundary is not None and not isinstance(is_boundary, bool):
             raise TypeError(f"set_gradient_accumulation_boundary takes True, False or None, got {is_boundary!r}")
-        self._boundary = is_boundary
+        self.counters.boundary = is_boundary
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients held since the last step, as torch's zero_grad does; the accumulation keeps counting,
         as DeepSpeed's does (stepping.drop_gradients)."""
-        stepping.drop_gradients(self)
-
-    def _reset_accumulation(self) -> None:
-        """No micro-step accumulated, and the accumulation boundary back to counting (the registry's reset)."""
-        self.pending_micro_steps = 0
-        self._boundary = None
-        self.backward_unstepped = False
+        if stepping.drop_gradients(self.parts):
+            self.reporter.losses.clear()
 
     def gathered_for_generation(self):
         """Stage 3: every unit gathered once and whole until the block ends (a collective on entry and exit; within
         stage3_max_live_parameters), under torch.no_grad(): generate()'s many short forwards gather nothing.
         `with engine.gathered_for_generation(): engine.module.generate(ids)`."""
-        resident.require(self, "gathered_for_generation", reads=("lp_params",))
-        return weights.gathered_for_generation(self)
+        self.residency.require("gathered_for_generation", reads=("lp_params",))
+        return weights.gathered_for_generation(self.parts, self)
 
     def stream_full_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
                             rank0_only: bool = False, on=None):
         """The whole parameters in buckets of at most bucket_bytes, gathered a unit at a time (a collective: every
         rank iterates to the end): a generator of [(name, tensor)], or with on=callback each bucket handed to it."""
-        resident.require(self, "stream_full_weights", reads=("lp_params",))
-        return streaming.stream_full_weights(self, bucket_bytes, dtype, rank0_only, on)
+        self.residency.require("stream_full_weights", reads=("lp_params",))
+        return streaming.stream_full_weights(self.parts, bucket_bytes, dtype, rank0_only, on)
 
     def state_dict(self, *args, **kwargs):
         raise RuntimeError(
@@ -202,7 +202,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         """Backpropagate loss (scaled for fp16, divided by the accumulation steps); reduce gradients as the
         stage prescribes (at the boundary for stages 0/1, every micro-step for stage 2)."""
         _trainable(self, "backward")
-        resident.require(self, "backward")
+        self.residency.require("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
@@ -210,11 +210,11 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             raise ValueError("engine.backward: the loss does not require grad (computed under torch.no_grad(), or "
                              "no trainable parameter took part in it)")
         self.reporter.loss(loss)
-        stepping.begin_backward(self)
+        stepping.begin_backward(self.parts)
         # The loss scale, the mean over micro-steps and the division before the sum over ranks, in one factor
         # (gradient_predivide_factor, by default the world size: no sum of ranks' 16-bit gradients grows past the
         # largest of them).
-        factor = self.scaler.scale / (self.gradient_accumulation_steps * self.config.gradient_predivide_factor)
+        factor = self.scaler.scale / (self.counters.accumulation_steps * self.config.gradient_predivide_factor)
         with self.reporter.phase("backward"):
             try:
                 (loss * factor).backward()
@@ -222,24 +222,18 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
                 self.runtime.abort_backward()  # stage 3: release what the failed pass held; nothing is reduced
                 raise
             self.runtime.end_backward()
-        self.backward_unstepped = True
+        self.counters.backward_unstepped = True
 
     def step(self) -> None:
         """At the accumulation boundary: overflow check, clipping, optimizer, loss-scale and LR update.
         Between boundaries: a no-op (gradients keep accumulating)."""
         _trainable(self, "step")
-        resident.require(self, "step")
-        boundary = self.is_gradient_accumulation_boundary()
-        self._step_applied = False
-        self.backward_unstepped = False
-        self.micro_steps += 1
-        self.pending_micro_steps += 1
-        if not boundary:
+        self.residency.require("step")
+        if not self.counters.micro_step():  # between boundaries: gradients keep accumulating
             return
-        self.pending_micro_steps = 0
         with self.reporter.phase("step"):
-            stepping.optimizer_step(self)
-        self.global_steps += 1
+            stepping.optimizer_step(self.parts)
+        self.counters.global_steps += 1
         self.reporter.stepped()
         if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0 and self.rank == 0:
             lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -256,7 +250,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         With offload the master, the optimizer states and the staging buffers are under "host" (and the
         stage-3 parameter shards too with offload_param); on a CPU-only run both places are one memory, but
         they are still reported apart."""
-        return reporting.memory_report(self)
+        return reporting.memory_report(self.parts)
 
     def comm_stats(self) -> dict:
         """Bytes this rank sent per collective kind since the start (ring-algorithm volumes), with call counts
@@ -266,16 +260,16 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> str:
         """Save the weights in the training dtype with model.state_dict()'s names, as DeepSpeed's method does (a
         collective; rank 0 writes). Stage 3 gathers them only when the config allows it."""
-        resident.require(self, "save_16bit_model", reads=("lp_params",))
-        return weights.save_16bit_model(self, save_dir, save_filename)
+        self.residency.require("save_16bit_model", reads=("lp_params",))
+        return weights.save_16bit_model(self.parts, save_dir, save_filename)
 
     def full_working_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The weights in the training dtype (bf16/fp16 when mixed precision, else fp32) with model.state_dict()'s
         names, on the host: what DeepSpeed's 16-bit consolidation gives (a collective: call it on every rank). With
         rank0_only, other ranks return None and, at stage 3, hold one unit at a time. Tensors one parameter shares
         under two names (tied embeddings) stay one tensor."""
-        resident.require(self, "full_working_state_dict", reads=("lp_params",))
-        return weights.full_working_state_dict(self, rank0_only)
+        self.residency.require("full_working_state_dict", reads=("lp_params",))
+        return weights.full_working_state_dict(self.parts, rank0_only)
 
     # -- checkpoints (zkern/checkpoint/) ----------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
@@ -286,8 +280,8 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         load_checkpoint. The checkpoint loads at any world size, stage and offload setting. async_save: copy the
         state to host buffers and write in a background thread (returns None; wait_checkpoint() gives the path,
         the next save or load waits for it, and its error surfaces there). Returns the tag's directory."""
-        saving.check_save(self)
-        resident.require(self, "save_checkpoint")
+        saving.check_save(self.counters, self.inference)
+        self.residency.require("save_checkpoint")
         self.checkpointer.wait()  # before the tag is named: an earlier asynchronous save's error surfaces first
         return self.checkpointer.save(save_dir, checked_tag(tag, self.global_steps), client_state,
                                       save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters,
@@ -323,8 +317,8 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         to load. Everything is verified (checksums, names, shapes) before the engine changes; on any error no
         rank's state changes. What a load does not restore is first reset to a fresh engine's value (load_module_only:
         weights only; load_optimizer_states=False: fresh optimizer state), as docs/checkpoints.md says."""
-        saving.check_load(self, load_module_only)
-        resident.require(self, "load_checkpoint")
+        saving.check_load(self.inference, load_module_only)
+        self.residency.require("load_checkpoint")
         return self.checkpointer.load(load_dir, tag, strict=load_module_strict,
                                       load_optimizer_states=load_optimizer_states,
                                       load_lr_scheduler_states=load_lr_scheduler_states,
@@ -333,8 +327,8 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """fp32 weights with model.state_dict()'s names, on the host (a collective: call it on every rank). The
         device holds one bucket at a time; with rank0_only, other ranks return None."""
-        resident.require(self, "full_state_dict")
-        return weights.full_state_dict(self, rank0_only)
+        self.residency.require("full_state_dict")
+        return weights.full_state_dict(self.parts, rank0_only)
 
 
 def _input_cast(cfg: Config):

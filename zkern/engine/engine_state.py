@@ -14,45 +14,51 @@ import torch
 from zkern.checkpoint.plain import plain, same_kind
 from zkern.core.generators import check_rng_state, rng_state, set_rng_state
 from zkern.core.state import Component, StateRegistry, host_copy, hyper_parameters, restore_hyper_parameters
-from zkern.engine.precision import LossScaler
+from zkern.engine.counters import Counters
+from zkern.engine.parts import EngineParts
+from zkern.engine.precision import LossScaler, autocast_dtype
+from zkern.engine.reporting import Reporter
 from zkern.optim.shard_adam import ShardAdam
 
 
-def build_registry(engine) -> StateRegistry:
-    """Every stateful piece of a built engine, runtime first (its gradients reset before the engine's counts)."""
-    registry = StateRegistry()
-    for component in engine.runtime.state_components():
+def build_registry(parts: EngineParts, reporter: Reporter) -> StateRegistry:
+    """Every stateful piece of a built engine, runtime first (its gradients reset before the engine's counts),
+    registered in parts.state (empty until now), which is returned."""
+    registry = parts.state
+    for component in parts.runtime.state_components():
         registry.add(component)
-    registry.add(_module(engine))
-    if engine.optimizer is not None:  # an engine without one runs forward only
-        registry.add(_optimizer(engine.optimizer, engine.store))
-    if engine.lr_scheduler is not None:
-        registry.add(_scheduler(engine.lr_scheduler))
-    registry.add(_scaler(engine))
-    registry.add(_counters(engine))
-    registry.add(Component("accumulation", "transient", reset=engine._reset_accumulation,
-                           snapshot=lambda: {"pending_micro_steps": engine.pending_micro_steps,
-                                             "boundary": engine._boundary,
-                                             "backward_unstepped": engine.backward_unstepped}))
-    registry.add(_generators(engine))
-    registry.add(Component("reporter.losses", "transient", reset=lambda: engine.reporter.losses.clear(),
-                           tensors=lambda: list(engine.reporter.losses)))
-    if engine.host_step is not None:
-        registry.add(Component("offload.staging", "derived", tensors=engine.host_step.staging_tensors))
-    registry.add(Component("comm.scratch", "scratch", tensors=engine.comm.scratch.tensors))  # reduce-scatters' receive
-    if engine.nvme is not None:
+    registry.add(_module(parts))
+    if parts.optimizer is not None:  # an engine without one runs forward only
+        registry.add(_optimizer(parts.optimizer, parts.store))
+    if parts.lr_scheduler is not None:
+        registry.add(_scheduler(parts.lr_scheduler))
+    registry.add(_scaler(parts))
+    registry.add(_counters(parts.counters))
+    counters = parts.counters
+    registry.add(Component("accumulation", "transient", reset=counters.reset_accumulation,
+                           snapshot=lambda: {"pending_micro_steps": counters.pending_micro_steps,
+                                             "boundary": counters.boundary,
+                                             "backward_unstepped": counters.backward_unstepped}))
+    registry.add(_generators(parts.device))
+    registry.add(Component("reporter.losses", "transient", reset=reporter.losses.clear,
+                           tensors=lambda: list(reporter.losses)))
+    if parts.host_step is not None:
+        registry.add(Component("offload.staging", "derived", tensors=parts.host_step.staging_tensors))
+    registry.add(Component("comm.scratch", "scratch", tensors=parts.comm.scratch.tensors))  # reduce-scatters' receive
+    nvme = parts.nvme
+    if nvme is not None:
         registry.add(Component("nvme.tiles", "scratch",
-                               tensors=lambda: [t for b in engine.nvme._buffers or () for t in b.values()]))
+                               tensors=lambda: [t for b in nvme._buffers or () for t in b.values()]))
     return registry
 
 
-def _module(engine) -> Component:
+def _module(parts: EngineParts) -> Component:
     """What the runtime does not partition: the model's buffers, and frozen parameters that stay whole (stages
     0-2; at stage 3 frozen parameters rest in the runtime's shards)."""
     def own() -> dict[str, torch.Tensor]:
-        partitioned = {id(t) for c in engine.runtime.state_components() if c.kind == "weights" for t in c.tensors()}
-        with engine.runtime.unguarded():
-            named = engine.module.state_dict(keep_vars=True)
+        partitioned = {id(t) for c in parts.runtime.state_components() if c.kind == "weights" for t in c.tensors()}
+        with parts.runtime.unguarded():
+            named = parts.module.state_dict(keep_vars=True)
         return {name: t for name, t in named.items() if id(t) not in partitioned}
 
     return Component("module", "weights", snapshot=lambda: host_copy(own()), tensors=lambda: list(own().values()))
@@ -114,11 +120,13 @@ def _scheduler(scheduler) -> Component:
                      check=check, restore=lambda saved: scheduler.load_state_dict(copy.deepcopy(saved["state"])))
 
 
-def _scaler(engine) -> Component:
+def _scaler(parts: EngineParts) -> Component:
     """The loss scale a loss-scaling run reached (fp16, or torch_autocast in fp16). A checkpoint of a run that did
     not scale its loss, or an engine that does not, leaves the scaler at a fresh engine's value."""
+    scaler = parts.scaler
+
     def reset() -> None:
-        vars(engine.scaler).update(vars(LossScaler.from_config(engine.config, engine.autocast_dtype)))
+        vars(scaler).update(vars(LossScaler.from_config(parts.config, autocast_dtype(parts.config, parts.device))))
 
     def check(saved) -> None:
         _fields(saved, {"loss_scaled": bool, "state": dict})
@@ -127,25 +135,21 @@ def _scaler(engine) -> Component:
 
     def restore(saved) -> None:
         reset()
-        if saved["loss_scaled"] and engine.scaler.loss_scaled:
-            engine.scaler.load_state_dict(saved["state"])
+        if saved["loss_scaled"] and scaler.loss_scaled:
+            scaler.load_state_dict(saved["state"])
 
-    return Component("loss_scaler", "training", reset=reset, snapshot=lambda: engine.scaler.state_dict(),
-                     save=lambda: {"loss_scaled": engine.scaler.loss_scaled, "state": engine.scaler.state_dict()},
+    return Component("loss_scaler", "training", reset=reset, snapshot=scaler.state_dict,
+                     save=lambda: {"loss_scaled": scaler.loss_scaled, "state": scaler.state_dict()},
                      check=check, restore=restore)
 
 
-def _counters(engine) -> Component:
-    def reset() -> None:
-        engine.global_steps = engine.skipped_steps = engine.micro_steps = 0
-        engine.last_grad_norm = None
-
+def _counters(counters: Counters) -> Component:
     def read() -> dict:
-        return {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-                "micro_steps": engine.micro_steps, "last_grad_norm": engine.last_grad_norm}
+        return {"global_steps": counters.global_steps, "skipped_steps": counters.skipped_steps,
+                "micro_steps": counters.micro_steps, "last_grad_norm": counters.last_grad_norm}
 
     def save() -> dict:
-        norm = engine.last_grad_norm  # inf after an overflow: JSON holds it as text
+        norm = counters.last_grad_norm  # inf after an overflow: JSON holds it as text
         return {**read(), "last_grad_norm": norm if norm is None or math.isfinite(norm) else str(norm)}
 
     def check(saved) -> None:
@@ -156,25 +160,26 @@ def _counters(engine) -> Component:
                              f"{sorted(NON_FINITE)}")
 
     def restore(saved) -> None:
-        engine.global_steps, engine.skipped_steps = saved["global_steps"], saved["skipped_steps"]
-        engine.micro_steps = saved["micro_steps"]
+        counters.global_steps, counters.skipped_steps = saved["global_steps"], saved["skipped_steps"]
+        counters.micro_steps = saved["micro_steps"]
         norm = saved["last_grad_norm"]
-        engine.last_grad_norm = None if norm is None else float(norm)
+        counters.last_grad_norm = None if norm is None else float(norm)
 
-    return Component("counters", "training", reset=reset, snapshot=read, save=save, check=check, restore=restore)
+    return Component("counters", "training", reset=counters.reset_training, snapshot=read, save=save, check=check,
+                     restore=restore)
 
 
 NON_FINITE = {"inf", "-inf", "nan"}  # str(float) of what a grad norm can be besides a number
 
 
-def _generators(engine) -> Component:
+def _generators(device: torch.device) -> Component:
     """This rank's generators (Python, NumPy, torch CPU and CUDA), saved per rank in core/generators.py's form. A
     fresh engine's generators are the process's own, so a reset leaves them alone: only a load that restores them
     moves them."""
     def snapshot() -> dict:
         out = {"cpu": torch.get_rng_state()}
-        if engine.device.type == "cuda":
-            out["cuda"] = torch.cuda.get_rng_state(engine.device)
+        if device.type == "cuda":
+            out["cuda"] = torch.cuda.get_rng_state(device)
         return out
 
     def check(saved) -> None:

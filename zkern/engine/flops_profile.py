@@ -17,20 +17,22 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from zkern.engine.parts import EngineParts
+
 log = logging.getLogger("zkern")
 
 
-def _numel(engine, p: torch.nn.Parameter) -> int:
-    return int(engine.runtime.full_shape(p).numel())
+def _numel(parts: EngineParts, p: torch.nn.Parameter) -> int:
+    return int(parts.runtime.full_shape(p).numel())
 
 
-def profile_forward(engine, run, args, kwargs, cfg) -> tuple[object, dict]:
-    model = engine.module
+def profile_forward(parts: EngineParts, run, args, kwargs, cfg) -> tuple[object, dict]:
+    model = parts.module
     root = type(model).__name__
     names = {id(m): (f"{root}.{n}" if n else root) for n, m in model.named_modules()}
     seconds: dict[str, float] = {}
     starts: dict[int, float] = {}
-    sync = (lambda: torch.cuda.synchronize(engine.device)) if engine.device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(parts.device)) if parts.device.type == "cuda" else (lambda: None)
 
     def before(module, _):
         sync()
@@ -56,14 +58,14 @@ def profile_forward(engine, run, args, kwargs, cfg) -> tuple[object, dict]:
     for name_in_model, module in model.named_modules():
         name = f"{root}.{name_in_model}" if name_in_model else root
         depth = 0 if not name_in_model else name_in_model.count(".") + 1
-        params = sum(_numel(engine, p) for p in {id(p): p for p in module.parameters()}.values())
+        params = sum(_numel(parts, p) for p in {id(p): p for p in module.parameters()}.values())
         latency = seconds.get(name, 0.0)
         f = flops.get(name, 0)
         rows.append({"module": name, "depth": depth, "params": params, "flops": f, "latency_s": latency,
                      "flops_per_s": f / latency if latency > 0 else 0.0})
     result = {"rows": rows, "total_flops": counter.get_total_flops(), "forward_s": seconds.get(root, 0.0),
               "backward_flops_estimate": int((2 + cfg.recompute_fwd_factor) * counter.get_total_flops())}
-    if engine.rank == 0:
+    if parts.rank == 0:
         _report(result, cfg)
     return out, result
 

@@ -14,30 +14,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
+from zkern.config import Config
 from zkern.config.report import startup_block
 from zkern.core.measure import peak_rss_bytes, rss_bytes
+from zkern.core.runtime import Runtime
+from zkern.engine.parts import EngineParts
 from zkern.monitor import Monitors
 from zkern.optim.shard_adam import ShardAdam
-
-if TYPE_CHECKING:
-    from zkern.engine.engine import Engine
 
 log = logging.getLogger("zkern")
 PHASES = ("forward", "backward", "step")
 
 
 class Reporter:
-    def __init__(self, engine):
-        cfg = engine.config
-        self.engine, self.cfg = engine, cfg
+    def __init__(self, parts: EngineParts):
+        cfg = parts.config
+        self.parts, self.cfg = parts, cfg
         self.timing = cfg.wall_clock_breakdown
-        self.monitors = Monitors(cfg.monitor, engine.rank)
+        self.monitors = Monitors(cfg.monitor, parts.rank)
         self.comms = cfg.comms_logger.enabled
-        engine.comm.times.on = self.timing or self.comms
+        parts.comm.times.on = self.timing or self.comms
         self.seconds = dict.fromkeys(PHASES, 0.0)  # since the last print
         self.steps_timed = 0
         self.losses: list[torch.Tensor] = []  # this accumulation's (only kept for the monitors)
@@ -46,8 +45,8 @@ class Reporter:
 
     # -- phases -----------------------------------------------------------------------------------------------
     def _sync(self) -> None:
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)
+        if self.parts.device.type == "cuda":
+            torch.cuda.synchronize(self.parts.device)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -68,27 +67,28 @@ class Reporter:
 
     def forward(self, run, args, kwargs):
         """The model's forward; at flops_profiler.profile_step, counted and timed per module (once)."""
-        if self.profiled or self.engine.global_steps + 1 != self.cfg.flops_profiler.profile_step:
+        if self.profiled or self.parts.counters.global_steps + 1 != self.cfg.flops_profiler.profile_step:
             return run(*args, **kwargs)
         from zkern.engine.flops_profile import profile_forward
 
         self.profiled = True
-        out, self.profile = profile_forward(self.engine, run, args, kwargs, self.cfg.flops_profiler)
+        out, self.profile = profile_forward(self.parts, run, args, kwargs, self.cfg.flops_profiler)
         return out
 
     # -- at each optimizer step ---------------------------------------------------------------------------------
     def stepped(self) -> None:
         """After the optimizer step at an accumulation boundary (taken or skipped)."""
-        engine, cfg = self.engine, self.cfg
+        parts, cfg = self.parts, self.parts.config  # the config as it is now (set_train_batch_size replaces it)
         self.steps_timed += 1
-        samples = engine.global_steps * cfg.train_batch_size
+        steps = parts.counters.global_steps
+        samples = steps * cfg.train_batch_size
         if self.monitors.enabled:
             events = []
             if self.losses:
                 events.append(("Train/Samples/train_loss", float(torch.stack(self.losses).mean()), samples))
-            events.append(("Train/Samples/lr", float(engine.optimizer.param_groups[0]["lr"]), samples))
+            events.append(("Train/Samples/lr", float(parts.optimizer.param_groups[0]["lr"]), samples))
             if cfg.precision == "fp16":
-                events.append(("Train/Samples/loss_scale", float(engine.loss_scale), samples))
+                events.append(("Train/Samples/loss_scale", float(parts.scaler.scale), samples))
             if self.timing:
                 events += [(f"Train/Samples/elapsed_time_ms_{p}", 1000 * self.seconds[p] / self.steps_timed,
                             samples) for p in PHASES]
@@ -97,20 +97,20 @@ class Reporter:
         # The breakdowns every steps_per_print steps; with none given, every step (DeepSpeed's timers and memory
         # lines ignore its None); 0 silences them.
         every = 1 if cfg.steps_per_print is None else cfg.steps_per_print
-        if not every or engine.global_steps % every:
+        if not every or steps % every:
             return
-        totals = engine.comm.times.take() if engine.comm.times.on else {}
-        if self.timing and engine.rank == 0:
+        totals = parts.comm.times.take() if parts.comm.times.on else {}
+        if self.timing and parts.rank == 0:
             per = {p: 1000 * self.seconds[p] / self.steps_timed for p in PHASES}
             collectives = ", ".join(f"{kind} {1000 * seconds / self.steps_timed:.2f}"
                                     for kind, (_, _, seconds) in sorted(totals.items())) or "none"
             log.info("zkern wall clock (ms per step, mean of %d): forward %.2f | backward %.2f | step %.2f | "
                      "collectives %s", self.steps_timed, per["forward"], per["backward"], per["step"], collectives)
-        if self.comms and engine.rank == 0:
+        if self.comms and parts.rank == 0:
             for line in self.comms_lines(totals):
                 log.info("zkern comms: %s", line)
-        if cfg.memory_breakdown and engine.rank == 0:
-            log.info("zkern memory (bytes by place): %s", engine.memory_report())
+        if cfg.memory_breakdown and parts.rank == 0:
+            log.info("zkern memory (bytes by place): %s", memory_report(parts))
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps_timed = 0
 
@@ -131,25 +131,25 @@ class Reporter:
         self.monitors.close()
 
 
-def log_layout(engine: Engine) -> None:
+def log_layout(config: Config, runtime: Runtime, rank: int) -> None:
     """Say once what zkern made of the config (a warning when a key was not DeepSpeed's), how the parameters were
     laid out (padding included), and warn about costly layouts."""
-    if engine.rank != 0:
+    if rank != 0:
         return
-    log.log(logging.WARNING if engine.config.notes.warned else logging.INFO, "%s", startup_block(engine.config))
-    for line in engine.runtime.describe():
+    log.log(logging.WARNING if config.notes.warned else logging.INFO, "%s", startup_block(config))
+    for line in runtime.describe():
         log.info("zkern: %s", line)
-    for line in engine.runtime.warnings(engine.config.zero_optimization.reduce_bucket_size):
+    for line in runtime.warnings(config.zero_optimization.reduce_bucket_size):
         log.warning("zkern: %s", line)
 
 
-def log_offload(engine: Engine) -> None:
+def log_offload(parts: EngineParts) -> None:
     """Say where the optimizer's states went, and what the offload keys that do nothing here would have done."""
-    zero = engine.config.zero_optimization
-    if engine.nvme is not None:
-        engine.nvme.buffers()  # the tile size is fixed now that every region exists
-    store = engine.runtime.param_store
-    if engine.rank != 0:
+    zero = parts.config.zero_optimization
+    if parts.nvme is not None:
+        parts.nvme.buffers()  # the tile size is fixed now that every region exists
+    store = parts.runtime.param_store
+    if parts.rank != 0:
         return
     if store is not None:
         log.info("zkern NVMe: stage-3 parameter shard in %s (%.1f MB per rank), read ahead by up to %d reads / "
@@ -158,15 +158,15 @@ def log_offload(engine: Engine) -> None:
     if zero.offload_param_device != "nvme" and zero.offload_param_nvme_path is not None:
         log.warning("zkern: zero_optimization.offload_param.nvme_path is set but the device is %r: the "
                     "parameter shards are not on NVMe (set device \"nvme\" for that)", zero.offload_param_device)
-    if engine.nvme is not None:
+    if parts.nvme is not None:
         log.info("zkern NVMe: master and Adam moments in %s (%.1f MB per rank, %s I/O), stepped in tiles of %d "
-                 "elements through %d buffer sets (%.1f MB of host memory)", engine.nvme.directory,
-                 engine.nvme.nbytes() / 1e6, engine.nvme.io_path, engine.nvme.tile, engine.nvme.buffer_count,
-                 engine.nvme.buffer_bytes() / 1e6)
-        if engine.nvme.buffer_bytes() > 1 << 30:
+                 "elements through %d buffer sets (%.1f MB of host memory)", parts.nvme.directory,
+                 parts.nvme.nbytes() / 1e6, parts.nvme.io_path, parts.nvme.tile, parts.nvme.buffer_count,
+                 parts.nvme.buffer_bytes() / 1e6)
+        if parts.nvme.buffer_bytes() > 1 << 30:
             log.warning("zkern NVMe: the tile buffers take %.1f GB of host memory (buffer_count x 3 states x "
                         "sub_group_size x 4 bytes); lower zero_optimization.sub_group_size (e.g. 1e7)",
-                        engine.nvme.buffer_bytes() / 1e9)
+                        parts.nvme.buffer_bytes() / 1e9)
         return
     if zero.offload_optimizer_nvme_path is not None:
         log.warning("zkern: zero_optimization.offload_optimizer.nvme_path is set but the device is %r: the "
@@ -177,12 +177,12 @@ def log_offload(engine: Engine) -> None:
                  "offload_optimizer.device %r it changes nothing", zero.offload_optimizer_device)
 
 
-def memory_report(engine: Engine) -> dict[str, dict[str, int]]:
+def memory_report(parts: EngineParts) -> dict[str, dict[str, int]]:
     """Engine.memory_report (its docstring says what each key counts): the runtime's memory by kind, moved
     under "host" and "nvme" where offload puts it, with the optimizer states and the staging buffers added."""
     device = {"params": 0, "grads": 0, "optimizer": 0, "master": 0, "comm_buffers": 0}
     host = {"params": 0, "optimizer": 0, "master": 0, "offload_buffers": 0}
-    held = engine.runtime.memory()
+    held = parts.runtime.memory()
     on_host = held.pop("host_params")
     params_on_disk = held.pop("disk_params", 0)
     for key, value in held.items():  # ZeRO++ adds hpz_secondary, loco_error and frozen_int8 where they are on
@@ -190,36 +190,36 @@ def memory_report(engine: Engine) -> dict[str, dict[str, int]]:
             host[key[len("host_"):]] = host.get(key[len("host_"):], 0) + value
         else:
             device[key] = device.get(key, 0) + value
-    pool = engine.comm.scratch.nbytes()  # host reduce-scatters' receive buffers (collectives.ScratchPool)
-    if engine.device.type == "cpu":
+    pool = parts.comm.scratch.nbytes()  # host reduce-scatters' receive buffers (collectives.ScratchPool)
+    if parts.device.type == "cpu":
         device["comm_buffers"] += pool
     elif pool:
         host["comm_buffers"] = pool
-    trainable = {id(p) for p in engine.runtime.params}
-    device["params"] += sum(p.numel() * p.element_size() for p in engine.module.parameters()
+    trainable = {id(p) for p in parts.runtime.params}
+    device["params"] += sum(p.numel() * p.element_size() for p in parts.module.parameters()
                             if id(p) not in trainable)
-    optimizer = optimizer_state_bytes(engine.optimizer)
-    if engine.offload:
+    optimizer = optimizer_state_bytes(parts.optimizer)
+    if parts.offload:
         host["master"], device["master"] = device["master"], 0
         host["optimizer"] = optimizer
-        host["offload_buffers"] = engine.host_step.staging_bytes
+        host["offload_buffers"] = parts.host_step.staging_bytes
     else:
         device["optimizer"] = optimizer
     host["params"], device["params"] = on_host, device["params"] - on_host
     on_nvme = None
-    if engine.nvme is not None or params_on_disk:
+    if parts.nvme is not None or params_on_disk:
         on_nvme = {"params": params_on_disk, "master": 0, "optimizer": 0}
-    if engine.nvme is not None:  # the master's files, and the moments' (bf16 ones are half the size)
-        host["nvme_buffers"] = engine.nvme.buffer_bytes()
-        on_nvme.update(master=engine.nvme.nbytes(("master",)), optimizer=engine.nvme.nbytes(("exp_avg", "exp_avg_sq")))
+    if parts.nvme is not None:  # the master's files, and the moments' (bf16 ones are half the size)
+        host["nvme_buffers"] = parts.nvme.buffer_bytes()
+        on_nvme.update(master=parts.nvme.nbytes(("master",)), optimizer=parts.nvme.nbytes(("exp_avg", "exp_avg_sq")))
     if on_nvme is not None:
         on_nvme["total"] = sum(on_nvme.values())
     device["total"], host["total"] = sum(device.values()), sum(host.values())
     # the host holds something with offload_optimizer, or with stage 3's parameters resting there (offload_param)
-    report = {engine.device.type: device, "host": host} if engine.offload or on_host else {engine.device.type: device}
+    report = {parts.device.type: device, "host": host} if parts.offload or on_host else {parts.device.type: device}
     if on_nvme is not None:
         report["nvme"] = on_nvme
-    report["measured"] = measured(engine.device, device["total"] + (host["total"] if engine.device.type == "cpu"
+    report["measured"] = measured(parts.device, device["total"] + (host["total"] if parts.device.type == "cpu"
                                                                     else 0))
     return report
 

@@ -13,12 +13,10 @@ training continues bit for bit. In between, the engine refuses every call that w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from zkern.engine.engine import Engine
+from zkern.core.state import StateRegistry
 
 # DeepSpeed's OffloadStateTypeEnum values, and which of zkern's state kinds each covers.
 STATE_TYPES = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
@@ -32,39 +30,45 @@ class Moved:
     types: set[str]  # the DeepSpeed state types it holds
 
 
-def offload(engine: Engine, include, device, pin_memory: bool, non_blocking: bool) -> None:
-    target = getattr(device, "value", device)
-    if str(target) != "cpu":
-        raise ValueError(f"offload_states moves state to the host only (device='cpu'), got {device!r}")
-    wanted = _state_types(include)
-    moved = engine._offloaded or []
-    seen = {m.storage.data_ptr() for m in moved}
-    pin = pin_memory and engine.device.type == "cuda"
-    for storage, types in _storages(engine):
-        if not types & wanted or storage.data_ptr() in seen:
-            continue
-        data = _bytes(storage, engine.device)
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-        host.copy_(data, non_blocking=non_blocking and pin)
-        seen.add(storage.data_ptr())
-        storage.resize_(0)  # the caching allocator may reuse the block: the copy above is ordered before any reuse
-        moved.append(Moved(storage, host, engine.device, types))
-    engine._offloaded = moved
+class Residency:
+    """What offload_states() moved to the host, per engine: the storages, their bytes and the state types they hold.
+    device: the engine's device; mixed: whether the weights train in a 16-bit working copy beside fp32 masters."""
 
+    def __init__(self, device: torch.device, mixed: bool):
+        self.device, self.mixed = device, mixed
+        self.moved: list[Moved] | None = None  # None: nothing moved
 
-def reload(engine: Engine, non_blocking: bool) -> None:
-    for m in engine._offloaded or ():
-        m.storage.resize_(m.host.numel())
-        _bytes(m.storage, m.device).copy_(m.host, non_blocking=non_blocking and m.host.is_pinned())
-    engine._offloaded = None
+    def offload(self, registry: StateRegistry, include, device, pin_memory: bool, non_blocking: bool) -> None:
+        target = getattr(device, "value", device)
+        if str(target) != "cpu":
+            raise ValueError(f"offload_states moves state to the host only (device='cpu'), got {device!r}")
+        wanted = _state_types(include)
+        moved = self.moved or []
+        seen = {m.storage.data_ptr() for m in moved}
+        pin = pin_memory and self.device.type == "cuda"
+        for storage, types in _storages(registry, self.device, self.mixed):
+            if not types & wanted or storage.data_ptr() in seen:
+                continue
+            data = _bytes(storage, self.device)
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host.copy_(data, non_blocking=non_blocking and pin)
+            seen.add(storage.data_ptr())
+            storage.resize_(0)  # the caching allocator may reuse the block: the copy above is ordered before reuse
+            moved.append(Moved(storage, host, self.device, types))
+        self.moved = moved
 
+    def reload(self, non_blocking: bool) -> None:
+        for m in self.moved or ():
+            m.storage.resize_(m.host.numel())
+            _bytes(m.storage, m.device).copy_(m.host, non_blocking=non_blocking and m.host.is_pinned())
+        self.moved = None
 
-def require(engine: Engine, what: str, reads: tuple[str, ...] = STATE_TYPES) -> None:
-    """Refuse `what` while state it reads is on the host (reads: DeepSpeed state types; a forward reads only the
-    working weights, lp_params): it would read storages that hold nothing."""
-    if engine._offloaded is not None and any(m.types & set(reads) for m in engine._offloaded):
-        raise RuntimeError(f"engine.{what}: offload_states() moved this engine's state to the host; call "
-                           f"engine.reload_states() first")
+    def require(self, what: str, reads: tuple[str, ...] = STATE_TYPES) -> None:
+        """Refuse `what` while state it reads is on the host (reads: DeepSpeed state types; a forward reads only the
+        working weights, lp_params): it would read storages that hold nothing."""
+        if self.moved is not None and any(m.types & set(reads) for m in self.moved):
+            raise RuntimeError(f"engine.{what}: offload_states() moved this engine's state to the host; call "
+                               f"engine.reload_states() first")
 
 
 def _state_types(include) -> set[str]:
@@ -77,15 +81,15 @@ def _state_types(include) -> set[str]:
     return names
 
 
-def _storages(engine: Engine) -> list[tuple[torch.UntypedStorage, set[str]]]:
+def _storages(registry: StateRegistry, device: torch.device,
+              mixed: bool) -> list[tuple[torch.UntypedStorage, set[str]]]:
     """Every non-empty storage on the engine's device that the registry's components own, with the DeepSpeed state
     types it holds: weights in fp32 beside a 16-bit working copy are hp_params, weights in the working dtype (and
     the copies derived from them) lp_params, an fp32 run's one copy both."""
-    mixed = engine.spec.dtype != torch.float32
     found: dict[int, tuple[torch.UntypedStorage, set[str]]] = {}
-    for component in engine.state:
+    for component in registry:
         for t in component.tensors():
-            if t.device != engine.device:
+            if t.device != device:
                 continue
             storage = t.untyped_storage()
             if storage.nbytes() == 0:

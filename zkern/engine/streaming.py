@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
+from zkern.engine.parts import EngineParts
 from zkern.stage3.gathered import GatheredParameters
 
-if TYPE_CHECKING:
-    from zkern.engine.engine import Engine
 
-
-def stream_full_weights(engine: Engine, bucket_bytes: int, dtype: torch.dtype | None, rank0_only: bool,
+def stream_full_weights(parts: EngineParts, bucket_bytes: int, dtype: torch.dtype | None, rank0_only: bool,
                         on: Callable[[list], None] | None):
     if bucket_bytes < 1:
         raise ValueError(f"stream_full_weights: bucket_bytes must be at least 1, got {bucket_bytes}")
-    stream = _buckets(engine, bucket_bytes, dtype or engine.dtype, rank0_only)
+    stream = _buckets(parts, bucket_bytes, dtype or parts.dtype, rank0_only)
     if on is None:
         return stream
     for bucket in stream:
@@ -39,23 +36,23 @@ def stream_full_weights(engine: Engine, bucket_bytes: int, dtype: torch.dtype | 
     return None
 
 
-def _groups(engine: Engine) -> list[list[torch.nn.Parameter]]:
+def _groups(parts: EngineParts) -> list[list[torch.nn.Parameter]]:
     """Parameters in the order they are gathered: stage 3 unit by unit, otherwise one at a time."""
-    runtime = engine.runtime
-    if engine.config.zero_optimization.stage == 3:
+    runtime = parts.runtime
+    if parts.config.zero_optimization.stage == 3:
         return [list(u.plan.params) for u in runtime.units]
-    return [[p] for p in engine.module.parameters()]
+    return [[p] for p in parts.module.parameters()]
 
 
-def _buckets(engine: Engine, bucket_bytes: int, dtype: torch.dtype, rank0_only: bool) -> Iterator[list]:
-    keep = not rank0_only or engine.rank == 0
+def _buckets(parts: EngineParts, bucket_bytes: int, dtype: torch.dtype, rank0_only: bool) -> Iterator[list]:
+    keep = not rank0_only or parts.rank == 0
     names: dict[int, list[str]] = {}
-    with engine.runtime.unguarded():
-        for name, p in engine.module.named_parameters(remove_duplicate=False):
+    with parts.runtime.unguarded():
+        for name, p in parts.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
-    stage3 = engine.config.zero_optimization.stage == 3
+    stage3 = parts.config.zero_optimization.stage == 3
     bucket, size = [], 0
-    for params in _groups(engine):
+    for params in _groups(parts):
         with GatheredParameters(params) if stage3 else contextlib.nullcontext():
             for p in params:
                 nbytes = p.numel() * dtype.itemsize

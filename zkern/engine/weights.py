@@ -9,70 +9,67 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
+from zkern.engine.parts import EngineParts
 from zkern.stage3.gathered import GatheredParameters
-
-if TYPE_CHECKING:
-    from zkern.engine.engine import Engine
 
 log = logging.getLogger("zkern")
 
 
-def save_16bit_model(engine: Engine, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> str:
+def save_16bit_model(parts: EngineParts, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> str:
     """Save the weights in the training dtype with model.state_dict()'s names, as DeepSpeed's method does (a
     collective; rank 0 writes). Stage 3 gathers them only when the config allows it."""
-    zero = engine.config.zero_optimization
+    zero = parts.config.zero_optimization
     if zero.stage == 3:
         if not zero.stage3_gather_16bit_weights_on_model_save:
             raise RuntimeError("save_16bit_model at stage 3 gathers the whole model onto rank 0; set "
                                "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to allow it")
-    state = full_working_state_dict(engine, rank0_only=True)
+    state = full_working_state_dict(parts, rank0_only=True)
     path = os.path.join(os.fspath(save_dir), save_filename)
-    if engine.rank == 0:
+    if parts.rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         torch.save(state, path)
     return path
 
 
-def full_working_state_dict(engine: Engine, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+def full_working_state_dict(parts: EngineParts, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
     """The weights in the training dtype (bf16/fp16 when mixed precision, else fp32) with model.state_dict()'s
     names, on the host: what DeepSpeed's 16-bit consolidation gives (a collective: call it on every rank). With
     rank0_only, other ranks return None and, at stage 3, hold one unit at a time. Tensors one parameter shares
     under two names (tied embeddings) stay one tensor."""
-    if engine.config.zero_optimization.stage == 3:
-        values = engine.runtime.full_working(rank0_only)
+    if parts.config.zero_optimization.stage == 3:
+        values = parts.runtime.full_working(rank0_only)
     else:
-        values = engine.runtime.full_working()  # whole on every rank already: a read, not a gather
-        values = None if rank0_only and engine.rank != 0 else values
+        values = parts.runtime.full_working()  # whole on every rank already: a read, not a gather
+        values = None if rank0_only and parts.rank != 0 else values
     if values is None:
         return None
     copies: dict[int, torch.Tensor] = {}
     out = {}
-    for name, t in module_state(engine).items():
+    for name, t in module_state(parts).items():
         if id(t) not in copies:
             copies[id(t)] = values.get(id(t), t).detach().to("cpu", copy=True)
         out[name] = copies[id(t)]
     return out
 
 
-def module_state(engine: Engine) -> dict[str, torch.Tensor]:
+def module_state(parts: EngineParts) -> dict[str, torch.Tensor]:
     """model.state_dict(keep_vars=True): the names and the tensor objects (stage 3 parameters at rest are empty;
     the caller substitutes gathered values by id)."""
-    with engine.runtime.unguarded():
-        return engine.module.state_dict(keep_vars=True)
+    with parts.runtime.unguarded():
+        return parts.module.state_dict(keep_vars=True)
 
 
-def full_state_dict(engine: Engine, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+def full_state_dict(parts: EngineParts, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
     """fp32 weights with model.state_dict()'s names, on the host (a collective: call it on every rank). The
     device holds one bucket at a time; with rank0_only, other ranks return None."""
-    values = engine.runtime.full_fp32(rank0_only)
+    values = parts.runtime.full_fp32(rank0_only)
     if values is None:
         return None
     out = {}
-    for name, t in module_state(engine).items():
+    for name, t in module_state(parts).items():
         if id(t) in values:
             out[name] = values[id(t)]
         else:
@@ -82,19 +79,20 @@ def full_state_dict(engine: Engine, rank0_only: bool = False) -> dict[str, torch
 
 
 @contextlib.contextmanager
-def gathered_for_generation(engine: Engine):
-    """Engine.gathered_for_generation: every unit gathered once and pinned (stage 3), under torch.no_grad()."""
-    if engine.config.zero_optimization.stage != 3:
+def gathered_for_generation(parts: EngineParts, engine):
+    """Engine.gathered_for_generation: every unit gathered once and pinned (stage 3), under torch.no_grad(); the
+    block gets `engine` (the Engine these parts are of)."""
+    if parts.config.zero_optimization.stage != 3:
         with torch.no_grad():
             yield engine
         return
 
-    params, held, total = engine.runtime.generation_params()
-    if held < total and engine.rank == 0:
+    params, held, total = parts.runtime.generation_params()
+    if held < total and parts.rank == 0:
         log.warning("zkern: gathered_for_generation keeps %d of %d elements whole (stage3_max_live_parameters="
                     "%d); the other units are gathered at each use", held, total,
-                    engine.config.zero_optimization.stage3_max_live_parameters)
+                    parts.config.zero_optimization.stage3_max_live_parameters)
     # Nothing left to gather per use when every unit fits: the per-module hooks step aside.
-    hooks = engine.runtime.hooks_suspended() if held == total else contextlib.nullcontext()
+    hooks = parts.runtime.hooks_suspended() if held == total else contextlib.nullcontext()
     with torch.no_grad(), GatheredParameters(params), hooks:
         yield engine

@@ -28,8 +28,9 @@ from accelerate.logging import get_logger
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils.deepspeed import DeepSpeedSchedulerWrapper
 
+from zkern.checkpoint.manifest import rank_forms
 from zkern.checkpoint.tensorfile import file_sha256
-from zkern.core.generators import check_rng_state, rng_state, set_rng_state
+from zkern.core.generators import check_rng_state, set_rng_state
 from zkern.errors import CheckpointError
 
 TAG = "pytorch_model"  # Accelerate's tag for the first model's DeepSpeed checkpoint
@@ -187,7 +188,7 @@ def save(acc, output_dir: str, kwargs: dict) -> str:
     group = engine.checkpointer.group
     # The digest is the main process's (it wrote the file); every rank's generators are kept (one entry per rank).
     own["tensors_sha256"] = all_gather_json(group, own.get("tensors_sha256"), "the saved tensors' digest")[0]
-    own["rng"] = all_gather_json(group, rng_state(), "the ranks' random generator states")
+    # Every rank's generators are in the engine's checkpoint already (its "generators" component, per rank).
     if engine.pending_micro_steps:
         log.warning(f"save_state at micro-step {engine.pending_micro_steps} of an accumulation of "
                     f"{engine.gradient_accumulation_steps}: the gradients accumulated since the last optimizer step "
@@ -253,7 +254,7 @@ def _stage(acc, manifest: dict, path: str, input_dir: str) -> dict:
     if not isinstance(own, dict):
         raise CheckpointError(f"{path}: a zkern checkpoint, but not one zkern.hf.Accelerator.save_state wrote (its "
                               f"client state has no {KEY!r} entry)")
-    for key, kind in (("schedulers", list), ("custom", list), ("dataloaders", list), ("rng", list), ("step", int)):
+    for key, kind in (("schedulers", list), ("custom", list), ("dataloaders", list), ("step", int)):
         if not isinstance(own.get(key), kind) or isinstance(own.get(key), bool):
             raise CheckpointError(f"{path}: its Accelerate state's {key!r} is missing or not a {kind.__name__}")
     tensors = _read_tensors(os.path.join(input_dir, TENSORS), own.get("tensors_sha256"))
@@ -267,11 +268,16 @@ def _stage(acc, manifest: dict, path: str, input_dir: str) -> dict:
                 isinstance(state["sampler"], dict) and {"epoch", "initial_seed"} <= set(state["sampler"]))):
             raise CheckpointError(f"{path}: a saved dataloader state is not one zkern wrote: {str(state)[:120]!r}")
     rank = acc.process_index
-    rng = own["rng"][rank] if rank < len(own["rng"]) else None
+    if "rng" in own:  # saves before 2026-11-27 kept a copy of every rank's generators here
+        if not isinstance(own["rng"], list):
+            raise CheckpointError(f"{path}: its Accelerate state's 'rng' is not a list")
+        rng, saved = (own["rng"][rank] if rank < len(own["rng"]) else None), len(own["rng"])
+    else:  # the engine's own record of them: this rank's "generators" form
+        rng, saved = (rank_forms(manifest, rank) or {}).get("generators"), manifest.get("world_size")
     if rng is not None:
         check_rng_state(rng, f"{path}: process {rank}'s random generators")
     return {"step": own["step"], "schedulers": [decode(st, tensors) for st in own["schedulers"]], "loaders": loaders,
-            "custom": [decode(st, tensors) for st in own["custom"]], "rng": rng, "saved_processes": len(own["rng"])}
+            "custom": [decode(st, tensors) for st in own["custom"]], "rng": rng, "saved_processes": saved}
 
 
 def _apply(acc, staged: dict, input_dir: str) -> None:

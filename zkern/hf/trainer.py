@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from zkern.config import ConfigError
-from zkern.core.generators import rng_state, set_rng_state
+from zkern.core.generators import set_rng_state
 from zkern.engine.engine import Engine
 from zkern.hf.auto import fill_auto, read_config
 from zkern.hf.reference_models import check_reference_models, shard_reference_models
@@ -168,18 +168,14 @@ class Trainer(transformers.Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        from zkern.checkpoint.control import all_gather_json
-
-        # Every rank's generators (HF keeps one file per rank); the checkpoint's client state is written by rank 0.
-        states = all_gather_json(self.engine.checkpointer.group, rng_state(), "the ranks' random generator states")
-        self.engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG, save_latest=False,
-                                    client_state={"hf_rng": states})
+        # Every rank's generators are in the checkpoint already (the engine's "generators" component, per rank).
+        self.engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG, save_latest=False)
 
     def _save_scaler(self, output_dir: str) -> None:
         pass  # the loss scaler is in the zkern checkpoint
 
     def _save_rng_state(self, output_dir: str) -> None:
-        pass  # the RNG states are in the zkern checkpoint's client state (JSON, never unpickled)
+        pass  # every rank's generators are in the zkern checkpoint (JSON, never unpickled)
 
     # -- resuming -----------------------------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -190,16 +186,23 @@ class Trainer(transformers.Trainer):
                                     f"zkern.hf.Trainer resumes from checkpoints it saved itself")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The engine's load restores every state, this rank's generators included; HF's loop then skips the batches
+        already trained, which may draw from them, so _load_rng_state applies the saved generators once more."""
+        from zkern.checkpoint.manifest import rank_forms, read_manifest
+
         if checkpoint is None:
             return
-        _, client_state = self.engine.load_checkpoint(checkpoint, tag=CHECKPOINT_TAG)
-        states = (client_state or {}).get("hf_rng") or []
-        rank = self.engine.rank
-        self._resumed_rng = states[rank] if rank < len(states) else None
-        if self._resumed_rng is None:
-            transformers.utils.logging.get_logger(__name__).warning(
-                "zkern: the checkpoint %s was saved by %d ranks; rank %d's random generators continue from where "
-                "they are", checkpoint, len(states), rank)
+        path, client_state = self.engine.load_checkpoint(checkpoint, tag=CHECKPOINT_TAG)
+        if path is None:  # nothing to load (the engine warned)
+            return
+        older = (client_state or {}).get("hf_rng")  # checkpoints saved before 2026-11-27 kept a copy here
+        if older is not None:
+            rank = self.engine.rank
+            self._resumed_rng = older[rank] if rank < len(older) else None
+        else:
+            forms = rank_forms(read_manifest(path), self.engine.rank)
+            self._resumed_rng = (forms or {}).get("generators")
+        # (a rank the saving run did not have keeps its generators as they are; the engine's load said so)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         pass  # restored with the engine's checkpoint

@@ -505,15 +505,22 @@ def test_memory_suite_measures_every_system_of_a_stage_and_gates_on_the_ratios()
 
 @pytest.mark.dist
 def test_offload_suite_accounts_for_where_the_gradients_went_down():
-    """The offload suite on the tiny GPT: each stage with gradients copied during backward and at step(); the
-    accounting says all of the gradient was on the host before step() in the first, none in the second."""
+    """The offload suite on the tiny GPT: each stage with gradients copied during backward, at step(), and with the
+    delayed update; the accounting says all of the gradient was on the host before step() in the first and third,
+    none in the second, and times the delayed host Adam and the share of it hidden."""
     from bench import offload_suite
 
     rec = offload_suite.run([1, 3], 2, "tiny", steps=4, progress=lambda line: None)
-    rows = {(r["stage"], r["grads_during_backward"]): r for r in rec["rows"]}
-    assert set(rows) == {(1, True), (1, False), (3, True), (3, False)}
-    for (stage, during), r in rows.items():
+    rows = {(r["stage"], r["mode"]): r for r in rec["rows"]}
+    assert set(rows) == {(s, m) for s in (1, 3) for m in ("backward", "step", "delayed")}
+    for (stage, mode), r in rows.items():
         assert r["grad_bytes"] > 0 and r["steps_timed"] == 2
-        assert r["share_on_host_before_step"] == (1.0 if during else 0.0), (stage, during, r)
-    assert set(rec["ratios"]) == {f"stage{s}_step_during_backward_over_at_step" for s in (1, 3)}
-    assert "| 3 | during backward |" in offload_suite.table(rec)
+        assert r["share_on_host_before_step"] == (0.0 if mode == "step" else 1.0), (stage, mode, r)
+        if mode == "delayed":
+            assert r["host_adam_s"] > 0 and 0 <= r["host_adam_hidden"] <= 1, r
+        else:
+            assert r["host_adam_s"] is None and r["host_adam_hidden"] is None, r
+    assert set(rec["ratios"]) == {f"stage{s}_step_{k}" for s in (1, 3)
+                                  for k in ("during_backward_over_at_step", "delayed_over_during_backward")}
+    table = offload_suite.table(rec)
+    assert "| 3 | during backward |" in table and "| 1 | delayed update |" in table

@@ -40,6 +40,7 @@ class Checkpointer:
         whose path wait() gives). No refusal mid-accumulation: the engine refuses there, zkern.hf.Accelerator
         saves there as DeepSpeed does (the pending gradients are not saved)."""
         self.wait()
+        self.holdings.store.land_update()
         client_state = {} if client_state is None else client_state
         check_plain(client_state, "client_state")
         # A copy, taken now: an asynchronous save writes the manifest later, and the caller's dict may change by then

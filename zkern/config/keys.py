@@ -252,6 +252,9 @@ OFFLOAD = {
         # zkern's own: each gradient chunk is copied to the host as its reduction lands in the boundary's backward
         # (false: all of them when step() is called)
         "copy_grads_during_backward": _bool(True),
+        # zkern's own: ZeRO-Offload's delayed parameter update (DPU): step i's host Adam runs in the background
+        # through step i+1's forward and backward, and its parameters reach the model at step i+1's step()
+        "delayed_update": _bool(False),
     },
     "offload_param": {
         "device": Key("str", "none"), "pin_memory": _bool(True), "nvme_path": Key("str_or_null", None),

@@ -152,9 +152,28 @@ def check_combinations(cfg: Config) -> None:
         raise ConfigError("'zero_optimization.offload_param' device \"nvme\" needs 'offload_optimizer' with device "
                           "\"cpu\" or \"nvme\" too: the optimizer writes the updated shards into the parameter file "
                           "from the host")
+    _check_delayed_update(cfg)
     _check_zeropp(cfg)
     _check_bf16_state(cfg)
     _check_torch_autocast(cfg)
+
+
+def _check_delayed_update(cfg: Config) -> None:
+    zero = cfg.zero_optimization
+    if not zero.offload_optimizer_delayed_update:
+        return
+    if zero.offload_optimizer_device != "cpu":
+        raise ConfigError("'zero_optimization.offload_optimizer.delayed_update' delays the host Adam of "
+                          "offload_optimizer device \"cpu\"; set that device (with \"nvme\" the step streams its "
+                          "state from files and cannot run behind the next step)")
+    if zero.offload_param_device == "nvme":
+        raise ConfigError("'zero_optimization.offload_optimizer.delayed_update' with offload_param device \"nvme\": "
+                          "the delayed update would write the parameter file while the forward reads it; use "
+                          "offload_param device \"cpu\" or \"none\"")
+    if cfg.optimizer is None or cfg.optimizer.type not in ("adam", "adamw") or cfg.optimizer.torch_adam:
+        raise ConfigError("'zero_optimization.offload_optimizer.delayed_update' runs zkern's own Adam/AdamW in the "
+                          "background: give an 'optimizer' section of type Adam or AdamW (without torch_adam), not "
+                          "a torch optimizer")
 
 
 def _check_torch_autocast(cfg: Config) -> None:

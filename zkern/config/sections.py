@@ -115,6 +115,9 @@ class ZeroConfig:
     # reductions land (offload/host.py); false: all of them when step() is called
     offload_optimizer_copy_grads_during_backward: bool = _default(K.OFFLOAD["offload_optimizer"],
                                                                   "copy_grads_during_backward")
+    # zkern's own: ZeRO-Offload's delayed parameter update; each step's host Adam overlaps the next step's forward
+    # and backward, and the working weights trail the master by one update (offload/host.py)
+    offload_optimizer_delayed_update: bool = _default(K.OFFLOAD["offload_optimizer"], "delayed_update")
     offload_param_device: str = _default(K.OFFLOAD["offload_param"], "device")
     offload_param_pin_memory: bool = _default(K.OFFLOAD["offload_param"], "pin_memory")
     # offload_optimizer.device "nvme" (ZeRO-Infinity, offload/nvme.py): fp32 master and moments in files under

@@ -201,9 +201,12 @@ def optimizer_side(cfg: Config, spec: RuntimeSpec, runtime: Runtime, comm: Comm,
     shard_groups, host_step = runtime.shard_groups, None
     if spec.offloaded:
         host_step = HostStep(shard_groups, pin=spec.pin_optimizer, out_on_host=zero.offload_param_device != "none",
-                             store=store, during_backward=zero.offload_optimizer_copy_grads_during_backward)
+                             store=store, during_backward=zero.offload_optimizer_copy_grads_during_backward,
+                             delayed=zero.offload_optimizer_delayed_update)
         if host_step.during_backward:  # each gradient region goes to the host as its reduction lands
             runtime.on_final_grads = host_step.grad_final
+        if host_step.delayed:  # what reads or writes a shard waits for the update in the background (store.py)
+            store.delayed = host_step
         shard_groups = host_step.host_groups
     optimizer = build_optimizer(cfg, client, shard_groups, requested, nvme=nvme_shard, rank=comm.rank, spec=spec)
     attach_layout(optimizer, runtime, comm, zero.stage)

@@ -235,6 +235,8 @@ class DeepSpeedSurface:
         rollout) until reload_states(); the engine refuses to train or save meanwhile. include: DeepSpeed's
         OffloadStateTypeEnum members or their names ("optim_states", "hp_params", "lp_params", "lp_grads",
         "contiguous_grad_buffer"); None moves all."""
+        if self.host_step is not None:
+            self.host_step.settle()  # a delayed update's Adam must not write what moves
         self.residency.offload(self.state, include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:

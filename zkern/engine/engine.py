@@ -298,6 +298,8 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         try:
             self.wait_checkpoint()
         finally:
+            if self.host_step is not None:
+                self.host_step.settle()  # a delayed update's Adam in the background ends before its state goes
             self.reporter.close()
             for files in (self.nvme, self.runtime.param_store):
                 if files is not None:

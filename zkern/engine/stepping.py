@@ -26,6 +26,8 @@ log = logging.getLogger("zkern")
 
 def optimizer_step(parts: EngineParts) -> None:
     counters = parts.counters
+    if parts.host_step is not None and parts.host_step.delayed:
+        parts.host_step.land()  # the last step's delayed update reaches the weights, whatever this step decides
     found = torch.zeros((), dtype=torch.float32, device=parts.device)
     sq_norm = torch.zeros((), dtype=torch.float32, device=parts.device)
     for segment in parts.runtime.grad_segments():

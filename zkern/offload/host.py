@@ -21,6 +21,15 @@ after an event on the compute stream, while backward goes on; step() copies only
 that writes the device gradients between backward and step (safe_set_full_grad and the local views, zero_grad's
 drop) calls invalidate(), and step() copies every chunk again.
 
+The delayed update (offload_optimizer.delayed_update, ZeRO-Offload's DPU; off by default): step i's host Adam runs
+in a background thread while the loop goes on to step i+1's forward and backward, and its parameters go up at step
+i+1's step(), before that step's own Adam starts. So the forward of step i+1 still computes with the weights before
+update i, and update i+1 applies a gradient taken at those weights: the arithmetic of
+zkern.testing.reference_run with the same delay. Only the host master, moments and staging are touched in the
+background; what else reads or writes them waits for it (ShardStore's read and write, the next gradient copy), and
+a write through the store, or a checkpoint save, lands the update first (so a resumed run continues exactly as the
+run that saved).
+
 On a CPU-only run host and device are the same memory; the staging copies still run, so the path a GPU
 takes is the path CPU tests check.
 """
@@ -28,6 +37,7 @@ takes is the path CPU tests check.
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 
 import torch
@@ -45,11 +55,12 @@ class HostStep:
     """Staging buffers and the copy/step pipeline of an offloaded optimizer step."""
 
     def __init__(self, device_groups: list[ShardGroup], *, pin: bool, out_on_host: bool, store=None,
-                 during_backward: bool = True):
+                 during_backward: bool = True, delayed: bool = False):
         """device_groups: the runtime's shard groups (param = host master chunk, grad = device gradient chunk,
         out = device parameter chunk, or a host one when out_on_host). An out that is a meta stand-in (the
         parameter shard on NVMe) is staged on the host and sent with write(out, values); read(out) gives its
-        starting values."""
+        starting values. delayed: the delayed update (the module docstring); a host out is staged too, since the
+        forward reads it while the update is computed."""
         self.device_groups = device_groups
         self.store = store
         self._active: list[list[bool]] | None = None
@@ -62,7 +73,7 @@ class HostStep:
             for c in g.chunks:
                 grad = host_tensor(c.grad.numel(), c.grad.dtype, pin=pin)
                 out = c.out
-                if c.out is not None and (not out_on_host or store.in_files(c.out)):
+                if c.out is not None and (not out_on_host or delayed or store.in_files(c.out)):
                     out = host_tensor(c.out.numel(), c.out.dtype, pin=pin)
                     out.copy_(store.read(c.out))
                     self.staging_bytes += out.numel() * out.element_size()
@@ -78,6 +89,10 @@ class HostStep:
         self._backward_copy_s = 0.0  # host time copying (on CUDA: issuing copies of) gradients during backward
         self._wait_s = 0.0
         self.last_step: dict = {}  # the last applied step's accounting (see step())
+        self.delayed = delayed
+        self._flight: threading.Thread | None = None  # the delayed update's host Adam, while it runs
+        self._flight_error: BaseException | None = None
+        self._to_land: list[list[bool]] | None = None  # the delayed update's active pieces, until its parameters go up
 
     def staging_tensors(self) -> list[torch.Tensor]:
         """The host staging buffers: gradient copies (scratch within a step) and, where the parameters live on the
@@ -159,6 +174,7 @@ class HostStep:
         whole gradient has now landed."""
         if self._sent is None or region.numel() == 0:
             return
+        self.settle()  # the delayed update still reads the host gradient buffers
         if self._spans is None:  # the gradient buffers exist from the pass's start (their addresses may change
             self._spans = []     # between steps), so the chunks' byte ranges are read at the pass's first landing
             self._missing = {}
@@ -192,9 +208,13 @@ class HostStep:
         """The offloaded step; last_step then holds its accounting (host clock): how many chunks and bytes of the
         gradient went down during backward and at the step, the host time copying them during backward (on CUDA:
         issuing the copies), the step's host time, and within it the time the step waited for gradients (on a CPU:
-        copied them)."""
+        copied them). Delayed: the Adam starts in the background and step() returns (land() sends its parameters);
+        last_step's "adam_s" is then the previous delayed Adam's time and "landing_wait_s" how long step() waited
+        for it."""
         start = time.perf_counter()
         self._wait_s = 0.0
+        if self.delayed:
+            self.land()  # the engine's step() landed it already (a skipped step lands it too): then a no-op
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # gradients are final on the compute stream
         self._active = active
@@ -210,6 +230,13 @@ class HostStep:
                           "grad_bytes_in_backward": moved, "grad_bytes_at_step": self.grad_bytes - moved,
                           "backward_copy_s": self._backward_copy_s if sent else 0.0}
         self._sent, self._backward_copy_s = None, 0.0
+        if self.delayed:
+            if self.stream is not None:  # the device gradients may be zeroed once the copies have read them
+                torch.cuda.current_stream().wait_stream(self.stream)
+            self._launch(optimizer, grad_scale, active)
+            self.last_step.update(step_s=time.perf_counter() - start, grad_wait_s=self._wait_s,
+                                  landing_wait_s=self.landing_wait_s, adam_s=self._adam_s)
+            return
         if isinstance(optimizer, ShardAdam):
             optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, after_chunk=self._up)
         else:  # a torch optimizer steps every piece at once
@@ -223,3 +250,56 @@ class HostStep:
             # buffers are not rewritten before the next step's control all-reduce synchronises the host.
             torch.cuda.current_stream().wait_stream(self.stream)
         self.last_step.update(step_s=time.perf_counter() - start, grad_wait_s=self._wait_s)
+
+    # -- the delayed update -----------------------------------------------------------------------------------
+    def _launch(self, optimizer: ShardAdam, grad_scale: float, active: list[list[bool]]) -> None:
+        """Start the Adam of this step in the background, with the hyper-parameters as they are now (the LR
+        schedule moves them when step() returns)."""
+        options = [dict(g) for g in optimizer.param_groups]
+
+        def run() -> None:
+            began = time.perf_counter()
+            try:
+                optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, options=options)
+            except BaseException as e:  # raised on the training thread by settle()
+                self._flight_error = e
+            self._adam_s = time.perf_counter() - began
+
+        self._to_land = active
+        self._flight = threading.Thread(target=run, name="zkern-delayed-adam", daemon=True)
+        self._flight.start()
+
+    _adam_s = 0.0  # the last delayed Adam's host time
+    landing_wait_s = 0.0  # how long the last landing waited for its Adam
+
+    def settle(self) -> None:
+        """Wait for the delayed update's host Adam, if one runs: then nothing writes the host state behind the
+        caller's back. Its error, if it failed, is raised here (the host state is then half-updated: load a
+        checkpoint)."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        flight.join()
+        error, self._flight_error = self._flight_error, None
+        if error is not None:
+            self._to_land = None
+            raise RuntimeError(f"zkern: the delayed host Adam step failed ({type(error).__name__}: {error}); the "
+                               f"optimizer state is partly updated, so resume from a checkpoint") from error
+
+    def land(self) -> None:
+        """The delayed update reaches the working parameters: wait for its Adam, then send every piece it stepped
+        (the next forward computes with them)."""
+        if self._to_land is None:
+            self.settle()
+            return
+        began = time.perf_counter()
+        self.settle()
+        self.landing_wait_s = time.perf_counter() - began
+        if self._to_land is None:  # nothing to send
+            return
+        self._active, self._to_land = self._to_land, None
+        for gi, g in enumerate(self.host_groups):
+            for ci in range(len(g.chunks)):
+                self._up(gi, ci)
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)

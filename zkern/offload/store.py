@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from zkern.comm.zeropp import FrozenStore
-from zkern.offload.host import host_tensor
+from zkern.offload.host import HostStep, host_tensor
 from zkern.offload.nvme import NvmeShard
 from zkern.offload.nvme_params import NvmeParams
 
@@ -41,6 +41,9 @@ class ShardStore:
         self.nvme = nvme
         self.params: NvmeParams | None = None  # stage 3's working shard in a file (offload_param.device "nvme")
         self.int8: FrozenStore | None = None  # stage 3's units that rest as int8 codes
+        # The delayed update (offload_optimizer.delayed_update): its host Adam may be writing masters and moments in
+        # the background; a read waits for it, a write lands it first (host.py)
+        self.delayed: HostStep | None = None
 
     # -- where ------------------------------------------------------------------------------------------------
     def allocate(self, numel: int, dtype: torch.dtype, home: str, *, pin: bool = False) -> torch.Tensor:
@@ -84,10 +87,18 @@ class ShardStore:
         return 0 if t is None or t.is_meta else t.numel() * t.element_size()
 
     # -- values -----------------------------------------------------------------------------------------------
+    def land_update(self) -> None:
+        """The delayed update, if one is pending, reaches the working parameters (a checkpoint save does this
+        first, so that a run resumed from it continues exactly as the run that saved)."""
+        if self.delayed is not None:
+            self.delayed.land()
+
     def read(self, t: torch.Tensor, state: str = "master") -> torch.Tensor:
         """The values of t: t itself when it is in memory; else read from the file its stand-in names (the
         parameter file for the working shard's slices, else the optimizer's `state` file: master, exp_avg,
         exp_avg_sq)."""
+        if self.delayed is not None:
+            self.delayed.settle()
         if not t.is_meta:
             return t
         if self._in_param_file(t):
@@ -96,6 +107,8 @@ class ShardStore:
 
     def write(self, t: torch.Tensor, values: torch.Tensor, state: str = "master") -> None:
         """t <- values, in memory or in the file t stands for."""
+        if self.delayed is not None:
+            self.delayed.land()  # else its parameters, going up later, would overwrite what is written here
         if not t.is_meta:
             t.copy_(values)
         elif self._in_param_file(t):

@@ -141,18 +141,20 @@ class ShardAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, active: list[list[bool]] | None = None,
-             before_chunk=None, after_chunk=None):
+             before_chunk=None, after_chunk=None, options: list[dict] | None = None):
         """One step; active[g][i] says whether piece i of group g got a gradient (default: all did).
 
         before_chunk(g, c) / after_chunk(g, c): called around chunk c of group g (the offload pipeline waits
-        for that chunk's gradient and sends its parameters back there)."""
+        for that chunk's gradient and sends its parameters back there). options: each group's hyper-parameters
+        as param_groups held them when the step was decided (a step run in the background must not see the LR
+        schedule move them after); default param_groups now."""
         if closure is not None:
             raise ValueError("ShardAdam.step does not take a closure; zkern runs forward/backward itself")
-        for gi, (g, options) in enumerate(zip(self.shard_groups, self.param_groups)):
+        for gi, (g, group) in enumerate(zip(self.shard_groups, options or self.param_groups)):
             steps = self.steps[gi]
             on = active[gi] if active is not None else [True] * len(g.pieces)
-            hyper = dict(lr=options["lr"], betas=tuple(options["betas"]), eps=options["eps"],
-                         weight_decay=options["weight_decay"], adamw=options["adamw"], grad_scale=grad_scale)
+            hyper = dict(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
+                         weight_decay=group["weight_decay"], adamw=group["adamw"], grad_scale=grad_scale)
             for ci, chunk in enumerate(g.chunks):
                 if before_chunk is not None:
                     before_chunk(gi, ci)

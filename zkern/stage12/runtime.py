@@ -272,6 +272,8 @@ class Stage12Runtime:
             raise CommError(f"zkern rank {comm.rank} of {comm.world}: GatheredParameters was entered with different "
                             f"parameters or modifier ranks on different ranks ({tags}); every rank must pass the same "
                             f"parameters in the same order")
+        if modifier_rank is not None:  # a delayed update lands first: its weights must not arrive over the write
+            self.groups[0].store.land_update()
         return [(p, p.detach().clone() if modifier_rank is not None else None) for p in params]
 
     def unpin(self, pinned: list, modifier_rank: int | None) -> None:

@@ -218,6 +218,9 @@ class Stage3Runtime:
         return pinning.generation_params(self.units, self.gatherer.max_live)
 
     def pin(self, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list[Unit]:
+        # a delayed update lands first: its weights must not arrive over the write
+        if modifier_rank is not None and self.shards.store is not None:
+            self.shards.store.land_update()
         return pinning.pin(self.shards, self.gatherer, params, modifier_rank)
 
     def unpin(self, units: list[Unit], modifier_rank: int | None) -> None:

@@ -155,6 +155,11 @@ def reference_run(spec: TrainSpec, world: int, prepare=None) -> tuple[dict[str, 
     params = [p for p in model.parameters() if p.requires_grad]
     # DeepSpeed's (and so zkern's) "Adam" decouples weight decay like AdamW unless adam_w_mode is false.
     groups = spec.two_groups(model) if spec.param_groups or spec.config_groups else params
+    delayed = bool(spec.zero.get("offload_optimizer", {}).get("delayed_update"))
+    if delayed:  # AdamW steps the masters; the model trails them by one update
+        masters = {id(p): torch.nn.Parameter(p.detach().clone()) for p in params}
+        groups = ([{**g, "params": [masters[id(p)] for p in g["params"]]} for g in groups]
+                  if isinstance(groups[0], dict) else [masters[id(p)] for p in groups])
     opt = torch.optim.AdamW(groups, lr=spec.lr, weight_decay=spec.weight_decay)
     losses = []
     for step in range(spec.steps):
@@ -169,8 +174,17 @@ def reference_run(spec: TrainSpec, world: int, prepare=None) -> tuple[dict[str, 
         loss.backward()
         if spec.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, spec.clip)
+        if delayed:
+            with torch.no_grad():
+                for p in params:  # the last update lands; this step's goes to the masters only
+                    masters[id(p)].grad, p.grad = p.grad, None
+                    p.copy_(masters[id(p)])
         opt.step()
         losses.append(loss.item())
+    if delayed:
+        with torch.no_grad():
+            for p in params:
+                p.copy_(masters[id(p)])
     return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}, losses
 
 

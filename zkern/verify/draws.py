@@ -65,6 +65,7 @@ class Draw:
     checkpoint: str = ""  # activation checkpointing of each block: "" | non_reentrant | zkern
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_param: str = "none"  # none | cpu | nvme (stage 3, with offload_optimizer)
+    delayed_update: bool = False  # offload_optimizer.delayed_update: the host Adam one step behind (ZeRO-Offload's DPU)
     qwz: bool = False
     hpz: bool = False
     qgz: bool = False
@@ -180,6 +181,10 @@ class Draw:
         if (self.bf16_state or "nvme" in (self.offload_optimizer, self.offload_param)) and \
                 self.optimizer not in ZKERN_ADAM:
             problems.append(f"bf16 optimizer state and NVMe offload need zkern's Adam ({ZKERN_ADAM})")
+        if self.delayed_update and (self.offload_optimizer != "cpu" or self.offload_param == "nvme"
+                                    or self.optimizer not in ZKERN_ADAM):
+            problems.append(f"delayed_update needs offload_optimizer cpu, no NVMe parameters and zkern's Adam "
+                            f"({ZKERN_ADAM})")
         if self.optimizer == "Lion" and not self.exact:
             # Lion steps by sign(c): a rounding that flips a small c moves the element a whole 2 lr, so 16-bit and
             # quantized Lion runs end 0.22-0.8 of the untrained distance from the fp32 reference even on one rank
@@ -279,6 +284,9 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
                 values["max_live"] = rng.choice((20_000, 60_000))
         values["optimizer"] = rng.choice(OPTIMIZERS[:1] * 4 + OPTIMIZERS[1:])
         values["scheduler"] = rng.choice(SCHEDULERS[:1] * 3 + SCHEDULERS[1:])
+        if values.get("offload_optimizer") == "cpu" and values.get("offload_param") != "nvme" and \
+                values["optimizer"] in ZKERN_ADAM and rng.random() < 0.5:
+            values["delayed_update"] = True
         if "overflow_at" in values:
             values["overflow_rank"] = rng.randrange(world)
             values["overflow_micro"] = rng.randrange(values["accumulation"])

@@ -121,7 +121,9 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.bfloat16())
-    working = Working(model, dtype if same_arithmetic(draw) else None, group=QWZ_GROUP)
+    # the delayed update: the forward's copy trails the master by one update, so it is a copy even in fp32
+    working = Working(model, dtype if same_arithmetic(draw) else torch.float32 if draw.delayed_update else None,
+                      group=QWZ_GROUP)
     phase = -1
     opt = _optimizer(draw, model)
     count = -1  # the scheduler's steps taken, less one
@@ -156,8 +158,12 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
         if step == draw.overflow_at:  # every rank skips it: no update, no optimizer step, no scheduler step
             skipped += 1
             norms[step] = None
+            if draw.delayed_update:
+                working.sync()  # a skipped step lands the last update all the same
         else:
             working.backward(loss, used)
+            if draw.delayed_update:
+                working.sync()  # the last update lands after this step's backward, before its own
             trainable = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
             norms[step] = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in trainable))
             if draw.clip > 0:
@@ -166,10 +172,13 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
             opt.step()
             if draw.bf16_state:
                 round_state_to_bf16(opt, master=draw.bf16_state == "master")
-            working.sync()
+            if not draw.delayed_update:
+                working.sync()
             count += 1
             hyper = hyper_at(draw, count)
         if step == draw.save_at:
+            if draw.delayed_update:
+                working.sync()  # a save lands the update in flight
             if draw.frozen == "load":
                 freeze(model)  # the engine after the load was built with these layers frozen, which it keeps in
                 for p in model.parameters():  # the working dtype only (no fp32 master for a frozen layer)

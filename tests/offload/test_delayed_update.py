@@ -1,0 +1,137 @@
+"""The delayed update (offload_optimizer.delayed_update, ZeRO-Offload's DPU): each step's host Adam runs in the
+background through the next step's forward and backward, and its weights arrive at the next step(). Against
+single-process torch AdamW with the same delay (zkern.testing.reference_run) at stages 1-3 and stage 3 with
+offload_param, with accumulation and clipping; and not against the same reference without the delay (the bar tells
+the two apart). A checkpoint saved with an update in flight resumes exactly; a write through the store (a weight
+set between steps) is not overwritten when the update lands; an error in the background step surfaces at the next
+step; the configs it cannot serve are refused.
+
+    python -m pytest tests/offload/test_delayed_update.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import zkern
+from zkern.config import ConfigError
+from zkern.testing import TinyGPT, TrainSpec, assert_params_close, engine_run, reference_run, spawn
+from zkern.testing.compare import compare_params
+
+DELAYED = {"offload_optimizer": {"device": "cpu", "delayed_update": True}}
+CASES = {
+    "stage1": TrainSpec(stage=1, zero=DELAYED, reduce_bucket_size=5000, steps=8),
+    "stage2-accum-clip": TrainSpec(stage=2, zero=DELAYED, accumulation=2, clip=0.05, reduce_bucket_size=5000, steps=8),
+    "stage3": TrainSpec(stage=3, zero=DELAYED, steps=8),
+    "stage3-param": TrainSpec(stage=3, zero={**DELAYED, "offload_param": {"device": "cpu"}}, steps=8),
+}
+
+
+def _runs(rank, world, specs):
+    return [engine_run(rank, world, s) for s in specs]
+
+
+@pytest.mark.dist
+def test_the_delayed_update_trains_as_torch_adamw_with_the_same_delay_and_not_without_it():
+    names = list(CASES)
+    per_rank = spawn(_runs, 2, [CASES[n] for n in names])
+    for i, name in enumerate(names):
+        spec, got = CASES[name], per_rank[0][i]
+        assert got["global_steps"] == spec.steps, name
+        delayed_state, delayed_losses = reference_run(spec, 2)
+        assert_params_close(got["state"], delayed_state, lr=spec.lr, steps=spec.steps)
+        losses = [(a + b) / 2 for a, b in zip(per_rank[0][i]["losses"], per_rank[1][i]["losses"])]  # global batch's
+        gap = max(abs(a - b) / abs(b) for a, b in zip(losses, delayed_losses))
+        assert gap < 1e-5, f"{name}: loss curves differ from the delayed reference by {gap:.2e} relative"
+        plain = dataclasses.replace(spec, zero={**spec.zero, "offload_optimizer": {"device": "cpu"}})
+        plain_state, _ = reference_run(plain, 2)
+        assert compare_params(got["state"], plain_state, lr=spec.lr, steps=spec.steps), \
+            f"{name}: the bar cannot tell the delayed update from the plain one"
+
+
+def _config(stage: int, **offload) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "device": "cpu",
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0,
+                                  "offload_optimizer": {"device": "cpu", "delayed_update": True, **offload}}}
+
+
+def _train(engine, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        ids = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(step))
+        loss = engine(ids, ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_saved_with_an_update_in_flight_resumes_exactly(stage, tmp_path):
+    torch.manual_seed(0)
+    engine = zkern.Engine(TinyGPT(), _config(stage))
+    _train(engine, range(3))
+    engine.save_checkpoint(tmp_path, tag="t")  # lands the update in flight: the saving run goes on from it too
+    straight = _train(engine, range(3, 6))
+    final = engine.full_state_dict()
+    engine.destroy()
+    torch.manual_seed(1)
+    resumed_engine = zkern.Engine(TinyGPT(), _config(stage))
+    resumed_engine.load_checkpoint(tmp_path, tag="t")
+    assert _train(resumed_engine, range(3, 6)) == straight
+    for name, value in resumed_engine.full_state_dict().items():
+        assert torch.equal(value, final[name]), name
+    resumed_engine.destroy()
+
+
+@pytest.mark.parametrize("how", ["GatheredParameters", "safe_set_full_fp32_param"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_weight_set_between_steps_is_not_overwritten_when_the_update_lands(stage, how):
+    torch.manual_seed(0)
+    engine = zkern.Engine(TinyGPT(), _config(stage))
+    _train(engine, range(2))  # an update is in flight
+    p = dict(engine.module.named_parameters())["blocks.0.fc.weight"]
+    value = torch.full(tuple(engine.runtime.full_shape(p)), 0.25)
+    if how == "GatheredParameters":
+        with zkern.GatheredParameters([p], modifier_rank=0):
+            p.data.copy_(value)
+    else:
+        zkern.safe_set_full_fp32_param(p, value)
+    ids = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(9))
+    engine.backward(engine(ids, ids))
+    engine.step()  # lands nothing (the write landed the update first), starts the next in the background
+    working = engine.full_working_state_dict()["blocks.0.fc.weight"]
+    assert torch.equal(working, value), "the landing overwrote the weight set between the steps"
+    engine.destroy()
+
+
+def test_an_error_in_the_background_step_surfaces_at_the_next_step(monkeypatch):
+    torch.manual_seed(0)
+    engine = zkern.Engine(TinyGPT(), _config(2))
+
+    def broken(*args, **kwargs):
+        raise ValueError("planted")
+
+    monkeypatch.setattr(engine.optimizer, "step", broken)
+    _train(engine, range(1))  # the background Adam fails
+    with pytest.raises(RuntimeError, match="delayed host Adam step failed.*planted"):
+        _train(engine, range(1, 2))
+
+
+@pytest.mark.parametrize("change", [
+    {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "delayed_update": True}},
+    {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}},
+    {"optimizer": None},
+], ids=["optimizer-on-nvme", "parameters-on-nvme", "a-torch-optimizer"])
+def test_what_the_delayed_update_cannot_serve_is_refused(change):
+    cfg = _config(3)
+    if "optimizer" in change:
+        cfg.pop("optimizer")
+    else:
+        cfg["zero_optimization"] = {**cfg["zero_optimization"], **change}
+    with pytest.raises(ConfigError, match="delayed_update"):
+        zkern.Config.load(cfg)

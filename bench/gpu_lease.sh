@@ -15,7 +15,8 @@
 #             four ranks on this one GPU (gpu_probe.py world2): correctness only, so they share the card
 #   memory2   stage 3 and FSDP2 at world 2 on this GPU: each rank's own allocator (no timing)
 #   offload   stage 2 + offload_optimizer, stage 3 + offload_param at 1b: the host step's phases
-#   pipeline  the offload suite at 1b, stages 2 and 3: gradients to the host during backward vs at step()
+#   pipeline  the offload suite at 1b, stages 2 and 3: gradients to the host during backward, at step(), and the
+#             delayed update (the host Adam behind the next step's compute)
 #   peers     DDP and FSDP2 with torch's default AdamW, zkern's arithmetic in torch, zkern stages 1 and 2
 #   16k       zkern stage 0 and DDP (fused) at 16K tokens a step
 #
@@ -95,7 +96,7 @@ for step in "$@"; do
             --json "$R/memory-world2.json" ;;
         offload) run offload 120 $P variants zkern2-offload zkern3-offload --model "$M" --bw-json "$R/bw.json" \
             --json "$R/offload.json" ;;
-        pipeline) run pipeline 150 python3 bench/run.py --suite offload --stage 2,3 --model "$M" --precision bf16 \
+        pipeline) run pipeline 210 python3 bench/run.py --suite offload --stage 2,3 --model "$M" --precision bf16 \
             --steps 8 --json "$R/offload-pipeline.json" ;;
         peers) run peers 150 $P variants ddp fsdp2 torch-mixed zkern1 zkern2 --model "$M" --bw-json "$R/bw.json" \
             --json "$R/peers.json" ;;

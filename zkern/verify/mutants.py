@@ -37,6 +37,7 @@ TARGETED = [
     '{"accumulation": 2, "frontend": "accelerator", "load_flags": "no_optimizer", "save_at": 1, "seed": 24, '
     '"stage": 2, "world": 2}',
     '{"accumulation": 2, "frontend": "trainer", "groups": true, "seed": 25, "stage": 2, "world": 2}',
+    '{"delayed_update": true, "offload_optimizer": "cpu", "save_at": 1, "seed": 26, "stage": 2, "world": 2}',
 ]
 
 
@@ -55,6 +56,7 @@ KILLERS = {
     "hpz.always_fresh": 7, "offload.not_uploaded": 8, "nvme.last_tile_skipped": 9,
     "ckpt.load_flags_ignored": 10, "torch_optimizer.grad_scale_dropped": 11, "lamb.norms_local": 12,
     "accelerate.boundary_ignored": 13, "accelerate.load_flags_dropped": 13, "trainer.accumulation_divided_twice": 14,
+    "offload.delay_lands_at_once": 15,  # added 2026-11-27, killed by its targeted draw (tests/verify replays it)
 }
 
 

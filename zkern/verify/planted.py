@@ -328,6 +328,18 @@ def _offload_not_uploaded(p: _Patches) -> None:
     p.set(HostStep, "_up", lambda self, gi, ci: None)
 
 
+def _delay_lands_at_once(p: _Patches) -> None:
+    """The delayed update's weights go up as soon as its Adam ends, before the next step's forward (no delay)."""
+    from zkern.offload.host import HostStep
+
+    def make(original):
+        def launch(self, optimizer, grad_scale, active):
+            original(self, optimizer, grad_scale, active)
+            self.land()
+        return launch
+    p.wrap(HostStep, "_launch", make)
+
+
 def _nvme_last_tile_skipped(p: _Patches) -> None:
     """ZeRO-Infinity: the NVMe optimizer skips the last piece of work of every tile."""
     from zkern.offload.nvme import NvmeAdam
@@ -411,6 +423,7 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "hpz.always_fresh": ("hpZ's secondary copy never refreshed after a step", _hpz_always_fresh),
     "offload.not_uploaded": ("ZeRO-Offload never copies the updated parameters back", _offload_not_uploaded),
     "nvme.last_tile_skipped": ("the NVMe optimizer skips the last piece of each tile", _nvme_last_tile_skipped),
+    "offload.delay_lands_at_once": ("the delayed update's weights go up before the next forward", _delay_lands_at_once),
     "accelerate.boundary_ignored": ("zkern.hf.Accelerator's backward steps at every micro-step",
                                     _accelerate_boundary_ignored),
     "accelerate.load_flags_dropped": ("zkern.hf.Accelerator's load_state drops its load flags",

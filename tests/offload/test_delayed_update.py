@@ -12,6 +12,7 @@ step; the configs it cannot serve are refused.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -107,6 +108,61 @@ def test_a_weight_set_between_steps_is_not_overwritten_when_the_update_lands(sta
     working = engine.full_working_state_dict()["blocks.0.fc.weight"]
     assert torch.equal(working, value), "the landing overwrote the weight set between the steps"
     engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_next_backward_copies_a_chunk_down_only_once_the_delayed_adam_is_done_with_it(stage):
+    """The background Adam steps the chunks in the order they landed, and the next backward's copy of a chunk waits
+    for that chunk's Adam only. Here the Adam's first chunk is held until the next backward asks for its buffer (or
+    the step lands the update): a copy that did not wait would overwrite the gradients the held Adam has yet to
+    read, and the weights would differ from the same run unheld."""
+    orders = []
+
+    def run(hold: bool) -> tuple[dict, int]:
+        torch.manual_seed(0)
+        engine = zkern.Engine(TinyGPT(), _config(stage))
+        host, gate, first, held = engine.host_step, threading.Event(), {}, [0]
+        gate.set()
+        if hold:
+            launch, wait_down, wait_chunk, settle = host._launch, host._wait_down, host._wait_chunk, host.settle
+
+            def held_launch(optimizer, grad_scale, active, order):
+                orders.append((list(order), list(host._landed)))
+                first["chunk"] = order[0]
+                gate.clear()
+                launch(optimizer, grad_scale, active, order)
+
+            def held_wait_down(gi, ci):
+                if (gi, ci) == first.get("chunk"):
+                    gate.wait()  # until the next backward asks for a chunk's buffer, or the update lands
+                wait_down(gi, ci)
+
+            def released_by_copy(key):
+                if not gate.is_set():  # the first copy since the launch: the Adam's first chunk is still held
+                    held[0] += 1
+                    gate.set()
+                return wait_chunk(key)
+
+            def released_by_settle():
+                gate.set()
+                return settle()
+
+            host._launch, host._wait_down = held_launch, held_wait_down
+            host._wait_chunk, host.settle = released_by_copy, released_by_settle
+        assert sum(len(g.chunks) for g in host.host_groups) > 2
+        _train(engine, range(4))
+        state = engine.full_state_dict()
+        engine.destroy()
+        return state, held[0]
+
+    free, _ = run(hold=False)
+    held_state, times_held = run(hold=True)
+    for name, value in free.items():
+        assert torch.equal(held_state[name], value), name
+    # every launch but the last is followed by a backward whose first copy finds the Adam held
+    assert times_held == 3, f"the Adam's first chunk was held at {times_held} copies, not 3"
+    for order, landed in orders:  # the chunks as they landed in backward (here all of them), each once
+        assert landed and order[:len(landed)] == landed and len(set(order)) == len(order)
 
 
 def test_an_error_in_the_background_step_surfaces_at_the_next_step(monkeypatch):

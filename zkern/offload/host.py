@@ -26,9 +26,11 @@ in a background thread while the loop goes on to step i+1's forward and backward
 i+1's step(), before that step's own Adam starts. So the forward of step i+1 still computes with the weights before
 update i, and update i+1 applies a gradient taken at those weights: the arithmetic of
 zkern.testing.reference_run with the same delay. Only the host master, moments and staging are touched in the
-background; what else reads or writes them waits for it (ShardStore's read and write, the next gradient copy), and
-a write through the store, or a checkpoint save, lands the update first (so a resumed run continues exactly as the
-run that saved).
+background; what else reads or writes them waits for it (ShardStore's read and write), and a write through the
+store, or a checkpoint save, lands the update first (so a resumed run continues exactly as the run that saved). The
+background Adam steps the chunks in the order their gradients landed in the backward before it, and the next
+backward's copy of a chunk waits only for that chunk's Adam: the backward lands its chunks in the same order again,
+so it waits only where the Adam falls behind it.
 
 On a CPU-only run host and device are the same memory; the staging copies still run, so the path a GPU
 takes is the path CPU tests check.
@@ -92,6 +94,10 @@ class HostStep:
         self.delayed = delayed
         self._flight: threading.Thread | None = None  # the delayed update's host Adam, while it runs
         self._flight_error: BaseException | None = None
+        self._flight_done: set[tuple[int, int]] = set()  # chunks the background Adam has finished
+        self._flight_over = True  # it has finished them all (or failed)
+        self._flight_news = threading.Condition()
+        self._landed: list[tuple[int, int]] = []  # chunks in the order their gradients landed in this backward
         self._to_land: list[list[bool]] | None = None  # the delayed update's active pieces, until its parameters go up
 
     def staging_tensors(self) -> list[torch.Tensor]:
@@ -163,7 +169,7 @@ class HostStep:
         """A backward begins: at the boundary, the gradients that land in it are copied down as they land; any other
         pass changes gradients already copied, so the step copies them all."""
         self._sent = set() if boundary and self.during_backward else None
-        self._spans, self._backward_copy_s = None, 0.0
+        self._spans, self._backward_copy_s, self._landed = None, 0.0, []
 
     def invalidate(self) -> None:
         """The device gradients were written after they landed: the step copies every chunk again."""
@@ -174,7 +180,6 @@ class HostStep:
         whole gradient has now landed."""
         if self._sent is None or region.numel() == 0:
             return
-        self.settle()  # the delayed update still reads the host gradient buffers
         if self._spans is None:  # the gradient buffers exist from the pass's start (their addresses may change
             self._spans = []     # between steps), so the chunks' byte ranges are read at the pass's first landing
             self._missing = {}
@@ -195,11 +200,13 @@ class HostStep:
             if overlap > 0 and key not in self._sent:
                 self._missing[key] -= overlap
                 if self._missing[key] <= 0:
+                    self._wait_chunk(key)  # the delayed update may still read its host buffer
                     start = time.perf_counter()
                     if self.stream is not None:  # the fold that made it final ran on the compute stream
                         self.stream.wait_stream(torch.cuda.current_stream())
                     self._down(*key)
                     self._sent.add(key)
+                    self._landed.append(key)
                     self._backward_copy_s += time.perf_counter() - start
             at += 1
 
@@ -233,7 +240,8 @@ class HostStep:
         if self.delayed:
             if self.stream is not None:  # the device gradients may be zeroed once the copies have read them
                 torch.cuda.current_stream().wait_stream(self.stream)
-            self._launch(optimizer, grad_scale, active)
+            landed = set(self._landed)
+            self._launch(optimizer, grad_scale, active, order=self._landed + [k for k in order if k not in landed])
             self.last_step.update(step_s=time.perf_counter() - start, grad_wait_s=self._wait_s,
                                   landing_wait_s=self.landing_wait_s, adam_s=self._adam_s)
             return
@@ -252,18 +260,30 @@ class HostStep:
         self.last_step.update(step_s=time.perf_counter() - start, grad_wait_s=self._wait_s)
 
     # -- the delayed update -----------------------------------------------------------------------------------
-    def _launch(self, optimizer: ShardAdam, grad_scale: float, active: list[list[bool]]) -> None:
-        """Start the Adam of this step in the background, with the hyper-parameters as they are now (the LR
-        schedule moves them when step() returns)."""
+    def _launch(self, optimizer: ShardAdam, grad_scale: float, active: list[list[bool]],
+                order: list[tuple[int, int]]) -> None:
+        """Start the Adam of this step in the background, chunk by chunk in `order`, with the hyper-parameters as
+        they are now (the LR schedule moves them when step() returns)."""
         options = [dict(g) for g in optimizer.param_groups]
+        self._flight_done, self._flight_over = set(), False
+
+        def finished(gi: int, ci: int) -> None:
+            with self._flight_news:
+                self._flight_done.add((gi, ci))
+                self._flight_news.notify_all()
 
         def run() -> None:
             began = time.perf_counter()
             try:
-                optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, options=options)
+                optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down,
+                               after_chunk=finished, options=options, order=order)
             except BaseException as e:  # raised on the training thread by settle()
                 self._flight_error = e
-            self._adam_s = time.perf_counter() - began
+            finally:
+                self._adam_s = time.perf_counter() - began
+                with self._flight_news:
+                    self._flight_over = True
+                    self._flight_news.notify_all()
 
         self._to_land = active
         self._flight = threading.Thread(target=run, name="zkern-delayed-adam", daemon=True)
@@ -271,6 +291,13 @@ class HostStep:
 
     _adam_s = 0.0  # the last delayed Adam's host time
     landing_wait_s = 0.0  # how long the last landing waited for its Adam
+
+    def _wait_chunk(self, key: tuple[int, int]) -> None:
+        """Until the background Adam, if one runs, is done with chunk `key` (a failure is raised by settle())."""
+        if self._flight is None:
+            return
+        with self._flight_news:
+            self._flight_news.wait_for(lambda: self._flight_over or key in self._flight_done)
 
     def settle(self) -> None:
         """Wait for the delayed update's host Adam, if one runs: then nothing writes the host state behind the

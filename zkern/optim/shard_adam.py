@@ -141,38 +141,44 @@ class ShardAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, active: list[list[bool]] | None = None,
-             before_chunk=None, after_chunk=None, options: list[dict] | None = None):
+             before_chunk=None, after_chunk=None, options: list[dict] | None = None,
+             order: list[tuple[int, int]] | None = None):
         """One step; active[g][i] says whether piece i of group g got a gradient (default: all did).
 
         before_chunk(g, c) / after_chunk(g, c): called around chunk c of group g (the offload pipeline waits
         for that chunk's gradient and sends its parameters back there). options: each group's hyper-parameters
         as param_groups held them when the step was decided (a step run in the background must not see the LR
-        schedule move them after); default param_groups now."""
+        schedule move them after); default param_groups now. order: the (group, chunk) pairs in the order to step
+        them, every chunk once (default: group by group, chunk by chunk); each chunk's arithmetic is its own, so the
+        order changes only when each is done."""
         if closure is not None:
             raise ValueError("ShardAdam.step does not take a closure; zkern runs forward/backward itself")
-        for gi, (g, group) in enumerate(zip(self.shard_groups, options or self.param_groups)):
-            steps = self.steps[gi]
-            on = active[gi] if active is not None else [True] * len(g.pieces)
-            hyper = dict(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
-                         weight_decay=group["weight_decay"], adamw=group["adamw"], grad_scale=grad_scale)
-            for ci, chunk in enumerate(g.chunks):
-                if before_chunk is not None:
-                    before_chunk(gi, ci)
-                for lo, hi, step in _runs(chunk, on, steps):
-                    s = self._start[gi][ci]
-                    out = None if chunk.out is None else chunk.out[lo:hi]
-                    # the working copy may rest elsewhere (stage 3's offload_param without offload_optimizer: on the
-                    # host): written on the master's device, then copied over
-                    away = out is not None and out.device != chunk.param.device
-                    ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], self.exp_avg[gi][s + lo:s + hi],
-                                   self.exp_avg_sq[gi][s + lo:s + hi], step=step + 1,
-                                   param_out=None if away else out, **hyper,
-                                   **self.rounding(gi, step + 1, chunk.param.storage_offset() + lo))
-                    if away:
-                        out.copy_(chunk.param[lo:hi])  # the same rounding the fused copy-out does
-                if after_chunk is not None:
-                    after_chunk(gi, ci)
-            for i, is_on in enumerate(on):
+        groups = options or self.param_groups
+        on = [active[gi] if active is not None else [True] * len(g.pieces) for gi, g in enumerate(self.shard_groups)]
+        hyper = [dict(lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"],
+                      adamw=o["adamw"], grad_scale=grad_scale) for o in groups]
+        if order is None:
+            order = [(gi, ci) for gi, g in enumerate(self.shard_groups) for ci in range(len(g.chunks))]
+        for gi, ci in order:
+            chunk = self.shard_groups[gi].chunks[ci]
+            if before_chunk is not None:
+                before_chunk(gi, ci)
+            for lo, hi, step in _runs(chunk, on[gi], self.steps[gi]):
+                s = self._start[gi][ci]
+                out = None if chunk.out is None else chunk.out[lo:hi]
+                # the working copy may rest elsewhere (stage 3's offload_param without offload_optimizer: on the
+                # host): written on the master's device, then copied over
+                away = out is not None and out.device != chunk.param.device
+                ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], self.exp_avg[gi][s + lo:s + hi],
+                               self.exp_avg_sq[gi][s + lo:s + hi], step=step + 1,
+                               param_out=None if away else out, **hyper[gi],
+                               **self.rounding(gi, step + 1, chunk.param.storage_offset() + lo))
+                if away:
+                    out.copy_(chunk.param[lo:hi])  # the same rounding the fused copy-out does
+            if after_chunk is not None:
+                after_chunk(gi, ci)
+        for steps, flags in zip(self.steps, on):  # each piece's count once every chunk has read it
+            for i, is_on in enumerate(flags):
                 if is_on:
                     steps[i] += 1
         return None

@@ -262,16 +262,7 @@ class Stage12Runtime:
     def pin(self, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list:
         """Parameters are whole at stages 0-2: nothing to gather. With a modifier rank, each one's values are kept,
         so that unpin can tell which elements the modifier changed (a collective: the ranks check they agree)."""
-        comm = self.groups[0].comm
-        if modifier_rank is not None and modifier_rank >= comm.world:
-            raise ValueError(f"GatheredParameters: modifier_rank {modifier_rank} is not a rank of this world of "
-                             f"{comm.world}")
-        tags = exchange_tags(comm, (TagKind.PIN, len(params), -1 if modifier_rank is None else modifier_rank),
-                             self.groups[0].param_flat.device)
-        if any(t != tags[0] for t in tags):
-            raise CommError(f"zkern rank {comm.rank} of {comm.world}: GatheredParameters was entered with different "
-                            f"parameters or modifier ranks on different ranks ({tags}); every rank must pass the same "
-                            f"parameters in the same order")
+        _agree_on_pin(self.groups[0].comm, len(params), modifier_rank, self.groups[0].param_flat.device)
         if modifier_rank is not None:  # a delayed update lands first: its weights must not arrive over the write
             self.groups[0].store.land_update()
         return [(p, p.detach().clone() if modifier_rank is not None else None) for p in params]
@@ -346,3 +337,16 @@ class Stage12Runtime:
                 f"group's elements ({n} trainable in all), so backward fills buckets as large as the whole gradient "
                 f"and stage 2 holds as much gradient memory as stage 1. Set zero_optimization.reduce_bucket_size "
                 f"well below {max(g.layout.numel for g in sharded)} (\"auto\" = hidden_size**2) to keep the saving."]
+
+
+def _agree_on_pin(comm, count: int, modifier_rank: int | None, device: torch.device) -> None:
+    """Entering GatheredParameters is a collective: every rank names as many parameters and the same modifier rank,
+    a rank of this world."""
+    if modifier_rank is not None and modifier_rank >= comm.world:
+        raise ValueError(f"GatheredParameters: modifier_rank {modifier_rank} is not a rank of this world of "
+                         f"{comm.world}")
+    tags = exchange_tags(comm, (TagKind.PIN, count, -1 if modifier_rank is None else modifier_rank), device)
+    if any(t != tags[0] for t in tags):
+        raise CommError(f"zkern rank {comm.rank} of {comm.world}: GatheredParameters was entered with different "
+                        f"parameters or modifier ranks on different ranks ({tags}); every rank must pass the same "
+                        f"parameters in the same order")

@@ -121,7 +121,7 @@ def test_the_next_backward_copies_a_chunk_down_only_once_the_delayed_adam_is_don
     def run(hold: bool) -> tuple[dict, int]:
         torch.manual_seed(0)
         engine = zkern.Engine(TinyGPT(), _config(stage))
-        host, gate, first, held = engine.host_step, threading.Event(), {}, [0]
+        host, gate, first, held, stuck = engine.host_step, threading.Event(), {}, [0], [False]
         gate.set()
         if hold:
             launch, wait_down, wait_chunk, settle = host._launch, host._wait_down, host._wait_chunk, host.settle
@@ -133,8 +133,10 @@ def test_the_next_backward_copies_a_chunk_down_only_once_the_delayed_adam_is_don
                 launch(optimizer, grad_scale, active, order)
 
             def held_wait_down(gi, ci):
-                if (gi, ci) == first.get("chunk"):
-                    gate.wait()  # until the next backward asks for a chunk's buffer, or the update lands
+                # until the next backward asks for a chunk's buffer, or the update lands (the bound only keeps a
+                # broken wait from hanging the suite)
+                if (gi, ci) == first.get("chunk") and not gate.wait(timeout=300):
+                    stuck[0] = True
                 wait_down(gi, ci)
 
             def released_by_copy(key):
@@ -153,6 +155,7 @@ def test_the_next_backward_copies_a_chunk_down_only_once_the_delayed_adam_is_don
         _train(engine, range(4))
         state = engine.full_state_dict()
         engine.destroy()
+        assert not stuck[0], "the held chunk was never released: nothing asked for its buffer or landed the update"
         return state, held[0]
 
     free, _ = run(hold=False)

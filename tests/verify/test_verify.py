@@ -98,6 +98,13 @@ REGRESSIONS = [
     # elements 2 lr_t apart), past a bar that admitted no flip (check.LION_FLIPS)
     '{"dropped_at": 1, "optimizer": "Lion", "save_at": 1, "scheduler": "client", "seed": 146187, "stage": 2,'
     ' "steps": 5, "world": 1}',
+    # the delayed update landed by a GatheredParameters write at stage 3 left the persistent units stale (the
+    # landing did not refresh the whole copies): seed 2727's 500 draws, 2026-11-27
+    '{"delayed_update": true, "offload_optimizer": "cpu", "seed": 800752, "stage": 3, "steps": 5, "world": 1, '
+    '"write_at": 3}',
+    # the same at stage 2, world 2: the landed chunks were not gathered across ranks
+    '{"delayed_update": true, "offload_optimizer": "cpu", "seed": 800752, "stage": 2, "steps": 5, "world": 2, '
+    '"write_at": 2}',
 ]
 
 

@@ -207,6 +207,7 @@ def optimizer_side(cfg: Config, spec: RuntimeSpec, runtime: Runtime, comm: Comm,
             runtime.on_final_grads = host_step.grad_final
         if host_step.delayed:  # what reads or writes a shard waits for the update in the background (store.py)
             store.delayed = host_step
+            host_step.on_landed = runtime.refresh  # landed outside a step too: the whole copies follow
         shard_groups = host_step.host_groups
     optimizer = build_optimizer(cfg, client, shard_groups, requested, nvme=nvme_shard, rank=comm.rank, spec=spec)
     attach_layout(optimizer, runtime, comm, zero.stage)

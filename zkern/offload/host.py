@@ -98,6 +98,9 @@ class HostStep:
         self._flight_over = True  # it has finished them all (or failed)
         self._flight_news = threading.Condition()
         self._landed: list[tuple[int, int]] = []  # chunks in the order their gradients landed in this backward
+        # the runtime's refresh (a collective): the whole copies follow the landed weights (stage 3's persistent
+        # units, stages 1-2's gather of every rank's chunk); set by the engine's build
+        self.on_landed = None
         self._to_land: list[list[bool]] | None = None  # the delayed update's active pieces, until its parameters go up
 
     def staging_tensors(self) -> list[torch.Tensor]:
@@ -330,3 +333,5 @@ class HostStep:
                 self._up(gi, ci)
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
+        if self.on_landed is not None:
+            self.on_landed()

@@ -98,6 +98,11 @@ REGRESSIONS = [
     # elements 2 lr_t apart), past a bar that admitted no flip (check.LION_FLIPS)
     '{"dropped_at": 1, "optimizer": "Lion", "save_at": 1, "scheduler": "client", "seed": 146187, "stage": 2,'
     ' "steps": 5, "world": 1}',
+    # not a zkern bug: qgZ's int4 noise, turned into whole Adam steps, took the weights where the gradient norm of the
+    # fifth step is 30% above the fp32 reference's (the engine's own weights give 1.277 unquantized, the engine
+    # reported 1.308, the reference 0.985), past a 25% bar made for the first step (check.QGZ_DRIFTED_RTOL)
+    '{"bucket": 1000, "checkpoint": "non_reentrant", "load_into": "live", "precision": "fp16", "qgz": true,'
+    ' "save_at": 0, "scheduler": "OneCycle", "seed": 159665, "stage": 2, "steps": 5, "write_at": 3}',
     # the delayed update landed by a GatheredParameters write at stage 3 left the persistent units stale (the
     # landing did not refresh the whole copies): seed 2727's 500 draws, 2026-11-27
     '{"delayed_update": true, "offload_optimizer": "cpu", "seed": 800752, "stage": 3, "steps": 5, "world": 1, '

@@ -9,11 +9,12 @@ whose reference does their arithmetic (single.same_arithmetic: bf16 and fp16 wor
 optimizer state) differ from it only in the order of sums: losses to 2 unit roundoffs of the dtype and norms to 32 (at
 most 5%; fp32 with qwZ: 1e-4), and the weights over all elements to a few hundredths of the untrained weights' distance
 (TOWARD_SAME_ARITHMETIC; a stochastically rounded bf16 master: TOWARD_MASTER_SR). qgZ draws, whose int4 gradients the
-whole-batch reference cannot redo, are held to the fp32 reference: losses and norms to 25%, the weights over all
-elements to TOWARD_QGZ. Element by element every non-exact draw is held to what the optimizer can move in the
-applied steps (update_reach: for Adam at most lr * sqrt(t) at step t, |m_hat| <= sqrt(t * v_hat) by Cauchy-Schwarz over
-the t gradients), twice that between two runs, plus one rounding of the weight: a rounding that flips a near-zero
-gradient's sign moves an element a whole step, so no tighter element-wise bar holds. Frozen parameters and buffers match
+whole-batch reference cannot redo, are held to the fp32 reference: losses and norms to 25% (norms after the first
+update to QGZ_DRIFTED_RTOL), the weights over all elements to TOWARD_QGZ. Element by element every non-exact draw is
+held to what the optimizer can move in the applied steps (update_reach: for Adam at most lr * sqrt(t) at step t,
+|m_hat| <= sqrt(t * v_hat) by Cauchy-Schwarz over the t gradients), twice that between two runs, plus one rounding of
+the weight: a rounding that flips a near-zero gradient's sign moves an element a whole step, so no tighter
+element-wise bar holds. Frozen parameters and buffers match
 to the working dtype's rounding whatever the draw: nothing may train them.
 """
 
@@ -55,6 +56,26 @@ def _relative_tolerance(draw: Draw, key: str = "grad_norms") -> float:
         unit = ROUNDING[arithmetic(draw)]
         return 2 * unit if key == "losses" else min(0.05, 32 * unit)
     return 0.25  # qgZ
+
+
+# qgZ draws' gradient norms once an update has applied: int4 rounds every gradient element below 1/14 of its group's
+# largest to zero, and Adam turns each such element's near-zero step into a whole lr step in the reference, so the
+# two runs' weights part by lr in many elements per step, and the norm, a function of the weights, parts further than
+# the loss does. Measured 2026-11-27 over 20 random qgZ draws (world 2-4): after the first step at most 4.4% (90th
+# percentile 2.2%), and then seed 159665 (fp16, stage 2, OneCycle) at 33% by its fifth step, while its loss stayed
+# within 0.2%. That draw's engine weights entering the fifth step, run once in fp32 on the whole batch without
+# quantization, give the norm 1.277 (the engine reported 1.308, the reference 0.985): the qgZ reduction itself was 2.4%
+# off at those weights, the rest is where the weights had gone. The weights themselves stay held by TOWARD_QGZ and
+# update_reach; a qgZ reduction that drops or doubles a rank's gradient is caught at the first step (25%).
+QGZ_DRIFTED_RTOL = 0.5
+
+
+def _norm_tolerance(draw: Draw, step: int, first_update: int) -> float:
+    """The gradient norm's bar at this step: _relative_tolerance's, except for a qgZ draw's steps after its first
+    applied update (QGZ_DRIFTED_RTOL)."""
+    if draw.qgz and not draw.exact and not same_arithmetic(draw) and step > first_update:
+        return QGZ_DRIFTED_RTOL
+    return _relative_tolerance(draw)
 
 
 # fp32 draws with qwZ: the reference redoes the int8 gathers, but its fp32 master and the engine's differ by float32
@@ -128,8 +149,8 @@ def compare(draw: Draw, phases: list[list[dict]], ref: dict) -> list[str]:
         failures.append(f"skipped steps: engine {last[0]['skipped']}, reference {ref['skipped']}")
     if last[0]["global_steps"] != ref["global_steps"]:
         failures.append(f"global_steps {last[0]['global_steps']} where the reference counts {ref['global_steps']}")
+    first_update = next((s for s in range(draw.steps) if s != draw.overflow_at), draw.steps)
     for key in ("losses", "grad_norms"):
-        rtol = _relative_tolerance(draw, key)
         got = {}
         for phase in phases:
             got.update(mean_by_step(phase, key))
@@ -139,6 +160,7 @@ def compare(draw: Draw, phases: list[list[dict]], ref: dict) -> list[str]:
                 if key == "grad_norms" and (expected is None) != (value is None):
                     failures.append(f"step {step}: gradient norm {value} where the reference has {expected}")
                 continue
+            rtol = _relative_tolerance(draw, key) if key == "losses" else _norm_tolerance(draw, step, first_update)
             if abs(value - expected) > rtol * abs(expected) + 1e-12:
                 what = {"losses": "loss", "grad_norms": "gradient norm"}[key]
                 failures.append(f"step {step}: {what} {value:.6g} vs reference {expected:.6g} (rtol {rtol:g})")

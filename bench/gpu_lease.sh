@@ -19,6 +19,10 @@
 #             delayed update (the host Adam behind the next step's compute)
 #   peers     DDP and FSDP2 with torch's default AdamW, zkern's arithmetic in torch, zkern stages 1 and 2
 #   16k       zkern stage 0 and DDP (fused) at 16K tokens a step
+#   headline  issue 42's figure, a lease of its own: a 7B model at 16K tokens a step, every block recomputed, on one
+#             GPU with the optimizer on the host: zkern's offload with bf16 state, with the delayed update and with
+#             fp32 state, beside FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-Offload (where installed)
+#   largest   zkern's offload with bf16 state at 13B (4K tokens a step): does it train on one GPU and this host
 #
 # The machine's python3 holds torch; nothing is installed into it: the CPU extension is built in place, its sources
 # in parallel, and the CUDA extension builds in the background from the first second (for this card's architecture
@@ -63,6 +67,8 @@ run() {
 }
 P="python3 bench/gpu_probe.py"
 M=${LEASE_MODEL:-1b}  # the engine suite's preset; "tiny" rehearses the whole script on a CPU in a minute or two
+H=${LEASE_MODEL:-7b}  # the headline's model
+L=${LEASE_MODEL:-13b}  # the largest step's
 
 say "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/machine.txt"
@@ -102,6 +108,11 @@ for step in "$@"; do
             --json "$R/peers.json" ;;
         16k) run 16k 90 $P variants zkern0 ddp-fused --model "$M" --micro-batch 16 --bw-json "$R/bw.json" \
             --json "$R/16k.json" ;;
+        headline) run headline 480 $P variants zkern2-offload-bf16 zkern2-offload-dpu fsdp2-offload \
+            deepspeed2-offload zkern2-offload --model "$H" --micro-batch 8 --checkpoint non_reentrant --warmup 1 \
+            --steps 3 --timeout 150 --bw-json "$R/bw.json" --json "$R/headline.json" ;;
+        largest) run largest 200 $P variants zkern2-offload-bf16 --model "$L" --micro-batch 2 \
+            --checkpoint non_reentrant --warmup 1 --steps 2 --timeout 190 --json "$R/largest.json" ;;
         *) say "unknown step $step" ;;
     esac
 done

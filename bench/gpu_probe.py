@@ -21,6 +21,7 @@ variants  each system (bench/probe_systems.py) in a fresh process with every cor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -300,18 +301,17 @@ def measure(rank: int, world: int, name: str, spec: TrainSpec, warmup: int, time
 
 def run_variants(names: list[str], model: str, device: str, json_path: str | None, *, steps: int | None,
                  warmup: int, micro_batch: int | None, snapshot: bool, matmul_tflops: float | None,
-                 threads: int, timeout: float, world: int = 1) -> dict:
+                 threads: int, timeout: float, world: int = 1, checkpoint: str = "") -> dict:
     """world > 1 on a GPU puts every rank on GPU 0 (probe_world2.one_gpu_env): each rank's allocator figures are its
     own and real, its step times are not (the ranks share one GPU and talk over sockets)."""
-    preset = engine_suite.MODELS[model]
     timed = steps or 6
     precision = "bf16"  # every system's recipe is a bf16 one (torch-mixed has no fp32 form)
     spec = engine_suite.make_spec(0, model, warmup + timed + 1, precision, device)
     if micro_batch:
-        import dataclasses
-
         spec = dataclasses.replace(spec, micro_batch=micro_batch)
-    record = {"probe": "variants", "machine": machine(), "model": model, "model_kwargs": preset["model"],
+    if checkpoint:  # every system's blocks recompute in backward (the model's own run_block, the same for all)
+        spec = dataclasses.replace(spec, model={**spec.model, "checkpoint": checkpoint})
+    record = {"probe": "variants", "machine": machine(), "model": model, "model_kwargs": spec.model,
               "world": world,              "timing_meaningful": world == 1 or device != "cuda",
               "params": spec.num_params(), "micro_batch": spec.micro_batch, "precision": precision,
               "warmup": warmup, "timed_steps": timed, "matmul_tflops": matmul_tflops, "variants": []}
@@ -424,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--threads", type=int, default=os.cpu_count())
     v.add_argument("--timeout", type=float, default=300)
     v.add_argument("--world", type=int, default=1, help="ranks (on a GPU: all on GPU 0; memory per rank only)")
+    v.add_argument("--checkpoint", default="", help="activation checkpointing of every block: non_reentrant, zkern")
     v.add_argument("--json")
     w = sub.add_parser("world2")
     w.add_argument("--json")
@@ -446,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                 matmul = json.load(f).get("matmul_bf16_tflops")
         rec = run_variants(args.names, args.model, args.device, args.json, steps=args.steps, warmup=args.warmup,
                            micro_batch=args.micro_batch, snapshot=args.snapshot, matmul_tflops=matmul,
-                           threads=args.threads, timeout=args.timeout, world=args.world)
+                           threads=args.threads, timeout=args.timeout, world=args.world,
+                           checkpoint=args.checkpoint)
         print(table(rec))
         return int(any("error" in r for r in rec["variants"]))
     else:

@@ -6,13 +6,22 @@ the phases.
 
 zkern0..zkern3       zkern's engine at that stage, bf16 weights and gradients, fp32 master and Adam state
 zkern2-offload       stage 2 with offload_optimizer cpu (the host Adam; gradients down, parameters up)
+zkern2-offload-bf16  the same with bf16 master and moments (bf16_master_weights_and_grads, bf16_optimizer_states,
+                     stochastically rounded): 6 host bytes a parameter instead of 12
+zkern2-offload-dpu   the same with the delayed update (offload_optimizer.delayed_update: the host Adam behind the
+                     next step's forward and backward)
 zkern3-offload       stage 3 with offload_optimizer and offload_param cpu
+                     (every zkern offload variant builds its model on the device in bf16, as a user whose host cannot
+                     hold a spare fp32 copy of the model does; the engine takes it from there)
 ddp, ddp-fused       fp32 parameters under torch.autocast(bf16), torch.optim.AdamW with its defaults (foreach) or
                      fused=True; wrapped in DistributedDataParallel at world > 1 (one rank: the plain model)
 zero1                DDP + torch's ZeroRedundancyOptimizer(AdamW) (stage 1's stock peer), AdamW as `ddp`
 fsdp2, fsdp2-fused   FSDP2 fully_shard on each block and the root, MixedPrecisionPolicy(bf16), the same two AdamWs
 fsdp2-zero2          FSDP2 with reshard_after_forward=False (ZeRO-2's traffic and memory), AdamW as `ddp`
+fsdp2-offload        FSDP2 as `fsdp2` with CPUOffloadPolicy (parameters, gradients and torch's AdamW on the host), as
+                     its users offload
 deepspeed0..3        deepspeed.initialize at that stage with the same config (bf16, its own Adam), where installed
+deepspeed2-offload   DeepSpeed ZeRO-Offload: stage 2 with offload_optimizer cpu (its DeepSpeedCPUAdam), where installed
 torch-mixed          zkern's arithmetic written in torch: bf16 weights and gradients, an fp32 master copy stepped
                      by AdamW(fused=True) and copied back (like compared with like, without zkern)
 """
@@ -26,11 +35,16 @@ import torch
 
 from zkern.testing import TrainSpec, init_peer_group, rank_device
 
-OFFLOAD = {"zkern2-offload": (2, {"offload_optimizer": {"device": "cpu", "pin_memory": True}}),
-           "zkern3-offload": (3, {"offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                  "offload_param": {"device": "cpu", "pin_memory": True}})}
+HOST_ADAM = {"device": "cpu", "pin_memory": True}
+# name -> (stage, zero_optimization entries, bf16 entries)
+OFFLOAD = {"zkern2-offload": (2, {"offload_optimizer": HOST_ADAM}, {}),
+           "zkern2-offload-bf16": (2, {"offload_optimizer": HOST_ADAM},
+                                   {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
+           "zkern2-offload-dpu": (2, {"offload_optimizer": {**HOST_ADAM, "delayed_update": True}}, {}),
+           "zkern3-offload": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {})}
 NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *OFFLOAD, "ddp", "ddp-fused", "zero1", "fsdp2", "fsdp2-fused",
-         "fsdp2-zero2", "torch-mixed", "deepspeed0", "deepspeed1", "deepspeed2", "deepspeed3")
+         "fsdp2-zero2", "fsdp2-offload", "torch-mixed", "deepspeed0", "deepspeed1", "deepspeed2", "deepspeed3",
+         "deepspeed2-offload")
 
 
 def deepspeed_installed() -> bool:
@@ -47,9 +61,16 @@ def make_model(spec: TrainSpec) -> torch.nn.Module:
 
 
 class ZkernSystem:
-    def __init__(self, spec: TrainSpec, world: int):
-        # zkern takes the model from the host (it builds its buffers on the device itself), as its users hand it
-        self.engine = spec.build_engine(make_model(spec).cpu(), world)
+    def __init__(self, spec: TrainSpec, world: int, on_device: bool = False):
+        """on_device: hand the engine the model built on the device in the spec's 16-bit dtype (the offload
+        variants: a model too big for the host's spare memory in fp32); else from the host in fp32, as most users
+        hand it (the engine builds its buffers on the device itself)."""
+        model = make_model(spec)
+        if on_device and spec.precision == "bf16":
+            model = model.to(torch.bfloat16)
+        elif not on_device:
+            model = model.cpu()
+        self.engine = spec.build_engine(model, world)
         self.spec = spec
 
     def forward(self, idx, tgt, step, rank):
@@ -68,14 +89,16 @@ class ZkernSystem:
 class DeepSpeedSystem(ZkernSystem):
     """DeepSpeed's engine at the spec's stage: its forward, backward and step are zkern's calls too."""
 
-    def __init__(self, spec: TrainSpec, world: int):
+    def __init__(self, spec: TrainSpec, world: int, offload: bool = False):
         import deepspeed
 
         from bench.peers import deepspeed_config
 
         model = make_model(spec).cpu()
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=deepspeed_config(spec, world))
+        config = deepspeed_config(spec, world)
+        if offload:
+            config["zero_optimization"]["offload_optimizer"] = dict(HOST_ADAM)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.spec = spec
 
     def close(self):
@@ -148,15 +171,19 @@ def build(name: str, spec: TrainSpec, world: int):
     device = rank_device(spec)
     if name.startswith("zkern"):
         if name in OFFLOAD:
-            stage, zero = OFFLOAD[name]
+            stage, zero, bf16_state = OFFLOAD[name]
             spec = dataclasses.replace(spec, stage=stage, zero={**spec.zero, **zero})
+            if bf16_state:
+                spec = dataclasses.replace(spec, extra_config={
+                    **spec.extra_config, "bf16": {"enabled": True, **bf16_state}, "bf16_stochastic_rounding": True})
         else:
             spec = dataclasses.replace(spec, stage=int(name[-1]))
         if spec.stage == 3:
             spec = dataclasses.replace(spec, zero={"stage3_fetch_units": ["Block"], **spec.zero})
-        return ZkernSystem(spec, world)
+        return ZkernSystem(spec, world, on_device=name in OFFLOAD)
     if name.startswith("deepspeed"):
-        return DeepSpeedSystem(dataclasses.replace(spec, stage=int(name[-1])), world)
+        return DeepSpeedSystem(dataclasses.replace(spec, stage=int(name[len("deepspeed")])), world,
+                               offload=name.endswith("-offload"))
     if world > 1 or name.startswith(("fsdp2", "zero1")):
         init_peer_group(spec)
     bf16 = spec.precision == "bf16"
@@ -186,16 +213,21 @@ def build(name: str, spec: TrainSpec, world: int):
             opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay,
                                     fused=True if name == "ddp-fused" else None)
             return TorchSystem(spec, wrapped, params, opt, autocast=bf16)
-        case "fsdp2" | "fsdp2-fused" | "fsdp2-zero2":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        case "fsdp2" | "fsdp2-fused" | "fsdp2-zero2" | "fsdp2-offload":
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
             model = make_model(spec)
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else \
                 MixedPrecisionPolicy()
             reshard = name != "fsdp2-zero2"
+            # CPUOffloadPolicy: the sharded fp32 parameters and their gradients live on the host, and the optimizer
+            # (torch's AdamW, as FSDP2's users step it) runs there; a CPU-only machine is the host already (and
+            # FSDP2 refuses the policy without an accelerator)
+            host = name == "fsdp2-offload" and device.type != "cpu"
+            offload = CPUOffloadPolicy() if host else OffloadPolicy()
             for block in model.blocks:
-                fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
-            fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+                fully_shard(block, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
+            fully_shard(model, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, fused=fused)
             return TorchSystem(spec, model, params, opt, autocast=False)

@@ -2,6 +2,7 @@
 minutes goes to a harness bug. The same code paths run on a GPU, with CUDA events and the allocator's figures."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -18,6 +19,32 @@ def test_bw_on_a_cpu_measures_the_host_and_says_why_nothing_else(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["host_copy_gbs"] > 0 and rec["machine"]["git_sha"]
     assert "no CUDA device" in rec["device"]
+
+
+@pytest.mark.dist
+def test_the_offload_headline_variants_train_the_same_model_under_activation_checkpointing(tmp_path):
+    """The GPU lease's headline step (docs/gpu.md) on the CPU: zkern's offload recipes and FSDP2's CPU offload, every
+    block recomputed in backward."""
+    names = ["zkern2-offload", "zkern2-offload-bf16", "zkern2-offload-dpu", "fsdp2-offload"]
+    rec = gpu_probe.run_variants(names, "tiny", "cpu", str(tmp_path / "h.json"), steps=2, warmup=1, micro_batch=None,
+                                 snapshot=False, matmul_tflops=None, threads=1, timeout=120,
+                                 checkpoint="non_reentrant")
+    assert rec["model_kwargs"]["checkpoint"] == "non_reentrant"
+    by = {v["system"]: v for v in rec["variants"]}
+    assert set(by) == set(names) and not [v for v in by.values() if "error" in v], by
+    for name in names:
+        assert all(math.isfinite(x) for x in by[name]["losses"]), by[name]["losses"]
+        if name.startswith("zkern"):  # the host step ran, and its gradients came down
+            assert by[name]["offload_phases_s"]["grad_bytes_down"] > 0
+    # the zkern variants start from the same bf16 model built on the device: the same first loss, bit for bit
+    assert len({by[n]["losses"][0] for n in names if n.startswith("zkern")}) == 1
+    # bf16 state and the delayed update each change the arithmetic (so the variant's config took), and train the
+    # same model: their later losses are others than the fp32-state variant's, and close to them
+    plain = by["zkern2-offload"]["losses"]
+    for name in ("zkern2-offload-bf16", "zkern2-offload-dpu"):
+        later = by[name]["losses"][1:]
+        assert later != plain[1:], name
+        assert all(abs(a - b) < 0.01 * b for a, b in zip(later, plain[1:])), (name, later, plain)
 
 
 @pytest.mark.dist

@@ -194,3 +194,37 @@ def test_what_the_delayed_update_cannot_serve_is_refused(change):
         cfg["zero_optimization"] = {**cfg["zero_optimization"], **change}
     with pytest.raises(ConfigError, match="delayed_update"):
         zkern.Config.load(cfg)
+
+
+def _count_refreshes(engine, stage: int) -> list[int]:
+    """A list that grows by one each time the runtime brings its whole copies up to date."""
+    calls, runtime = [], engine.runtime
+    owner, name = (runtime.gatherer, "after_step") if stage == 3 else (runtime.groups[0], "gather_params")
+    inner = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_delayed_step_refreshes_the_whole_copies_once_and_a_skipped_one_still_shows_the_landed_update(stage):
+    torch.manual_seed(0)
+    engine = zkern.Engine(TinyGPT(), _config(stage))
+    calls = _count_refreshes(engine, stage)
+    _train(engine, range(3))
+    assert len(calls) == 3, f"{len(calls)} refreshes of the whole copies in 3 steps (a landing and after_step each)"
+    # a step whose gradient is not finite is skipped, and still lands the update in flight: the next forward must
+    # compute with it, so the whole copies follow
+    ids = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(5))
+    engine.backward(engine(ids, ids) * float("inf"))
+    engine.step()
+    assert engine.skipped_steps == 1 and len(calls) == 4
+    master = engine.full_state_dict()
+    working = engine.full_working_state_dict()
+    for k, v in master.items():
+        assert torch.equal(working[k], v.to(working[k].dtype)), f"{k}: the forward's copy is not the landed weights"
+    engine.destroy()

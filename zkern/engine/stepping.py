@@ -26,8 +26,9 @@ log = logging.getLogger("zkern")
 
 def optimizer_step(parts: EngineParts) -> None:
     counters = parts.counters
-    if parts.host_step is not None and parts.host_step.delayed:
-        parts.host_step.land()  # the last step's delayed update reaches the weights, whatever this step decides
+    # the last step's delayed update reaches the weights, whatever this step decides; the whole copies follow it at
+    # after_step when the step applies, or below when it does not (one refresh a step, not two)
+    landed = parts.host_step is not None and parts.host_step.delayed and parts.host_step.land(refresh=False)
     found = torch.zeros((), dtype=torch.float32, device=parts.device)
     sq_norm = torch.zeros((), dtype=torch.float32, device=parts.device)
     for segment in parts.runtime.grad_segments():
@@ -45,6 +46,8 @@ def optimizer_step(parts: EngineParts) -> None:
         parts.runtime.diverged_step()  # stage 3: ranks paired different units; never apply this step
         counters.skipped_steps += 1
         parts.runtime.skipped_step()
+        if landed:
+            parts.runtime.refresh()
         parts.runtime.zero_grad()
         return
     sq = values[1]
@@ -54,6 +57,8 @@ def optimizer_step(parts: EngineParts) -> None:
     counters.last_grad_norm = norm
     if overflow:
         skip(parts, norm)
+        if landed:
+            parts.runtime.refresh()
     else:
         clip = parts.config.gradient_clipping
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # torch.nn.utils.clip_grad_norm_'s rule

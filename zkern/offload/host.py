@@ -316,22 +316,24 @@ class HostStep:
             raise RuntimeError(f"zkern: the delayed host Adam step failed ({type(error).__name__}: {error}); the "
                                f"optimizer state is partly updated, so resume from a checkpoint") from error
 
-    def land(self) -> None:
+    def land(self, refresh: bool = True) -> bool:
         """The delayed update reaches the working parameters: wait for its Adam, then send every piece it stepped
-        (the next forward computes with them)."""
+        (the next forward computes with them). refresh=False leaves the runtime's whole copies to the caller (the
+        engine's step, whose after_step refreshes them anyway). True when an update was sent."""
         if self._to_land is None:
             self.settle()
-            return
+            return False
         began = time.perf_counter()
         self.settle()
         self.landing_wait_s = time.perf_counter() - began
         if self._to_land is None:  # nothing to send
-            return
+            return False
         self._active, self._to_land = self._to_land, None
         for gi, g in enumerate(self.host_groups):
             for ci in range(len(g.chunks)):
                 self._up(gi, ci)
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
-        if self.on_landed is not None:
+        if refresh and self.on_landed is not None:
             self.on_landed()
+        return True

@@ -1,7 +1,8 @@
 """The offloaded step's gradients leave during backward (offload_optimizer.copy_grads_during_backward, the default):
 each chunk is copied to the host as its reduction lands in the boundary's backward, and step() copies only what is
 not there yet. Against the same engine copying everything at step() (the key off), bit for bit, at stages 1-3, with
-accumulation, clipping, an fp16 overflow on one rank, a gradient written between backward and step, a zero_grad()
+accumulation, clipping, an fp16 overflow on one rank, a gradient and a weight written between backward and step
+(the weight's write rewrites the working copies, and must leave the host's gradient copies alone), a zero_grad()
 that drops a backward, and a checkpoint resumed by a fresh engine; and the step's accounting says where each chunk
 went down.
 
@@ -51,7 +52,11 @@ def _run(rank: int, stage: int, during_backward: bool, offload_param: bool, ckpt
         p = dict(engine.module.named_parameters())["blocks.0.fc.weight"]
         zkern.safe_set_full_grad(p, zkern.safe_get_full_grad(p) * 0.5)
 
-    micro(0), micro(1)
+    def set_a_weight():  # every working copy is rewritten from the masters, after the gradients went to the host
+        p = dict(engine.module.named_parameters())["blocks.1.fc.weight"]
+        zkern.safe_set_full_fp32_param(p, zkern.safe_get_full_fp32_param(p) * 0.5)
+
+    micro(0), micro(1, before_step=set_a_weight)
     micro(2), micro(3, before_step=halve_a_gradient)
     micro(4, poison=rank == 1), micro(5)  # an overflow on one rank: the step is skipped
     skipped = engine.skipped_steps
@@ -94,3 +99,30 @@ def test_gradients_copied_during_backward_train_bit_for_bit_as_copied_at_the_ste
         total = {a["grad_bytes_in_backward"] + a["grad_bytes_at_step"] for a in early["accounts"] + late["accounts"]}
         assert len(total) == 1 and total.pop() > 0  # every step moves the whole gradient shard, once
         assert all(a["grad_bytes_in_backward"] == 0 for a in late["accounts"])
+
+
+def _held_bytes(tensors) -> int:
+    """Bytes of the distinct host allocations behind tensors (what the host holds, however many names it has)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_staging_is_one_copy_of_the_shard_unless_the_update_is_delayed(stage):
+    """The gradient's host buffer takes the chunk's new parameters once the Adam has read it: one working-dtype copy
+    of the shard on the host. The delayed update keeps a second (the update waits there while the next backward's
+    gradients come down)."""
+    for delayed, copies in ((False, 1), (True, 2)):
+        torch.manual_seed(0)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "device": "cpu", "bf16": {"enabled": True},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+               "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
+                                     "stage3_param_persistence_threshold": 0,
+                                     "offload_optimizer": {"device": "cpu", "delayed_update": delayed}}}
+        engine = zkern.Engine(TinyGPT(), cfg)
+        host = engine.host_step
+        shard = sum(c.grad.nbytes for g in host.host_groups for c in g.chunks)
+        assert shard > 0
+        assert _held_bytes(host.staging_tensors()) == host.staging_bytes == copies * shard, (delayed, stage)
+        assert engine.memory_report()["host"]["offload_buffers"] == copies * shard
+        engine.destroy()

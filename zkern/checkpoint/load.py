@@ -25,6 +25,7 @@ from zkern.checkpoint.ranges import TORCH_DTYPES, RangeReader
 from zkern.checkpoint.save import loco_layout, loco_reducer
 from zkern.checkpoint.save import module_state as held_module_state
 from zkern.core.generators import encode
+from zkern.core.shard_groups import shares_staging
 from zkern.core.state import kinds_a_load_resets
 from zkern.errors import CheckpointError
 from zkern.optim.shard_adam import ShardAdam
@@ -344,7 +345,7 @@ def _apply(h: Holdings, manifest: dict, plan: _Plan, *, load_module_only: bool, 
         # The working-dtype copies follow the masters (as the optimizer's own step writes them).
         for g in [*rt.shard_groups, *h.host_groups]:
             for chunk in g.chunks:
-                if chunk.out is not None:
+                if chunk.out is not None and not shares_staging(chunk):
                     store.write(chunk.out, store.read(chunk.param))
         if load_optimizer_states and not load_module_only:
             for gi, k, piece, state in plan.optim:

@@ -22,6 +22,13 @@ class Chunk:
     pieces: list[tuple[int, int, int]]  # (piece index within its group, start within chunk, numel)
 
 
+def shares_staging(chunk: Chunk) -> bool:
+    """Whether a chunk's parameter staging is its gradient's (offload's HostStep shares one host buffer): then it
+    holds no working copy between steps, and a write of the working copies (a load, a weight set) must pass it by,
+    or it would overwrite gradients copied down in a backward whose step has not run yet."""
+    return chunk.out is not None and chunk.out is chunk.grad
+
+
 @dataclass
 class ShardGroup:
     """The shard pieces and chunks of one optimizer param group."""

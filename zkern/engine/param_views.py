@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from zkern.core.owners import owner_of
+from zkern.core.shard_groups import shares_staging
 from zkern.engine import stepping
 from zkern.engine.parts import EngineParts
 
@@ -197,7 +198,7 @@ def _working_from_masters(parts: EngineParts) -> None:
     with torch.no_grad():
         for g in groups:
             for chunk in g.chunks:
-                if chunk.out is not None:
+                if chunk.out is not None and not shares_staging(chunk):
                     parts.store.write(chunk.out, parts.store.read(chunk.param))
     parts.state.reset("derived")
     parts.runtime.refresh()

@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from zkern.core.shard_groups import Chunk, ShardGroup
+from zkern.core.shard_groups import Chunk, ShardGroup, shares_staging
 from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 
 
@@ -62,7 +62,14 @@ class HostStep:
         out = device parameter chunk, or a host one when out_on_host). An out that is a meta stand-in (the
         parameter shard on NVMe) is staged on the host and sent with write(out, values); read(out) gives its
         starting values. delayed: the delayed update (the module docstring); a host out is staged too, since the
-        forward reads it while the update is computed."""
+        forward reads it while the update is computed.
+
+        Where the parameters live on the device in the gradient's dtype and the update is not delayed, one host
+        buffer per chunk stages both ways: the Adam reads each element's gradient before it writes the element's
+        new value in the same place (every optimizer zkern steps is element-wise, and a torch optimizer's copy-out
+        runs after its whole step), and the uploads leave on the side stream before the next backward's copies
+        come down it. Host staging is then one copy of the shard in the working dtype, not two. Nothing else
+        writes such a buffer (shares_staging)."""
         self.device_groups = device_groups
         self.store = store
         self._active: list[list[bool]] | None = None
@@ -75,7 +82,11 @@ class HostStep:
             for c in g.chunks:
                 grad = host_tensor(c.grad.numel(), c.grad.dtype, pin=pin)
                 out = c.out
-                if c.out is not None and (not out_on_host or delayed or store.in_files(c.out)):
+                staged = c.out is not None and (not out_on_host or delayed or store.in_files(c.out))
+                if staged and not (out_on_host or delayed or store.in_files(c.out)) \
+                        and (c.out.dtype, c.out.numel()) == (grad.dtype, grad.numel()):
+                    out = grad  # the gradient's staging takes the chunk's new values once the Adam has read it
+                elif staged:
                     out = host_tensor(c.out.numel(), c.out.dtype, pin=pin)
                     out.copy_(store.read(c.out))
                     self.staging_bytes += out.numel() * out.element_size()
@@ -110,7 +121,7 @@ class HostStep:
         for host, device in zip(self.host_groups, self.device_groups):
             for h, d in zip(host.chunks, device.chunks):
                 out.append(h.grad)
-                if h.out is not None and h.out is not d.out:
+                if h.out is not None and h.out is not d.out and not shares_staging(h):
                     out.append(h.out)
         return out
 

@@ -48,7 +48,8 @@ MODELS = {
     "7b": dict(model=dict(vocab=32003, dim=4096, n_layer=32, n_head=32, seq=2048), micro_batch=1, steps=10,
                warmup=3, bucket=200_000_000, gpu=True, precision="bf16"),
     # 13b: 12.7B parameters, for the largest model one GPU trains with ZeRO-Offload's host Adam (the GPU lease's
-    # `largest` step: bf16 weights and gradients on the device, 51 GB; bf16 master and moments on the host, 76 GB, and 25 GB of staging)
+    # `largest` step: bf16 weights and gradients on the device, 51 GB; on the host bf16 master and moments, 76 GB,
+    # and 25 GB of staging)
     "13b": dict(model=dict(vocab=32003, dim=5120, n_layer=40, n_head=40, seq=2048), micro_batch=1, steps=6,
                 warmup=1, bucket=200_000_000, gpu=True, precision="bf16"),
 }

@@ -12,7 +12,9 @@ CPU the copies are synchronous, so they are not hidden, only moved into backward
 not an overlap; on a GPU the copies run on a side stream while backward computes, and the step's wait for gradients
 is what was not hidden. For the delayed update, the host Adam's own time (timed in its thread) and how long the next
 step() waited for it give the share of the host Adam hidden behind compute; on a CPU the Adam's threads and the
-forward's share the same cores, so the share hidden there says little about a GPU host.
+forward's share the same cores, so the share hidden there says little about a GPU host. Each mode's host staging is
+read from the allocations behind its staging buffers (one working-dtype copy of the shard, two with the delayed
+update), beside the host total memory_report() counts.
 """
 
 from __future__ import annotations
@@ -64,8 +66,12 @@ def _worker(rank: int, world: int, runs: list[dict], model: str, steps: int, war
             t2 = _now(engine)
             if step >= warmup:
                 rows.append({"forward_backward_s": t1 - t0, "step_call_s": t2 - t1, **engine.host_step.last_step})
+        staging = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                   for t in engine.host_step.staging_tensors()}  # the allocations, however many tensors name them
         out.append({**run, "rows": rows, "params": sum(engine.runtime.full_shape(p).numel()
-                                                        for p in engine.module.parameters())})
+                                                        for p in engine.module.parameters()),
+                    "host_staging_bytes": sum(staging.values()),
+                    "host_bytes": engine.memory_report()["host"].get("total", 0)})
         engine.destroy()
     return out
 
@@ -114,6 +120,8 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
                      "grad_bytes": bytes_total,
                      "share_on_host_before_step": per[0]["grad_bytes_in_backward"] / bytes_total if bytes_total else 0,
                      "steps_timed": len(per), "host_adam_s": adam, "host_adam_wait_s": waited,
+                     "host_staging_bytes": results[0][i]["host_staging_bytes"],
+                     "host_bytes": results[0][i]["host_bytes"],
                      "host_adam_hidden": None if not adam else max(0.0, 1 - waited / adam)})
         progress(f"stage {run['stage']}, {MODE_NAMES[run['mode']]}: step {rows[-1]['step_s'] * 1e3:.1f} ms")
     ratios = {}
@@ -129,13 +137,17 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
             "rows": rows, "ratios": ratios}
 
 
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
 def table(record: dict) -> str:
     out = [f"offload suite: {record['model']} GPT ({record['params']:,} parameters), world {record['world']}, "
            f"{record['precision']}, optimizer on the host, medians of {record['steps'] - record['warmup']} steps "
            f"(slowest rank), {record['device']}", "",
            "| stage | mode | step | fwd+bwd | of it copying grads | offloaded step | of it waiting for grads "
-           "| grad bytes on host before step() | host Adam (delayed) | of it hidden |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| grad bytes on host before step() | host Adam (delayed) | of it hidden | host staging (rank 0) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         adam = "-" if r.get("host_adam_s") is None else f"{r['host_adam_s'] * 1e3:.1f} ms"
         hidden = "-" if r.get("host_adam_hidden") is None else f"{r['host_adam_hidden'] * 100:.0f}%"
@@ -143,6 +155,7 @@ def table(record: dict) -> str:
                    f" | {r['step_s'] * 1e3:.1f} ms | {r['forward_backward_s'] * 1e3:.1f} ms | "
                    f"{r['backward_copy_s'] * 1e3:.1f} ms | {r['offloaded_step_s'] * 1e3:.1f} ms | "
                    f"{r['grad_wait_s'] * 1e3:.1f} ms | {r['share_on_host_before_step'] * 100:.0f}% of "
-                   f"{r['grad_bytes'] / 2**20:.1f} MiB | {adam} | {hidden} |")
+                   f"{r['grad_bytes'] / 2**20:.1f} MiB | {adam} | {hidden} | "
+                   f"{_mib(r.get('host_staging_bytes'))} |")
     out.append("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in record["ratios"].items()))
     return "\n".join(out)

@@ -520,6 +520,10 @@ def test_offload_suite_accounts_for_where_the_gradients_went_down():
             assert r["host_adam_s"] > 0 and 0 <= r["host_adam_hidden"] <= 1, r
         else:
             assert r["host_adam_s"] is None and r["host_adam_hidden"] is None, r
+    for stage in (1, 3):  # host staging, from its allocations: one copy of the shard, two with the delayed update
+        shard = rows[(stage, "backward")]["grad_bytes"]
+        assert rows[(stage, "backward")]["host_staging_bytes"] == rows[(stage, "step")]["host_staging_bytes"] == shard
+        assert rows[(stage, "delayed")]["host_staging_bytes"] == 2 * shard
     assert set(rec["ratios"]) == {f"stage{s}_step_{k}" for s in (1, 3)
                                   for k in ("during_backward_over_at_step", "delayed_over_during_backward")}
     table = offload_suite.table(rec)

@@ -73,6 +73,8 @@ class Draw:
     optimizer: str = "AdamW"  # one of OPTIMIZERS
     scheduler: str = "WarmupLR"  # one of SCHEDULERS
     write_at: int = -1  # GatheredParameters(modifier_rank=0) write before this step's forward; -1: none
+    set_at: int = -1  # safe_set_full_fp32_param of the same parameter after this step's last backward, before its
+    # step() (the engine frontend); -1: none
     overflow_at: int = -1  # this step's loss times inf on one rank (every rank skips the step); -1: none
     overflow_rank: int = 0  # the rank whose loss overflows
     overflow_micro: int = 0  # the micro-step at which it does
@@ -168,7 +170,7 @@ class Draw:
             problems.append("block_units and max_live need stage 3 throughout")
         if not self.reduce_scatter and self.qgz:
             problems.append("qgZ needs reduce_scatter")
-        for name in ("write_at", "overflow_at", "dropped_at", "eval_at", "short_at", "spare_forward_at"):
+        for name in ("write_at", "set_at", "overflow_at", "dropped_at", "eval_at", "short_at", "spare_forward_at"):
             if getattr(self, name) >= self.steps:
                 problems.append(f"{name} beyond the last step")
         if self.autocast and (self.autocast not in ("bf16", "fp16") or self.precision != "fp32" or self.qwz):
@@ -203,6 +205,9 @@ class Draw:
             problems.append("overflow_rank must be a rank of every phase and overflow_micro a micro-step")
         if self.frontend not in FRONTENDS:
             problems.append(f"frontend must be one of {FRONTENDS}")
+        if self.set_at >= 0 and self.frontend != "engine":
+            # Accelerate's backward steps inside it and the Trainer runs its own loop: no call between the two
+            problems.append("set_at needs the engine frontend (a call between backward and step())")
         if self.frontend == "accelerator" and (
                 self.scheduler == "client" or self.async_save or self.dropped_at >= 0 or self.short_at >= 0):
             # a script on Accelerate steps a torch scheduler itself, saves synchronously (save_state), and has no
@@ -249,6 +254,8 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
             values["loco"] = values["qgz"] and rng.random() < 0.5
         if rng.random() < 0.3:
             values["write_at"] = rng.randrange(steps)
+        if rng.random() < 0.15:
+            values["set_at"] = rng.randrange(steps)
         if rng.random() < (0.5 if precision == "fp16" else 0.15):
             values["overflow_at"] = rng.randrange(steps)
         if rng.random() < 0.6:
@@ -295,11 +302,11 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
             values["load_flags"] = rng.choice(LOAD_FLAGS[1:])
         frontend = rng.random()
         if frontend < 0.15:  # the draw's loop as an Accelerate script, without what such a script cannot say
-            values.update(frontend="accelerator", async_save=False, dropped_at=-1, short_at=-1)
+            values.update(frontend="accelerator", async_save=False, dropped_at=-1, short_at=-1, set_at=-1)
         elif frontend < 0.25:  # trained by zkern.hf.Trainer: its own loop, HF's decay/no-decay groups
             values.update(frontend="trainer", groups=True, save_at=-1, async_save=False, load_into="fresh",
                           load_flags="", world_after=0, stage_after=-1, write_at=-1, eval_at=-1,
-                          eval_generation=False, dropped_at=-1, short_at=-1, spare_forward_at=-1)
+                          eval_generation=False, dropped_at=-1, short_at=-1, spare_forward_at=-1, set_at=-1)
             if values["frozen"] == "load":
                 values["frozen"] = "none"
         if values.get("frontend", "engine") != "engine" and values["scheduler"] == "client":

@@ -20,12 +20,14 @@ class EngineLoop:
     def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         return self.engine(idx.to(self.engine.device), tgt.to(self.engine.device))
 
-    def train_micro_step(self, idx, tgt, poison: float | None) -> float:
+    def train_micro_step(self, idx, tgt, poison: float | None, before_step=None) -> float:
         """One micro-step's forward, backward and step (an update at the accumulation boundary); poison multiplies
-        the loss before backward (an overflow). Returns the loss."""
+        the loss before backward (an overflow); before_step() runs between backward and step(). Returns the loss."""
         loss = self.forward(idx, tgt)
         value = loss.item()
         self.engine.backward(loss if poison is None else loss * poison)
+        if before_step is not None:
+            before_step()
         self.engine.step()
         return value
 
@@ -74,7 +76,9 @@ class AcceleratorLoop:
     def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         return self.model(idx.to(self.engine.device), tgt.to(self.engine.device))
 
-    def train_micro_step(self, idx, tgt, poison: float | None) -> float:
+    def train_micro_step(self, idx, tgt, poison: float | None, before_step=None) -> float:
+        if before_step is not None:
+            raise ValueError("an Accelerate script has no call between backward and step (its backward steps)")
         with self.accelerator.accumulate(self.model):
             loss = self.forward(idx, tgt)
             value = loss.item()

@@ -38,6 +38,7 @@ TARGETED = [
     '"stage": 2, "world": 2}',
     '{"accumulation": 2, "frontend": "trainer", "groups": true, "seed": 25, "stage": 2, "world": 2}',
     '{"delayed_update": true, "offload_optimizer": "cpu", "save_at": 1, "seed": 26, "stage": 2, "world": 2}',
+    '{"offload_optimizer": "cpu", "seed": 27, "set_at": 1, "stage": 2, "world": 2}',
 ]
 
 
@@ -57,6 +58,7 @@ KILLERS = {
     "ckpt.load_flags_ignored": 10, "torch_optimizer.grad_scale_dropped": 11, "lamb.norms_local": 12,
     "accelerate.boundary_ignored": 13, "accelerate.load_flags_dropped": 13, "trainer.accumulation_divided_twice": 14,
     "offload.delay_lands_at_once": 15,  # added 2026-11-27, killed by its targeted draw (tests/verify replays it)
+    "offload.staging_overwritten": 16,  # added 2026-11-27 with the draws' set_at (a weight set before step())
 }
 
 

@@ -340,6 +340,14 @@ def _delay_lands_at_once(p: _Patches) -> None:
     p.wrap(HostStep, "_launch", make)
 
 
+def _staging_takes_working_copies(p: _Patches) -> None:
+    """A weight set rewrites every working copy from the masters, the host staging that holds the gradients copied
+    down in the backward before it included."""
+    from zkern.engine import param_views
+
+    p.set(param_views, "shares_staging", lambda chunk: False)
+
+
 def _nvme_last_tile_skipped(p: _Patches) -> None:
     """ZeRO-Infinity: the NVMe optimizer skips the last piece of work of every tile."""
     from zkern.offload.nvme import NvmeAdam
@@ -424,6 +432,8 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "offload.not_uploaded": ("ZeRO-Offload never copies the updated parameters back", _offload_not_uploaded),
     "nvme.last_tile_skipped": ("the NVMe optimizer skips the last piece of each tile", _nvme_last_tile_skipped),
     "offload.delay_lands_at_once": ("the delayed update's weights go up before the next forward", _delay_lands_at_once),
+    "offload.staging_overwritten": ("a weight set between backward and step() overwrites the host's gradient copies",
+                                    _staging_takes_working_copies),
     "accelerate.boundary_ignored": ("zkern.hf.Accelerator's backward steps at every micro-step",
                                     _accelerate_boundary_ignored),
     "accelerate.load_flags_dropped": ("zkern.hf.Accelerator's load_state drops its load flags",

@@ -46,6 +46,11 @@ def written_value(shape: torch.Size) -> torch.Tensor:
     return ((torch.arange(n) % 7 - 3).float() / 64 + 1.0).view(shape)
 
 
+def set_value(shape: torch.Size) -> torch.Tensor:
+    """set_at's values: written_value's halved (still exact in every precision), so the two writes differ."""
+    return written_value(shape) / 2
+
+
 def global_batches(draw: Draw) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[step] -> (idx, tgt) of the draw's global batch of that step; after them one more, the batch a draw drops."""
     batches = make_batches(draw.seed + 1, draw.steps, 1, 1, draw.global_size, SEQ, VOCAB)
@@ -155,7 +160,9 @@ def train_step(loop, draw: Draw, step: int, batch, world: int, rank: int, out: d
         poison = None
         if step == draw.overflow_at and micro == draw.overflow_micro and rank == draw.overflow_rank:
             poison = float("nan" if draw.overflow_nan else "inf")  # a spike on one rank: every rank skips
-        total += loop.train_micro_step(idx, tgt, poison)
+        last = micro == micros - 1
+        total += loop.train_micro_step(idx, tgt, poison, before_step=(lambda: set_weight(engine, draw))
+                                       if last and step == draw.set_at else None)
     if micros < draw.accumulation:
         engine.set_gradient_accumulation_boundary(None)
     out["losses"][step] = total / micros
@@ -171,6 +178,15 @@ def write(engine, draw: Draw, rank: int) -> None:
         if rank == 0:
             with torch.no_grad():
                 param.copy_(written_value(param.shape).to(param.dtype))
+
+
+def set_weight(engine, draw: Draw) -> None:
+    """safe_set_full_fp32_param of the written parameter to set_value, between a backward and its step() (every
+    rank, the same value: it is a collective)."""
+    import zkern
+
+    param = dict(engine.module.named_parameters())[written_name(draw)]
+    zkern.safe_set_full_fp32_param(param, set_value(zkern.safe_get_full_fp32_param(param).shape))
 
 
 def stray_micro_step(loop, draw: Draw, batch, world: int, rank: int) -> None:

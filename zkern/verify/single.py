@@ -24,7 +24,16 @@ import zkern.reference as zref
 from zkern.verify.draws import Draw
 from zkern.verify.recipes import WEIGHT_DECAY
 from zkern.verify.reference_math import hyper_at, make_optimizer, round_state_to_bf16, set_hyper
-from zkern.verify.runner import QWZ_GROUP, freeze, global_batches, groups, make_model, written_name, written_value
+from zkern.verify.runner import (
+    QWZ_GROUP,
+    freeze,
+    global_batches,
+    groups,
+    make_model,
+    set_value,
+    written_name,
+    written_value,
+)
 
 
 def _optimizer(draw: Draw, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -83,6 +92,15 @@ class Working:
                 part.copy_(zref.dequantize(codes, scales, 8, self.group, chunk, self.dtype))
             for name, offset, numel in members:
                 params[name].copy_(flat[offset:offset + numel].view(params[name].shape))
+
+
+def _set_weight(draw: Draw, model: torch.nn.Module, working: Working) -> None:
+    """set_at: the master of the written parameter takes set_value between backward and the step (the working copy
+    follows), as the engine's safe_set_full_fp32_param does; the gradients are left as they are."""
+    with torch.no_grad():
+        target = dict(model.named_parameters())[written_name(draw)]
+        target.copy_(set_value(target.shape))
+    working.sync()
 
 
 def same_arithmetic(draw: Draw) -> bool:
@@ -160,10 +178,14 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
             norms[step] = None
             if draw.delayed_update:
                 working.sync()  # a skipped step lands the last update all the same
+            if step == draw.set_at:
+                _set_weight(draw, model, working)
         else:
             working.backward(loss, used)
             if draw.delayed_update:
                 working.sync()  # the last update lands after this step's backward, before its own
+            if step == draw.set_at:  # the gradient stays the one taken at the weight before it
+                _set_weight(draw, model, working)
             trainable = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
             norms[step] = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in trainable))
             if draw.clip > 0:

@@ -20,9 +20,11 @@
 #   peers     DDP and FSDP2 with torch's default AdamW, zkern's arithmetic in torch, zkern stages 1 and 2
 #   16k       zkern stage 0 and DDP (fused) at 16K tokens a step
 #   headline  issue 42's figure, a lease of its own: a 7B model at 16K tokens a step, every block recomputed, on one
-#             GPU with the optimizer on the host: zkern's offload with bf16 state, with the delayed update and with
-#             fp32 state, beside FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-Offload (where installed); last the
-#             same model without offload (fits an H200, not an H100: the offloaded step's goal is 1.3x of it)
+#             GPU with the optimizer on the host: zkern's offload with bf16 master and moments
+#   headline-peers  the same model and batch under FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-Offload (where
+#             installed): one timed step each (torch's AdamW on the host takes tens of seconds a step at 7B)
+#   headline-more  zkern's offload with the delayed update and with fp32 state, then the same model without offload
+#             (fits an H200, not an H100: the offloaded step's goal is 1.3x of it)
 #   largest   zkern's offload with bf16 state at 13B (4K tokens a step): does it train on one GPU and this host
 #
 # The machine's python3 holds torch; nothing is installed into it: the CPU extension is built in place, its sources
@@ -109,9 +111,15 @@ for step in "$@"; do
             --json "$R/peers.json" ;;
         16k) run 16k 90 $P variants zkern0 ddp-fused --model "$M" --micro-batch 16 --bw-json "$R/bw.json" \
             --json "$R/16k.json" ;;
-        headline) run headline 480 $P variants zkern2-offload-bf16 zkern2-offload-dpu fsdp2-offload \
-            deepspeed2-offload zkern2-offload zkern2 --model "$H" --micro-batch 8 --checkpoint non_reentrant --warmup 1 \
-            --steps 3 --timeout 150 --bw-json "$R/bw.json" --json "$R/headline.json" ;;
+        headline) run headline 150 $P variants zkern2-offload-bf16 --model "$H" --micro-batch 8 \
+            --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 140 --bw-json "$R/bw.json" \
+            --json "$R/headline.json" ;;
+        headline-peers) run headline-peers 260 $P variants fsdp2-offload deepspeed2-offload --model "$H" \
+            --micro-batch 8 --checkpoint non_reentrant --warmup 1 --steps 1 --timeout 200 --bw-json "$R/bw.json" \
+            --json "$R/headline-peers.json" ;;
+        headline-more) run headline-more 330 $P variants zkern2-offload-dpu zkern2-offload zkern2 --model "$H" \
+            --micro-batch 8 --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 140 --bw-json "$R/bw.json" \
+            --json "$R/headline-more.json" ;;
         largest) run largest 200 $P variants zkern2-offload-bf16 --model "$L" --micro-batch 2 \
             --checkpoint non_reentrant --warmup 1 --steps 2 --timeout 190 --json "$R/largest.json" ;;
         *) say "unknown step $step" ;;

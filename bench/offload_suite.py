@@ -28,6 +28,7 @@ import torch
 
 import zkern
 from bench.engine_suite import MODELS, _git_sha
+from zkern.core.buffers import allocated_bytes
 from zkern.env_report import cpu_model
 from zkern.testing import TinyGPT, spawn
 
@@ -66,11 +67,9 @@ def _worker(rank: int, world: int, runs: list[dict], model: str, steps: int, war
             t2 = _now(engine)
             if step >= warmup:
                 rows.append({"forward_backward_s": t1 - t0, "step_call_s": t2 - t1, **engine.host_step.last_step})
-        staging = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                   for t in engine.host_step.staging_tensors()}  # the allocations, however many tensors name them
         out.append({**run, "rows": rows, "params": sum(engine.runtime.full_shape(p).numel()
                                                         for p in engine.module.parameters()),
-                    "host_staging_bytes": sum(staging.values()),
+                    "host_staging_bytes": allocated_bytes(engine.host_step.staging_tensors()),
                     "host_bytes": engine.memory_report()["host"].get("total", 0)})
         engine.destroy()
     return out

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import zkern
+from zkern.core.buffers import allocated_bytes
 from zkern.testing import TinyGPT, spawn
 
 
@@ -101,12 +102,6 @@ def test_gradients_copied_during_backward_train_bit_for_bit_as_copied_at_the_ste
         assert all(a["grad_bytes_in_backward"] == 0 for a in late["accounts"])
 
 
-def _held_bytes(tensors) -> int:
-    """Bytes of the distinct host allocations behind tensors (what the host holds, however many names it has)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_host_staging_is_one_copy_of_the_shard_unless_the_update_is_delayed(stage):
     """The gradient's host buffer takes the chunk's new parameters once the Adam has read it: one working-dtype copy
@@ -123,6 +118,6 @@ def test_host_staging_is_one_copy_of_the_shard_unless_the_update_is_delayed(stag
         host = engine.host_step
         shard = sum(c.grad.nbytes for g in host.host_groups for c in g.chunks)
         assert shard > 0
-        assert _held_bytes(host.staging_tensors()) == host.staging_bytes == copies * shard, (delayed, stage)
+        assert allocated_bytes(host.staging_tensors()) == host.staging_bytes == copies * shard, (delayed, stage)
         assert engine.memory_report()["host"]["offload_buffers"] == copies * shard
         engine.destroy()

@@ -27,3 +27,8 @@ def restore(t: torch.Tensor, *, zero: bool) -> None:
 
 def is_released(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == 0
+
+
+def allocated_bytes(tensors) -> int:
+    """Bytes of the distinct allocations behind tensors: a storage that several of them view counts once."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())

@@ -44,6 +44,7 @@ import time
 
 import torch
 
+from zkern.core.buffers import allocated_bytes
 from zkern.core.shard_groups import Chunk, ShardGroup, shares_staging
 from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 
@@ -76,21 +77,17 @@ class HostStep:
         cuda = any(c.grad.is_cuda for g in device_groups for c in g.chunks)
         self.stream = torch.cuda.Stream() if cuda else None
         self.host_groups: list[ShardGroup] = []
-        self.staging_bytes = 0
         for g in device_groups:
             chunks = []
             for c in g.chunks:
                 grad = host_tensor(c.grad.numel(), c.grad.dtype, pin=pin)
                 out = c.out
-                staged = c.out is not None and (not out_on_host or delayed or store.in_files(c.out))
-                if staged and not (out_on_host or delayed or store.in_files(c.out)) \
-                        and (c.out.dtype, c.out.numel()) == (grad.dtype, grad.numel()):
+                on_device = c.out is not None and not out_on_host and not store.in_files(c.out)
+                if on_device and not delayed and (c.out.dtype, c.out.numel()) == (grad.dtype, grad.numel()):
                     out = grad  # the gradient's staging takes the chunk's new values once the Adam has read it
-                elif staged:
+                elif c.out is not None and (on_device or delayed or store.in_files(c.out)):
                     out = host_tensor(c.out.numel(), c.out.dtype, pin=pin)
                     out.copy_(store.read(c.out))
-                    self.staging_bytes += out.numel() * out.element_size()
-                self.staging_bytes += grad.numel() * grad.element_size()
                 chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))
             self.host_groups.append(ShardGroup(pieces=g.pieces, chunks=chunks))
         self.grad_bytes = sum(c.grad.nbytes for g in self.host_groups for c in g.chunks)  # the shard, once a step
@@ -113,6 +110,11 @@ class HostStep:
         # units, stages 1-2's gather of every rank's chunk); set by the engine's build
         self.on_landed = None
         self._to_land: list[list[bool]] | None = None  # the delayed update's active pieces, until its parameters go up
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging buffers, from their allocations (a buffer that stages both ways counts once)."""
+        return allocated_bytes(self.staging_tensors())
 
     def staging_tensors(self) -> list[torch.Tensor]:
         """The host staging buffers: gradient copies (scratch within a step) and, where the parameters live on the

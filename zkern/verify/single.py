@@ -94,12 +94,12 @@ class Working:
                 params[name].copy_(flat[offset:offset + numel].view(params[name].shape))
 
 
-def _set_weight(draw: Draw, model: torch.nn.Module, working: Working) -> None:
-    """set_at: the master of the written parameter takes set_value between backward and the step (the working copy
-    follows), as the engine's safe_set_full_fp32_param does; the gradients are left as they are."""
+def _write(draw: Draw, model: torch.nn.Module, working: Working, value) -> None:
+    """The master of the written parameter takes value(shape), and the working copy follows: write_at's
+    GatheredParameters write, and set_at's safe_set_full_fp32_param (which leaves the gradients as they are)."""
     with torch.no_grad():
         target = dict(model.named_parameters())[written_name(draw)]
-        target.copy_(set_value(target.shape))
+        target.copy_(value(target.shape))
     working.sync()
 
 
@@ -155,10 +155,7 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
             phase = now
             working.sync(qwz_units[phase] if draw.qwz else [], draw.phases[phase][0])
         if step == draw.write_at:
-            with torch.no_grad():
-                target = dict(model.named_parameters())[written_name(draw)]
-                target.copy_(written_value(target.shape))
-            working.sync()
+            _write(draw, model, working, written_value)
         opt.zero_grad()
         idx, tgt = batches[step]
         part = 1
@@ -179,13 +176,13 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
             if draw.delayed_update:
                 working.sync()  # a skipped step lands the last update all the same
             if step == draw.set_at:
-                _set_weight(draw, model, working)
+                _write(draw, model, working, set_value)
         else:
             working.backward(loss, used)
             if draw.delayed_update:
                 working.sync()  # the last update lands after this step's backward, before its own
             if step == draw.set_at:  # the gradient stays the one taken at the weight before it
-                _set_weight(draw, model, working)
+                _write(draw, model, working, set_value)
             trainable = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
             norms[step] = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in trainable))
             if draw.clip > 0:

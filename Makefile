@@ -11,7 +11,7 @@ endif
 STAMP := .setup-stamp
 BENCH_ARGS ?=
 
-.PHONY: setup test bench gate fuzz mutants verify lint clean
+.PHONY: setup test bench gate fuzz mutants verify lint clean lease-wheels
 
 setup: $(STAMP)
 
@@ -74,8 +74,21 @@ mutants: setup
 verify: setup
 	$(PY) -m zkern.verify
 
+# DeepSpeed for a lent GPU machine, which reaches no package index: its wheel and its dependencies' for the machine's
+# Python (3.12, x86_64; torch and numpy are the image's), into .lease-wheels/ (about 6 MB). Carry that folder on the
+# lease's call; bench/gpu_lease.sh installs it apart, for the DeepSpeed steps only (docs/gpu.md).
+LEASE_PY ?= 3.12
+LEASE_DEPS := einops hjson msgpack ninja psutil py-cpuinfo pydantic pydantic-core annotated-types typing-inspection \
+  typing-extensions
+lease-wheels: setup
+	rm -rf .lease-wheels
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .lease-wheels \
+	  deepspeed==$$($(PY) -c "import importlib.metadata as m; print(m.version('deepspeed'))")
+	$(PY) -m pip download -q --only-binary=:all: --no-deps --python-version $(LEASE_PY) -d .lease-wheels \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 $(LEASE_DEPS)
+
 lint: setup
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(STAMP) build *.egg-info .pytest_cache .ruff_cache .gate zkern/cpu/_adam_ext*.so
+	rm -rf $(STAMP) .lease-wheels build *.egg-info .pytest_cache .ruff_cache .gate zkern/cpu/_adam_ext*.so

@@ -23,8 +23,14 @@
 #             GPU with the optimizer on the host: zkern's offload with bf16 master and moments
 #   headline-peers  the same model and batch under FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-Offload (where
 #             installed): one timed step each (torch's AdamW on the host takes tens of seconds a step at 7B)
-#   headline-more  zkern's offload with the delayed update and with fp32 state, then the same model without offload
+#   headline-more  zkern's offload with bf16 state and the delayed update, then the same model without offload
 #             (fits an H200, not an H100: the offloaded step's goal is 1.3x of it)
+#   parity    the headline's model, batch and lr, zkern's fp32-state offload beside torch-mixed-offload (the same
+#             arithmetic in plain torch, its AdamW on the host), every step's loss and gradient norm: on 2026-11-27
+#             FSDP2's third loss parted from zkern's by 0.38, and this says which of the two trains as the arithmetic
+#             says (the reference takes about 12 s a step at 7B)
+#   headline-ds  DeepSpeed's ZeRO-Offload on the headline's model and batch, with gradient norms:
+#             from .lease-wheels/ (`make lease-wheels`, carried on the call) where the machine lacks DeepSpeed
 #   largest   zkern's offload with bf16 state at 13B (4K tokens a step): does it train on one GPU and this host
 #
 # The machine's python3 holds torch; nothing is installed into it: the CPU extension is built in place, its sources
@@ -69,6 +75,18 @@ run() {
     pack
 }
 P="python3 bench/gpu_probe.py"
+# DeepSpeed's steps: the image has none and reaches no index, so the carried wheels go into a folder of their own,
+# put on the path of those steps alone (their pydantic and typing_extensions must not shadow the image's elsewhere).
+with_deepspeed() {
+    if python3 -c "import deepspeed" 2>/dev/null || ! ls .lease-wheels/deepspeed-*.whl >/dev/null 2>&1; then
+        "$@"
+        return
+    fi
+    local site=/tmp/lease-site
+    [ -d $site/deepspeed ] || python3 -m pip install -q --no-index --no-deps --target $site .lease-wheels/*.whl \
+        >"$R/deepspeed-install.log" 2>&1 || tail -5 "$R/deepspeed-install.log"
+    PYTHONPATH=$PWD:$site PATH=$site/bin:$PATH "$@"
+}
 M=${LEASE_MODEL:-1b}  # the engine suite's preset; "tiny" rehearses the whole script on a CPU in a minute or two
 H=${LEASE_MODEL:-7b}  # the headline's model
 L=${LEASE_MODEL:-13b}  # the largest step's
@@ -117,7 +135,13 @@ for step in "$@"; do
         headline-peers) run headline-peers 260 $P variants fsdp2-offload deepspeed2-offload --model "$H" \
             --micro-batch 8 --checkpoint non_reentrant --warmup 1 --steps 1 --timeout 200 --bw-json "$R/bw.json" \
             --json "$R/headline-peers.json" ;;
-        headline-more) run headline-more 330 $P variants zkern2-offload-dpu zkern2-offload zkern2 --model "$H" \
+        parity) run parity 330 $P variants zkern2-offload torch-mixed-offload --model "$H" --micro-batch 8 \
+            --checkpoint non_reentrant --warmup 1 --steps 2 --grad-norms --timeout 220 --bw-json "$R/bw.json" \
+            --json "$R/parity.json" ;;
+        headline-ds) with_deepspeed run headline-ds 280 $P variants deepspeed2-offload --model "$H" --micro-batch 8 \
+            --checkpoint non_reentrant --warmup 1 --steps 2 --grad-norms --timeout 270 --bw-json "$R/bw.json" \
+            --json "$R/headline-ds.json" ;;
+        headline-more) run headline-more 330 $P variants zkern2-offload-bf16-dpu zkern2 --model "$H" \
             --micro-batch 8 --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 140 --bw-json "$R/bw.json" \
             --json "$R/headline-more.json" ;;
         largest) run largest 200 $P variants zkern2-offload-bf16 --model "$L" --micro-batch 2 \

@@ -128,6 +128,18 @@ def _mem(device: torch.device) -> dict:
         return {"rss": int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")}
 
 
+def _host_figures(system) -> dict:
+    """The host memory the process held at its peak (VmHWM, over its life on a GPU, since the timed steps began on a
+    CPU: page-locked buffers count once touched, at the size the allocator gave them) beside what zkern's
+    memory_report counts on the host: where they part, the books are wrong (torch's caching host allocator rounds
+    each pinned allocation up to a power of two)."""
+    out = {"peak_rss": peak_rss_bytes()}
+    engine = getattr(system, "engine", None)
+    if engine is not None and hasattr(engine, "memory_report"):
+        out["zkern_counted"] = sum(engine.memory_report().get("host", {}).values())
+    return out
+
+
 def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -212,19 +224,23 @@ def _site(frames: list[dict]) -> str:
     return where(frames[0]) if frames else "(no frame)"
 
 
-def measure(rank: int, world: int, name: str, spec: TrainSpec, warmup: int, timed: int, snapshot: bool) -> dict:
-    """Build system name, train warmup + timed steps, then one instrumented step. Returns figures only."""
+def measure(rank: int, world: int, name: str, spec: TrainSpec, warmup: int, timed: int, snapshot: bool,
+            grad_norms: bool = False) -> dict:
+    """Build system name, train warmup + timed steps, then one instrumented step. Returns figures only; with
+    grad_norms also the gradient norm of every step (the torch systems then read their gradients once more before
+    each step, inside the timed span)."""
     device = rank_device(spec)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _reset_peak(device)
     t0 = time.perf_counter()
     system = probe_systems.build(name, spec, world)
+    system.record_norms = grad_norms
     _sync(device)
     out = {"system": name, "build_s": time.perf_counter() - t0, "memory": {"build": _mem(device),
                                                                           "build_peak": _peak(device)}}
     batches = spec.batches(world)
-    losses = []
+    losses, norms = [], []
 
     def one(step: int, clock: _Clock | None = None):
         idx, tgt = (t.to(device) for t in batches[step][0][rank])
@@ -235,6 +251,8 @@ def measure(rank: int, world: int, name: str, spec: TrainSpec, warmup: int, time
         if clock:
             clock.mark()
         system.step()
+        if grad_norms:
+            norms.append(system.grad_norm())
         return loss
 
     for s in range(warmup):
@@ -279,6 +297,8 @@ def measure(rank: int, world: int, name: str, spec: TrainSpec, warmup: int, time
         t = time.perf_counter()
         _sync(device)
     phases["step_tail_s"] = time.perf_counter() - t
+    if grad_norms:
+        norms.append(system.grad_norm())
     if offload:
         offload["upload_tail"] = phases["step_tail_s"]
         offload["host_adam"] = phases["step_host_s"] - offload["wait_down"] - offload["upload_issue"]
@@ -289,9 +309,12 @@ def measure(rank: int, world: int, name: str, spec: TrainSpec, warmup: int, time
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         out["peak_sites"] = attribute_peak(snap["device_traces"][device.index or 0], base)
+    out["host"] = _host_figures(system)
     system.close()
     tokens = spec.micro_batch * spec.model["seq"] * world
     median = statistics.median(steps)
+    if grad_norms:
+        out["grad_norms"] = norms
     out.update(phases=phases, losses=losses, step_s={"median": median, "min": min(steps), "max": max(steps),
                                                      "all": steps}, host_step_s=host_s,
                tokens_per_step=tokens, tokens_per_s=tokens / median,
@@ -301,9 +324,12 @@ def measure(rank: int, world: int, name: str, spec: TrainSpec, warmup: int, time
 
 def run_variants(names: list[str], model: str, device: str, json_path: str | None, *, steps: int | None,
                  warmup: int, micro_batch: int | None, snapshot: bool, matmul_tflops: float | None,
-                 threads: int, timeout: float, world: int = 1, checkpoint: str = "") -> dict:
+                 threads: int, timeout: float, world: int = 1, checkpoint: str = "", lr: float | None = None,
+                 grad_norms: bool = False) -> dict:
     """world > 1 on a GPU puts every rank on GPU 0 (probe_world2.one_gpu_env): each rank's allocator figures are its
-    own and real, its step times are not (the ranks share one GPU and talk over sockets)."""
+    own and real, its step times are not (the ranks share one GPU and talk over sockets). lr: the optimizers' rate
+    (default the engine suite's 1e-3, under which a 7B model's loss climbs and two systems' losses part within a few
+    steps; parity runs take a smaller one). grad_norms: every step's gradient norm per system."""
     timed = steps or 6
     precision = "bf16"  # every system's recipe is a bf16 one (torch-mixed has no fp32 form)
     spec = engine_suite.make_spec(0, model, warmup + timed + 1, precision, device)
@@ -311,8 +337,11 @@ def run_variants(names: list[str], model: str, device: str, json_path: str | Non
         spec = dataclasses.replace(spec, micro_batch=micro_batch)
     if checkpoint:  # every system's blocks recompute in backward (the model's own run_block, the same for all)
         spec = dataclasses.replace(spec, model={**spec.model, "checkpoint": checkpoint})
+    if lr is not None:
+        spec = dataclasses.replace(spec, lr=lr)
     record = {"probe": "variants", "machine": machine(), "model": model, "model_kwargs": spec.model,
-              "world": world,              "timing_meaningful": world == 1 or device != "cuda",
+              "world": world, "timing_meaningful": world == 1 or device != "cuda", "lr": spec.lr,
+              "grad_norms": grad_norms,
               "params": spec.num_params(), "micro_batch": spec.micro_batch, "precision": precision,
               "warmup": warmup, "timed_steps": timed, "matmul_tflops": matmul_tflops, "variants": []}
     for name in names:
@@ -324,8 +353,9 @@ def run_variants(names: list[str], model: str, device: str, json_path: str | Non
         try:
             from bench.probe_world2 import one_gpu_env
 
-            ranks = spawn(measure, world, name, spec, warmup, timed, snapshot, subprocess=True, threads=threads,
-                          timeout=timeout, rank_env=one_gpu_env if device == "cuda" and world > 1 else None)
+            ranks = spawn(measure, world, name, spec, warmup, timed, snapshot, grad_norms, subprocess=True,
+                          threads=threads, timeout=timeout,
+                          rank_env=one_gpu_env if device == "cuda" and world > 1 else None)
             res = ranks[0]
             res["peak_per_rank"] = [r["memory"]["timed_peak"] for r in ranks]
             if matmul_tflops:
@@ -372,6 +402,17 @@ def table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def _trajectories(record: dict) -> list[str]:
+    """Each system's losses (and gradient norms, where recorded), step by step: what says whether two systems trained
+    the same model."""
+    lines = []
+    for r in record["variants"]:
+        if "losses" in r:
+            norms = f"; grad norms {', '.join(f'{x:.4g}' for x in r['grad_norms'])}" if r.get("grad_norms") else ""
+            lines.append(f"  {r['system']}: losses {', '.join(f'{x:.4f}' for x in r['losses'])}{norms}")
+    return lines
+
+
 def summary(folder: str) -> str:
     """The tables of every record a lease wrote into folder (bw, variants, world2) and its steps' exit lines."""
     from bench import probe_world2
@@ -399,7 +440,7 @@ def summary(folder: str) -> str:
                         f"micro-batch {rec['micro_batch']}"
                         + ("" if rec.get("timing_meaningful", True)
                            else " (step times not meaningful: ranks share one GPU)"),
-                        table(rec)]
+                        table(rec)] + _trajectories(rec)
             case "world2":
                 out += [f"{name}:", probe_world2.table(rec)]
     return "\n".join(out)
@@ -425,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--timeout", type=float, default=300)
     v.add_argument("--world", type=int, default=1, help="ranks (on a GPU: all on GPU 0; memory per rank only)")
     v.add_argument("--checkpoint", default="", help="activation checkpointing of every block: non_reentrant, zkern")
+    v.add_argument("--lr", type=float, default=None, help="the optimizers' learning rate (default 1e-3)")
+    v.add_argument("--grad-norms", action="store_true", help="record every step's gradient norm per system")
     v.add_argument("--json")
     w = sub.add_parser("world2")
     w.add_argument("--json")
@@ -448,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = run_variants(args.names, args.model, args.device, args.json, steps=args.steps, warmup=args.warmup,
                            micro_batch=args.micro_batch, snapshot=args.snapshot, matmul_tflops=matmul,
                            threads=args.threads, timeout=args.timeout, world=args.world,
-                           checkpoint=args.checkpoint)
+                           checkpoint=args.checkpoint, lr=args.lr, grad_norms=args.grad_norms)
         print(table(rec))
         return int(any("error" in r for r in rec["variants"]))
     else:

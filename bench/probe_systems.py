@@ -10,6 +10,8 @@ zkern2-offload-bf16  the same with bf16 master and moments (bf16_master_weights_
                      stochastically rounded): 6 host bytes a parameter instead of 12
 zkern2-offload-dpu   the same with the delayed update (offload_optimizer.delayed_update: the host Adam behind the
                      next step's forward and backward)
+zkern2-offload-bf16-dpu  both: bf16 state and the delayed update (10 host bytes a parameter with its two staging
+                     copies, where fp32 state's 16 outgrew a 128 GB host at 7B)
 zkern3-offload       stage 3 with offload_optimizer and offload_param cpu
                      (every zkern offload variant builds its model on the device in bf16, as a user whose host cannot
                      hold a spare fp32 copy of the model does; the engine takes it from there)
@@ -24,6 +26,10 @@ deepspeed0..3        deepspeed.initialize at that stage with the same config (bf
 deepspeed2-offload   DeepSpeed ZeRO-Offload: stage 2 with offload_optimizer cpu (its DeepSpeedCPUAdam), where installed
 torch-mixed          zkern's arithmetic written in torch: bf16 weights and gradients, an fp32 master copy stepped
                      by AdamW(fused=True) and copied back (like compared with like, without zkern)
+torch-mixed-offload  zkern's offload arithmetic written in torch, as the reference for a model whose states outgrow
+                     the device: the bf16 model built on the device (as zkern's offload variants take it), the fp32
+                     master and AdamW on the host, stepped a slice of parameters at a time (the host then holds one
+                     slice's fp32 gradients, not the model's); slow, and timed only to be complete
 """
 
 from __future__ import annotations
@@ -41,10 +47,12 @@ OFFLOAD = {"zkern2-offload": (2, {"offload_optimizer": HOST_ADAM}, {}),
            "zkern2-offload-bf16": (2, {"offload_optimizer": HOST_ADAM},
                                    {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
            "zkern2-offload-dpu": (2, {"offload_optimizer": {**HOST_ADAM, "delayed_update": True}}, {}),
+           "zkern2-offload-bf16-dpu": (2, {"offload_optimizer": {**HOST_ADAM, "delayed_update": True}},
+                                       {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
            "zkern3-offload": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {})}
 NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *OFFLOAD, "ddp", "ddp-fused", "zero1", "fsdp2", "fsdp2-fused",
-         "fsdp2-zero2", "fsdp2-offload", "torch-mixed", "deepspeed0", "deepspeed1", "deepspeed2", "deepspeed3",
-         "deepspeed2-offload")
+         "fsdp2-zero2", "fsdp2-offload", "torch-mixed", "torch-mixed-offload", "deepspeed0", "deepspeed1", "deepspeed2",
+         "deepspeed3", "deepspeed2-offload")
 
 
 def deepspeed_installed() -> bool:
@@ -82,6 +90,10 @@ class ZkernSystem:
     def step(self):
         self.engine.step()
 
+    def grad_norm(self) -> float:
+        """The gradient norm the engine's last step computed (its own all-reduced figure)."""
+        return float(self.engine.get_global_grad_norm())
+
     def close(self):
         self.engine.destroy()
 
@@ -109,6 +121,8 @@ class TorchSystem:
     """A stock torch loop: zero_grad(set_to_none=True) (torch's default, so no gradient lives through forward),
     forward under autocast when the parameters are fp32, backward, AdamW."""
 
+    record_norms = False  # measure() turns it on with --grad-norms: a pass over the gradients before each step
+
     def __init__(self, spec: TrainSpec, model, params, opt, autocast: bool):
         self.spec, self.model, self.params, self.opt, self.autocast = spec, model, params, opt, autocast
         self.device = rank_device(spec)
@@ -122,10 +136,33 @@ class TorchSystem:
         loss.backward()
 
     def step(self):
+        self.last_norm = _norm_of_grads(self.params) if self.record_norms else None
         self.opt.step()
+
+    def grad_norm(self) -> float:
+        """The norm of the gradients the last step applied, from the parameters' .grad (FSDP2's shards summed over
+        the ranks), read before the optimizer ran."""
+        return self.last_norm
 
     def close(self):
         pass
+
+
+def _norm_of_grads(params) -> float:
+    """The global 2-norm of params' gradients: local tensors summed, FSDP2's DTensor shards over their mesh."""
+    import torch.distributed as dist
+
+    total, sharded = torch.zeros((), dtype=torch.float64, device=params[0].device), False
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if hasattr(g, "to_local"):
+            g, sharded = g.to_local(), True
+        total = total.to(g.device) + g.double().pow(2).sum()
+    if sharded and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return float(total.sqrt())
 
 
 class MixedTorchSystem(TorchSystem):
@@ -157,11 +194,53 @@ class MixedTorchSystem(TorchSystem):
                 g.div_(self.world)
         for m, g in zip(self.master, grads):
             m.grad = g.float()
+        self.last_norm = _norm_of_grads(self.master) if self.record_norms else None
         self.opt.step()
         for m in self.master:
             m.grad = None
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.master)
+
+
+class MixedOffloadTorchSystem(TorchSystem):
+    """torch-mixed with the master and the optimizer on the host (world 1): after backward each slice of parameters
+    has its bf16 gradients copied down and upcast, its AdamW(fused=True, on the host's CPU) step, and its new values
+    rounded to bf16 on the way back up."""
+
+    SLICES = 16  # host fp32 gradients held at once: 1/SLICES of the model
+
+    def __init__(self, spec: TrainSpec, model, world: int):
+        if world != 1:
+            raise SystemExit("probe: torch-mixed-offload is a one-rank reference")
+        model = model.to(torch.bfloat16)
+        params = [p for p in model.parameters() if p.requires_grad]
+        per = -(-len(params) // self.SLICES)
+        self.slices = []
+        for lo in range(0, len(params), per):
+            device_side = params[lo:lo + per]
+            master = [p.detach().to("cpu", torch.float32).requires_grad_(True) for p in device_side]
+            opt = torch.optim.AdamW(master, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
+            self.slices.append((device_side, master, opt))
+        super().__init__(spec, model, params, self.slices[0][2], autocast=False)
+
+    def forward(self, idx, tgt, step, rank):
+        for p in self.params:
+            p.grad = None
+        return self.spec.loss(self.model, idx, tgt, step, rank)
+
+    def step(self):
+        total = 0.0
+        for device_side, master, opt in self.slices:
+            for m, p in zip(master, device_side):
+                m.grad = p.grad.to("cpu").float()
+            if self.record_norms:
+                total += sum(float(m.grad.double().pow(2).sum()) for m in master)
+            opt.step()
+            with torch.no_grad():
+                for m, p in zip(master, device_side):
+                    m.grad = None
+                    p.copy_(m)
+        self.last_norm = total ** 0.5 if self.record_norms else None
 
 
 def build(name: str, spec: TrainSpec, world: int):
@@ -235,6 +314,10 @@ def build(name: str, spec: TrainSpec, world: int):
             if not bf16:
                 raise SystemExit("probe: torch-mixed is the bf16 recipe; run it with a bf16 spec")
             return MixedTorchSystem(spec, make_model(spec), world)
+        case "torch-mixed-offload":
+            if not bf16:
+                raise SystemExit("probe: torch-mixed-offload is the bf16 recipe; run it with a bf16 spec")
+            return MixedOffloadTorchSystem(spec, make_model(spec), world)
 
 
 @contextlib.contextmanager

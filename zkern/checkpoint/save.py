@@ -53,6 +53,7 @@ from zkern.checkpoint.manifest import (
 from zkern.checkpoint.plain import jsonable, plain
 from zkern.checkpoint.ranges import byte_view, dtype_name
 from zkern.checkpoint.tensorfile import StreamWriter
+from zkern.core.pinned import pinned_empty
 from zkern.errors import CheckpointError
 from zkern.optim.shard_adam import ShardAdam
 
@@ -206,7 +207,7 @@ def loco_layout(h: Holdings) -> dict:
 def _to_host(snap: Snapshot, *, pin: bool):
     out = []
     for kind, name, start, t in snap.entries:
-        buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
+        buf = pinned_empty(t.numel(), t.dtype) if pin else torch.empty(t.numel(), dtype=t.dtype)
         buf.copy_(snap.values(kind, t) if snap.in_files(t) else t.reshape(-1), non_blocking=pin)
         out.append((kind, name, start, buf))
     if pin:

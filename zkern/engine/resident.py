@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zkern.core.pinned import pinned_empty
 from zkern.core.state import StateRegistry
 
 # DeepSpeed's OffloadStateTypeEnum values, and which of zkern's state kinds each covers.
@@ -50,7 +51,8 @@ class Residency:
             if not types & wanted or storage.data_ptr() in seen:
                 continue
             data = _bytes(storage, self.device)
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            nbytes = storage.nbytes()
+            host = pinned_empty(nbytes, torch.uint8) if pin else torch.empty(nbytes, dtype=torch.uint8)
             host.copy_(data, non_blocking=non_blocking and pin)
             seen.add(storage.data_ptr())
             storage.resize_(0)  # the caching allocator may reuse the block: the copy above is ordered before reuse

@@ -1,6 +1,8 @@
-"""The offload suite: where the time of an offloaded step goes, in three modes in the same run: gradients copied to
-the host during backward (zkern's default), at step() (offload_optimizer.copy_grads_during_backward false), and with
-the delayed update (offload_optimizer.delayed_update: the host Adam runs behind the next step's forward and backward).
+"""The offload suite: where the time of an offloaded step goes, in four modes in the same run: gradients copied to
+the host during backward (zkern's default), the same with a buffer per chunk (offload_optimizer.staging_chunks 0:
+the default stages through a ring of four chunk buffers where a rank has more chunks), at step()
+(offload_optimizer.copy_grads_during_backward false, through the ring too), and with the delayed update
+(offload_optimizer.delayed_update: the host Adam runs behind the next step's forward and backward).
 
     python bench/run.py --suite offload --stage 2,3           # the small GPT, world 2, CPU
     python bench/run.py --suite offload --stage 3 --model 25m --steps 10 --json out.json
@@ -13,8 +15,8 @@ not an overlap; on a GPU the copies run on a side stream while backward computes
 is what was not hidden. For the delayed update, the host Adam's own time (timed in its thread) and how long the next
 step() waited for it give the share of the host Adam hidden behind compute; on a CPU the Adam's threads and the
 forward's share the same cores, so the share hidden there says little about a GPU host. Each mode's host staging is
-read from the allocations behind its staging buffers (one working-dtype copy of the shard, two with the delayed
-update), beside the host total memory_report() counts.
+read from the allocations behind its staging buffers (the ring's four chunks, one working-dtype copy of the shard
+without it, two with the delayed update), beside the host total memory_report() counts.
 """
 
 from __future__ import annotations
@@ -32,14 +34,17 @@ from zkern.core.buffers import allocated_bytes
 from zkern.env_report import cpu_model
 from zkern.testing import TinyGPT, spawn
 
-MODES = ("backward", "step", "delayed")  # gradients down during backward, at step(), the delayed update
-MODE_NAMES = {"backward": "during backward", "step": "at step()", "delayed": "delayed update"}
+# gradients down during backward (staged through the ring where it applies, the default), the same with a buffer per
+# chunk (staging_chunks 0), at step(), the delayed update
+MODES = ("backward", "whole", "step", "delayed")
+MODE_NAMES = {"backward": "during backward", "whole": "during backward, whole-shard staging", "step": "at step()",
+              "delayed": "delayed update"}
 
 
 def _config(stage: int, mode: str, preset: dict, precision: str) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": preset["bucket"],
             "offload_optimizer": {"device": "cpu", "copy_grads_during_backward": mode != "step",
-                                  "delayed_update": mode == "delayed"}}
+                                  "delayed_update": mode == "delayed", "staging_chunks": 0 if mode == "whole" else 4}}
     if stage == 3:
         zero["stage3_fetch_units"] = ["Block"]
     cfg = {"train_micro_batch_size_per_gpu": preset["micro_batch"], "steps_per_print": 0, "gradient_clipping": 1.0,
@@ -70,6 +75,7 @@ def _worker(rank: int, world: int, runs: list[dict], model: str, steps: int, war
         out.append({**run, "rows": rows, "params": sum(engine.runtime.full_shape(p).numel()
                                                         for p in engine.module.parameters()),
                     "host_staging_bytes": allocated_bytes(engine.host_step.staging_tensors()),
+                    "staging_ring": len(engine.host_step.ring or ()),
                     "host_bytes": engine.memory_report()["host"].get("total", 0)})
         engine.destroy()
     return out
@@ -120,6 +126,7 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
                      "share_on_host_before_step": per[0]["grad_bytes_in_backward"] / bytes_total if bytes_total else 0,
                      "steps_timed": len(per), "host_adam_s": adam, "host_adam_wait_s": waited,
                      "host_staging_bytes": results[0][i]["host_staging_bytes"],
+                     "staging_ring": results[0][i]["staging_ring"],
                      "host_bytes": results[0][i]["host_bytes"],
                      "host_adam_hidden": None if not adam else max(0.0, 1 - waited / adam)})
         progress(f"stage {run['stage']}, {MODE_NAMES[run['mode']]}: step {rows[-1]['step_s'] * 1e3:.1f} ms")
@@ -128,6 +135,7 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
         mode = {r["mode"]: r for r in rows if r["stage"] == s}
         ratios[f"stage{s}_step_during_backward_over_at_step"] = mode["backward"]["step_s"] / mode["step"]["step_s"]
         ratios[f"stage{s}_step_delayed_over_during_backward"] = mode["delayed"]["step_s"] / mode["backward"]["step_s"]
+        ratios[f"stage{s}_step_ring_over_whole_shard"] = mode["backward"]["step_s"] / mode["whole"]["step_s"]
     return {"suite": "offload", "model": model, "params": results[0][0]["params"], "world": world, "steps": steps,
             "warmup": warmup, "precision": precision,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({cpu_model()})",

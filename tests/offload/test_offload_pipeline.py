@@ -19,9 +19,10 @@ from zkern.core.buffers import allocated_bytes
 from zkern.testing import TinyGPT, spawn
 
 
-def _config(stage: int, during_backward: bool, offload_param: bool) -> dict:
+def _config(stage: int, during_backward: bool, offload_param: bool, ring: int = 0) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0,
-            "offload_optimizer": {"device": "cpu", "copy_grads_during_backward": during_backward}}
+            "offload_optimizer": {"device": "cpu", "copy_grads_during_backward": during_backward,
+                                  "staging_chunks": ring}}
     if offload_param:
         zero["offload_param"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 0,
@@ -35,9 +36,9 @@ def _backward(engine, rank: int, seed: int, poison: bool = False) -> None:
     engine.backward(loss * float("inf") if poison else loss)
 
 
-def _run(rank: int, stage: int, during_backward: bool, offload_param: bool, ckpt: str) -> dict:
+def _run(rank: int, stage: int, during_backward: bool, offload_param: bool, ckpt: str, ring: int = 0) -> dict:
     torch.manual_seed(0)
-    cfg = _config(stage, during_backward, offload_param)
+    cfg = _config(stage, during_backward, offload_param, ring)
     engine = zkern.Engine(TinyGPT(), cfg)
     accounts = []
 
@@ -65,20 +66,25 @@ def _run(rank: int, stage: int, during_backward: bool, offload_param: bool, ckpt
     _backward(engine, rank, 7)
     engine.zero_grad()  # the accumulation's gradients so far are dropped, its boundary backward's included
     micro(8)  # the count stays: this one ends the accumulation
-    engine.save_checkpoint(ckpt, tag=f"s{stage}-{during_backward}")
+    engine.save_checkpoint(ckpt, tag=f"s{stage}-{during_backward}-{ring}")
     engine.destroy()
     torch.manual_seed(1)
     engine = zkern.Engine(TinyGPT(), cfg)
-    engine.load_checkpoint(ckpt, tag=f"s{stage}-{during_backward}")
+    engine.load_checkpoint(ckpt, tag=f"s{stage}-{during_backward}-{ring}")
     micro(10), micro(11)
     chunks = sum(len(g.chunks) for g in engine.host_step.host_groups)
+    ringed = engine.host_step.ring is not None
     state = engine.full_state_dict()
     engine.destroy()
-    return {"state": state, "accounts": accounts, "chunks": chunks, "skipped": skipped}
+    return {"state": state, "accounts": accounts, "chunks": chunks, "skipped": skipped, "ringed": ringed}
+
+
+RING = 2  # staging buffers in the ring runs: fewer than the chunks, so buffers are reused within a step
 
 
 def _worker(rank, world, stage, offload_param, ckpt):
-    return {during: _run(rank, stage, during, offload_param, ckpt) for during in (True, False)}
+    return {(during, ring): _run(rank, stage, during, offload_param, ckpt, ring)
+            for during in (True, False) for ring in (0, RING)}
 
 
 @pytest.mark.dist
@@ -86,12 +92,18 @@ def _worker(rank, world, stage, offload_param, ckpt):
 def test_gradients_copied_during_backward_train_bit_for_bit_as_copied_at_the_step(stage, offload_param, tmp_path):
     results = spawn(_worker, 2, stage, offload_param, str(tmp_path))
     for rank, r in enumerate(results):
-        early, late = r[True], r[False]
-        assert early["skipped"] == late["skipped"] == 1
-        for name, value in late["state"].items():
-            assert torch.equal(early["state"][name], value), (rank, name)
+        early, late = r[(True, 0)], r[(False, 0)]
+        for mode, run in r.items():  # the staging ring too, its buffers reused within each step
+            assert run["skipped"] == 1
+            for name, value in late["state"].items():
+                assert torch.equal(run["state"][name], value), (rank, mode, name)
         n = early["chunks"]
-        assert n > 1
+        assert n > RING
+        # the ring stages stage 3's parameters on the host itself with offload_param (they rest there): no ring
+        assert [r[(d, RING)]["ringed"] for d in (True, False)] == [not offload_param] * 2
+        if not offload_param:  # during backward the first RING chunks to land came down; the rest at the step
+            went = [(a["grad_chunks_in_backward"], a["grad_chunks_at_step"]) for a in r[(True, RING)]["accounts"]]
+            assert went == [(RING, n - RING), (0, n), (RING, n - RING), (RING, n - RING)], went
         # the applied steps: every chunk went down in backward, except after the gradient write (all again at the
         # step)
         went = [(a["grad_chunks_in_backward"], a["grad_chunks_at_step"]) for a in early["accounts"]]
@@ -103,21 +115,33 @@ def test_gradients_copied_during_backward_train_bit_for_bit_as_copied_at_the_ste
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_host_staging_is_one_copy_of_the_shard_unless_the_update_is_delayed(stage):
-    """The gradient's host buffer takes the chunk's new parameters once the Adam has read it: one working-dtype copy
-    of the shard on the host. The delayed update keeps a second (the update waits there while the next backward's
-    gradients come down)."""
-    for delayed, copies in ((False, 1), (True, 2)):
+def test_host_staging_is_a_ring_of_chunk_buffers_or_one_copy_of_the_shard_or_two_with_the_delayed_update(stage):
+    """By default (offload_optimizer.staging_chunks 4) the host staging is four chunk-sized buffers, each taking a
+    chunk's gradient and then its new parameters; with staging_chunks 0 one buffer per chunk, one working-dtype copy
+    of the shard; the delayed update keeps a second copy (its update waits there while the next backward's gradients
+    come down), and no ring."""
+    for delayed, staging in ((False, None), (False, 0), (True, None)):
         torch.manual_seed(0)
+        offload = {"device": "cpu", "delayed_update": delayed}
+        if staging is not None:
+            offload["staging_chunks"] = staging
         cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "device": "cpu", "bf16": {"enabled": True},
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
-                                     "stage3_param_persistence_threshold": 0,
-                                     "offload_optimizer": {"device": "cpu", "delayed_update": delayed}}}
+                                     "stage3_param_persistence_threshold": 0, "offload_optimizer": offload}}
         engine = zkern.Engine(TinyGPT(), cfg)
         host = engine.host_step
-        shard = sum(c.grad.nbytes for g in host.host_groups for c in g.chunks)
-        assert shard > 0
-        assert allocated_bytes(host.staging_tensors()) == host.staging_bytes == copies * shard, (delayed, stage)
-        assert engine.memory_report()["host"]["offload_buffers"] == copies * shard
+        chunks = [c for g in host.host_groups for c in g.chunks]
+        shard = sum(c.grad.nbytes for c in chunks)
+        assert len(chunks) > 4 and shard > 0
+        expected = {(False, None): 4 * max(c.grad.nbytes for c in chunks), (False, 0): shard,
+                    (True, None): 2 * shard}[(delayed, staging)]
+        assert expected < shard or staging == 0 or delayed
+        assert allocated_bytes(host.staging_tensors()) == host.staging_bytes == expected, (delayed, staging, stage)
+        assert engine.memory_report()["host"]["offload_buffers"] == expected
+        for step in range(3):  # and it trains: the ring's buffers are reused within each step
+            ids = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(ids, ids))
+            engine.step()
+        assert engine.host_step.staging_bytes == expected
         engine.destroy()

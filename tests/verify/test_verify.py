@@ -251,9 +251,9 @@ def test_every_mutant_is_killed_by_the_draw_the_record_names():
     survivors = []
     for name, index in mutants.KILLERS.items():
         result = mutants.hunt(name, [Draw.from_json(mutants.TARGETED[index])])
-        if not result["killed"]:
+        if not result["killed"] or result.get("mutant_raised"):  # a patch that raises kills nothing by the checks
             survivors.append(name)
-    assert not survivors, f"mutants no longer killed by their draws: {survivors}"
+    assert not survivors, f"mutants no longer killed by their draws' checks: {survivors}"
 
 
 # 16-bit, qwZ and bf16-state draws are held to a reference doing their arithmetic (single.same_arithmetic): planted

@@ -255,6 +255,9 @@ OFFLOAD = {
         # zkern's own: ZeRO-Offload's delayed parameter update (DPU): step i's host Adam runs in the background
         # through step i+1's forward and backward, and its parameters reach the model at step i+1's step()
         "delayed_update": _bool(False),
+        # zkern's own: host staging as a ring of this many chunk-sized buffers, not the whole shard (0: one buffer
+        # per chunk); used where each chunk's buffer stages both ways and zkern's Adam steps chunk by chunk
+        "staging_chunks": _int(4, 0),
     },
     "offload_param": {
         "device": Key("str", "none"), "pin_memory": _bool(True), "nvme_path": Key("str_or_null", None),

@@ -118,6 +118,8 @@ class ZeroConfig:
     # zkern's own: ZeRO-Offload's delayed parameter update; each step's host Adam overlaps the next step's forward
     # and backward, and the working weights trail the master by one update (offload/host.py)
     offload_optimizer_delayed_update: bool = _default(K.OFFLOAD["offload_optimizer"], "delayed_update")
+    # zkern's own: the host staging is a ring of this many chunk buffers (offload/host.py); 0: the whole shard
+    offload_optimizer_staging_chunks: int = _default(K.OFFLOAD["offload_optimizer"], "staging_chunks")
     offload_param_device: str = _default(K.OFFLOAD["offload_param"], "device")
     offload_param_pin_memory: bool = _default(K.OFFLOAD["offload_param"], "pin_memory")
     # offload_optimizer.device "nvme" (ZeRO-Infinity, offload/nvme.py): fp32 master and moments in files under

@@ -200,9 +200,13 @@ def optimizer_side(cfg: Config, spec: RuntimeSpec, runtime: Runtime, comm: Comm,
     zero = cfg.zero_optimization
     shard_groups, host_step = runtime.shard_groups, None
     if spec.offloaded:
+        # the ring of staging buffers needs zkern's own Adam (build_optimizer's ShardAdam), stepping chunk by chunk
+        per_chunk = (client is None and cfg.optimizer is not None and cfg.optimizer.type not in _OTHERS
+                     and not cfg.optimizer.torch_adam and nvme_shard is None)
         host_step = HostStep(shard_groups, pin=spec.pin_optimizer, out_on_host=zero.offload_param_device != "none",
                              store=store, during_backward=zero.offload_optimizer_copy_grads_during_backward,
-                             delayed=zero.offload_optimizer_delayed_update)
+                             delayed=zero.offload_optimizer_delayed_update,
+                             staging_chunks=zero.offload_optimizer_staging_chunks, per_chunk=per_chunk)
         if host_step.during_backward:  # each gradient region goes to the host as its reduction lands
             runtime.on_final_grads = host_step.grad_final
         if host_step.delayed:  # what reads or writes a shard waits for the update in the background (store.py)

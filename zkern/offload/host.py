@@ -47,6 +47,7 @@ import torch
 from zkern.core.buffers import allocated_bytes
 from zkern.core.pinned import pinned_zeros
 from zkern.core.shard_groups import Chunk, ShardGroup, shares_staging
+from zkern.offload.delayed import DelayedUpdate
 from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 
 
@@ -56,11 +57,12 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     return pinned_zeros(numel, dtype) if pin else torch.zeros(numel, dtype=dtype)
 
 
-class HostStep:
+class HostStep(DelayedUpdate):
     """Staging buffers and the copy/step pipeline of an offloaded optimizer step."""
 
     def __init__(self, device_groups: list[ShardGroup], *, pin: bool, out_on_host: bool, store=None,
-                 during_backward: bool = True, delayed: bool = False):
+                 during_backward: bool = True, delayed: bool = False, staging_chunks: int = 0,
+                 per_chunk: bool = False):
         """device_groups: the runtime's shard groups (param = host master chunk, grad = device gradient chunk,
         out = device parameter chunk, or a host one when out_on_host). An out that is a meta stand-in (the
         parameter shard on NVMe) is staged on the host and sent with write(out, values); read(out) gives its
@@ -72,26 +74,48 @@ class HostStep:
         new value in the same place (every optimizer zkern steps is element-wise, and a torch optimizer's copy-out
         runs after its whole step), and the uploads leave on the side stream before the next backward's copies
         come down it. Host staging is then one copy of the shard in the working dtype, not two. Nothing else
-        writes such a buffer (shares_staging)."""
+        writes such a buffer (shares_staging).
+
+        staging_chunks > 0 (offload_optimizer.staging_chunks), where every chunk stages both ways and the optimizer
+        steps chunk by chunk (per_chunk: zkern's Adam on host masters): the staging is a ring of that many
+        chunk-sized buffers instead of the whole shard. The chunk at position p of a step's order stages in buffer
+        p mod staging_chunks; the chunk staging_chunks later comes down only after that one's parameters went up
+        (the same side stream, in order). In a boundary's backward the first staging_chunks chunks to land come
+        down; the rest at step(), each behind the Adam of the one before."""
         self.device_groups = device_groups
         self.store = store
         self._active: list[list[bool]] | None = None
         cuda = any(c.grad.is_cuda for g in device_groups for c in g.chunks)
         self.stream = torch.cuda.Stream() if cuda else None
         self.host_groups: list[ShardGroup] = []
+
+        def both_ways(c: Chunk) -> bool:  # the chunk's parameters may stage in its gradient's buffer
+            on_device = c.out is not None and not out_on_host and not store.in_files(c.out)
+            return on_device and not delayed and (c.out.dtype, c.out.numel()) == (c.grad.dtype, c.grad.numel())
+
+        device_chunks = [c for g in device_groups for c in g.chunks]
+        self.ring: list[torch.Tensor] | None = None  # the staging buffers, when a ring (else one per chunk)
+        if (staging_chunks and per_chunk and len(device_chunks) > staging_chunks and all(map(both_ways, device_chunks))
+                and len({c.grad.dtype for c in device_chunks}) == 1):
+            numel = max(c.grad.numel() for c in device_chunks)
+            self.ring = [host_tensor(numel, device_chunks[0].grad.dtype, pin=pin) for _ in range(staging_chunks)]
         for g in device_groups:
             chunks = []
             for c in g.chunks:
-                grad = host_tensor(c.grad.numel(), c.grad.dtype, pin=pin)
+                if self.ring is not None:  # placed in a buffer of the ring before each use (_place)
+                    grad = self.ring[0][:c.grad.numel()]
+                else:
+                    grad = host_tensor(c.grad.numel(), c.grad.dtype, pin=pin)
                 out = c.out
                 on_device = c.out is not None and not out_on_host and not store.in_files(c.out)
-                if on_device and not delayed and (c.out.dtype, c.out.numel()) == (grad.dtype, grad.numel()):
+                if both_ways(c):
                     out = grad  # the gradient's staging takes the chunk's new values once the Adam has read it
                 elif c.out is not None and (on_device or delayed or store.in_files(c.out)):
                     out = host_tensor(c.out.numel(), c.out.dtype, pin=pin)
                     out.copy_(store.read(c.out))
                 chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))
             self.host_groups.append(ShardGroup(pieces=g.pieces, chunks=chunks))
+        self._position: dict[tuple[int, int], int] = {}  # ring: each chunk's place in this step's order
         self.grad_bytes = sum(c.grad.nbytes for g in self.host_groups for c in g.chunks)  # the shard, once a step
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self.during_backward = during_backward
@@ -121,6 +145,8 @@ class HostStep:
     def staging_tensors(self) -> list[torch.Tensor]:
         """The host staging buffers: gradient copies (scratch within a step) and, where the parameters live on the
         device, the working copy the host step writes (derived from the master; refreshed piece by piece)."""
+        if self.ring is not None:
+            return list(self.ring)
         out = []
         for host, device in zip(self.host_groups, self.device_groups):
             for h, d in zip(host.chunks, device.chunks):
@@ -157,6 +183,26 @@ class HostStep:
             else:
                 with torch.cuda.stream(self.stream):
                     dev[lo:hi].copy_(host[lo:hi], non_blocking=True)
+
+    def _timed_down(self, key: tuple[int, int]) -> None:
+        """_down at step(); on a CPU the copy itself is the step's wait for the gradient."""
+        start = time.perf_counter()
+        self._down(*key)
+        self._wait_s += time.perf_counter() - start if self.stream is None else 0.0
+
+    def _place(self, key: tuple[int, int], position: int) -> None:
+        """Ring: the chunk at `position` of this step's order stages (both ways) in buffer position mod its size."""
+        chunk = self.host_groups[key[0]].chunks[key[1]]
+        chunk.grad = chunk.out = self.ring[position % len(self.ring)][:chunk.grad.numel()]
+        self._position[key] = position
+
+    def _up_and_next(self, gi: int, ci: int) -> None:
+        """Ring: this chunk's parameters go up, then the chunk that takes its buffer next comes down behind them
+        (on the same stream, so the copy engine has read the buffer before the Adam writes it again)."""
+        self._up(gi, ci)
+        later = self._position[(gi, ci)] + len(self.ring)
+        if later < len(self._order):
+            self._timed_down(self._order[later])
 
     def _stepped(self, gi: int, ci: int) -> list[tuple[int, int]]:
         """Element ranges of chunk ci of group gi that this step updated: the whole chunk (padding included)
@@ -217,7 +263,11 @@ class HostStep:
             overlap = min(hi, end) - max(lo, start)
             if overlap > 0 and key not in self._sent:
                 self._missing[key] -= overlap
-                if self._missing[key] <= 0:
+                if self._missing[key] <= 0 and self.ring is not None and len(self._landed) >= len(self.ring):
+                    self._missing[key] = float("inf")  # the ring is full: this one comes down at step()
+                elif self._missing[key] <= 0:
+                    if self.ring is not None:
+                        self._place(key, len(self._landed))
                     self._wait_chunk(key)  # the delayed update may still read its host buffer
                     start = time.perf_counter()
                     if self.stream is not None:  # the fold that made it final ran on the compute stream
@@ -245,11 +295,14 @@ class HostStep:
         self._active = active
         order = [(gi, ci) for gi, g in enumerate(self.host_groups) for ci in range(len(g.chunks))]
         sent = self._sent or set()
-        for gi, ci in order:
-            if (gi, ci) not in sent:
-                copy_start = time.perf_counter()
-                self._down(gi, ci)
-                self._wait_s += time.perf_counter() - copy_start if self.stream is None else 0.0
+        if self.ring is not None:  # those down already first, in the order they came; then backward's order
+            order = [k for k in self._landed if k in sent] + [k for k in reversed(order) if k not in sent]
+            for p, key in enumerate(order):
+                self._place(key, p)
+        self._order = order
+        for key in order:
+            if key not in sent and (self.ring is None or self._position[key] < len(self.ring)):
+                self._timed_down(key)
         moved = sum(self.host_groups[gi].chunks[ci].grad.nbytes for gi, ci in sent)
         self.last_step = {"grad_chunks_in_backward": len(sent), "grad_chunks_at_step": len(order) - len(sent),
                           "grad_bytes_in_backward": moved, "grad_bytes_at_step": self.grad_bytes - moved,
@@ -263,8 +316,14 @@ class HostStep:
             self.last_step.update(step_s=time.perf_counter() - start, grad_wait_s=self._wait_s,
                                   landing_wait_s=self.landing_wait_s, adam_s=self._adam_s)
             return
-        if isinstance(optimizer, ShardAdam):
+        if isinstance(optimizer, ShardAdam) and self.ring is None:
             optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, after_chunk=self._up)
+        elif type(optimizer) is ShardAdam:  # the ring: the order its buffers were given out in
+            optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down,
+                           after_chunk=self._up_and_next, order=order)
+        elif self.ring is not None:
+            raise RuntimeError(f"zkern: offload's staging ring steps chunk by chunk, and the optimizer is "
+                               f"{type(optimizer).__name__}; set offload_optimizer.staging_chunks to 0")
         else:  # a torch optimizer steps every piece at once
             for gi, ci in order:
                 self._wait_down(gi, ci)
@@ -276,79 +335,3 @@ class HostStep:
             # buffers are not rewritten before the next step's control all-reduce synchronises the host.
             torch.cuda.current_stream().wait_stream(self.stream)
         self.last_step.update(step_s=time.perf_counter() - start, grad_wait_s=self._wait_s)
-
-    # -- the delayed update -----------------------------------------------------------------------------------
-    def _launch(self, optimizer: ShardAdam, grad_scale: float, active: list[list[bool]],
-                order: list[tuple[int, int]]) -> None:
-        """Start the Adam of this step in the background, chunk by chunk in `order`, with the hyper-parameters as
-        they are now (the LR schedule moves them when step() returns)."""
-        options = [dict(g) for g in optimizer.param_groups]
-        self._flight_done, self._flight_over = set(), False
-
-        def finished(gi: int, ci: int) -> None:
-            with self._flight_news:
-                self._flight_done.add((gi, ci))
-                self._flight_news.notify_all()
-
-        def run() -> None:
-            began = time.perf_counter()
-            try:
-                optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down,
-                               after_chunk=finished, options=options, order=order)
-            except BaseException as e:  # raised on the training thread by settle()
-                self._flight_error = e
-            finally:
-                self._adam_s = time.perf_counter() - began
-                with self._flight_news:
-                    self._flight_over = True
-                    self._flight_news.notify_all()
-
-        self._to_land = active
-        self._flight = threading.Thread(target=run, name="zkern-delayed-adam", daemon=True)
-        self._flight.start()
-
-    _adam_s = 0.0  # the last delayed Adam's host time
-    landing_wait_s = 0.0  # how long the last landing waited for its Adam
-
-    def _wait_chunk(self, key: tuple[int, int]) -> None:
-        """Until the background Adam, if one runs, is done with chunk `key` (a failure is raised by settle())."""
-        if self._flight is None:
-            return
-        with self._flight_news:
-            self._flight_news.wait_for(lambda: self._flight_over or key in self._flight_done)
-
-    def settle(self) -> None:
-        """Wait for the delayed update's host Adam, if one runs: then nothing writes the host state behind the
-        caller's back. Its error, if it failed, is raised here (the host state is then half-updated: load a
-        checkpoint)."""
-        flight, self._flight = self._flight, None
-        if flight is None:
-            return
-        flight.join()
-        error, self._flight_error = self._flight_error, None
-        if error is not None:
-            self._to_land = None
-            raise RuntimeError(f"zkern: the delayed host Adam step failed ({type(error).__name__}: {error}); the "
-                               f"optimizer state is partly updated, so resume from a checkpoint") from error
-
-    def land(self, refresh: bool = True) -> bool:
-        """The delayed update reaches the working parameters: wait for its Adam, then send every piece it stepped
-        (the next forward computes with them). refresh=False leaves the runtime's whole copies to the caller (the
-        engine's step, whose after_step refreshes them anyway). True when an update was sent."""
-        if self._to_land is None:
-            self.settle()
-            return False
-        began = time.perf_counter()
-        self.settle()
-        self.landing_wait_s = time.perf_counter() - began
-        if self._to_land is None:  # nothing to send
-            return False
-        self._active, self._to_land = self._to_land, None
-        for gi, g in enumerate(self.host_groups):
-            for ci in range(len(g.chunks)):
-                self._up(gi, ci)
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
-        if refresh and self.on_landed is not None:
-            self.on_landed()
-        return True

@@ -66,6 +66,7 @@ class Draw:
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_param: str = "none"  # none | cpu | nvme (stage 3, with offload_optimizer)
     delayed_update: bool = False  # offload_optimizer.delayed_update: the host Adam one step behind (ZeRO-Offload's DPU)
+    staging_chunks: int = 4  # offload_optimizer.staging_chunks: the host staging's ring of chunk buffers (0: none)
     qwz: bool = False
     hpz: bool = False
     qgz: bool = False
@@ -294,6 +295,8 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
         if values.get("offload_optimizer") == "cpu" and values.get("offload_param") != "nvme" and \
                 values["optimizer"] in ZKERN_ADAM and rng.random() < 0.5:
             values["delayed_update"] = True
+        if values.get("offload_optimizer") == "cpu" and rng.random() < 0.4:  # a smaller ring reuses its buffers more
+            values["staging_chunks"] = rng.choice((0, 1, 2))
         if "overflow_at" in values:
             values["overflow_rank"] = rng.randrange(world)
             values["overflow_micro"] = rng.randrange(values["accumulation"])

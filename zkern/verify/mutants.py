@@ -39,6 +39,7 @@ TARGETED = [
     '{"accumulation": 2, "frontend": "trainer", "groups": true, "seed": 25, "stage": 2, "world": 2}',
     '{"delayed_update": true, "offload_optimizer": "cpu", "save_at": 1, "seed": 26, "stage": 2, "world": 2}',
     '{"offload_optimizer": "cpu", "seed": 27, "set_at": 1, "stage": 2, "world": 2}',
+    '{"bucket": 1000, "offload_optimizer": "cpu", "seed": 28, "stage": 2, "staging_chunks": 1, "world": 2}',
 ]
 
 
@@ -59,6 +60,7 @@ KILLERS = {
     "accelerate.boundary_ignored": 13, "accelerate.load_flags_dropped": 13, "trainer.accumulation_divided_twice": 14,
     "offload.delay_lands_at_once": 15,  # added 2026-11-27, killed by its targeted draw (tests/verify replays it)
     "offload.staging_overwritten": 16,  # added 2026-11-27 with the draws' set_at (a weight set before step())
+    "offload.ring_reused_early": 17,  # added 2026-11-27 with the staging ring (offload_optimizer.staging_chunks)
 }
 
 
@@ -88,8 +90,12 @@ def hunt(name: str, draws: list, report=print) -> dict:
             for o in outcomes:
                 tried += 1
                 if not o.ok:
+                    # a mutant whose own patch raised (its frames in planted.py) proves nothing about the net
+                    patch = MUTANTS[name][1].__name__  # in a traceback, or in the message of a call it broke
+                    broken = any("verify/planted.py" in f or f"{patch}." in f for f in o.failures)
                     return {"mutant": name, "killed": True, "by": o.draw.to_json(), "tried": tried,
-                            "why": o.failures[0][:300], "seconds": time.perf_counter() - start}
+                            "why": o.failures[0][:300], "seconds": time.perf_counter() - start,
+                            "mutant_raised": broken}
     finally:
         os.environ.pop(ENV, None)
     return {"mutant": name, "killed": False, "by": None, "tried": tried, "why": None,

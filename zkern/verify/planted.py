@@ -333,11 +333,24 @@ def _delay_lands_at_once(p: _Patches) -> None:
     from zkern.offload.host import HostStep
 
     def make(original):
-        def launch(self, optimizer, grad_scale, active):
-            original(self, optimizer, grad_scale, active)
+        def launch(self, optimizer, grad_scale, active, **kw):
+            original(self, optimizer, grad_scale, active, **kw)
             self.land()
         return launch
     p.wrap(HostStep, "_launch", make)
+
+
+def _ring_reused_early(p: _Patches) -> None:
+    """The staging ring's next chunk comes down into a buffer before the chunk there has had its parameters sent up
+    (which then go up as the next chunk's gradient)."""
+    from zkern.offload.host import HostStep
+
+    def up_and_next(self, gi, ci):
+        later = self._position[(gi, ci)] + len(self.ring)
+        if later < len(self._order):
+            self._timed_down(self._order[later])
+        self._up(gi, ci)
+    p.set(HostStep, "_up_and_next", up_and_next)
 
 
 def _staging_takes_working_copies(p: _Patches) -> None:
@@ -430,6 +443,8 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "qwz.scales_dropped": ("qwZ dequantizes with scale 1", _qwz_scales_dropped),
     "hpz.always_fresh": ("hpZ's secondary copy never refreshed after a step", _hpz_always_fresh),
     "offload.not_uploaded": ("ZeRO-Offload never copies the updated parameters back", _offload_not_uploaded),
+    "offload.ring_reused_early": ("offload's staging ring takes the next chunk's gradient before the last chunk's "
+                                  "parameters went up", _ring_reused_early),
     "nvme.last_tile_skipped": ("the NVMe optimizer skips the last piece of each tile", _nvme_last_tile_skipped),
     "offload.delay_lands_at_once": ("the delayed update's weights go up before the next forward", _delay_lands_at_once),
     "offload.staging_overwritten": ("a weight set between backward and step() overwrites the host's gradient copies",

@@ -89,9 +89,11 @@ class HostStep(DelayedUpdate):
         self.stream = torch.cuda.Stream() if cuda else None
         self.host_groups: list[ShardGroup] = []
 
+        def on_device(c: Chunk) -> bool:  # the chunk's working parameters live on the device
+            return c.out is not None and not out_on_host and not store.in_files(c.out)
+
         def both_ways(c: Chunk) -> bool:  # the chunk's parameters may stage in its gradient's buffer
-            on_device = c.out is not None and not out_on_host and not store.in_files(c.out)
-            return on_device and not delayed and (c.out.dtype, c.out.numel()) == (c.grad.dtype, c.grad.numel())
+            return on_device(c) and not delayed and (c.out.dtype, c.out.numel()) == (c.grad.dtype, c.grad.numel())
 
         device_chunks = [c for g in device_groups for c in g.chunks]
         self.ring: list[torch.Tensor] | None = None  # the staging buffers, when a ring (else one per chunk)
@@ -107,10 +109,9 @@ class HostStep(DelayedUpdate):
                 else:
                     grad = host_tensor(c.grad.numel(), c.grad.dtype, pin=pin)
                 out = c.out
-                on_device = c.out is not None and not out_on_host and not store.in_files(c.out)
                 if both_ways(c):
                     out = grad  # the gradient's staging takes the chunk's new values once the Adam has read it
-                elif c.out is not None and (on_device or delayed or store.in_files(c.out)):
+                elif c.out is not None and (on_device(c) or delayed or store.in_files(c.out)):
                     out = host_tensor(c.out.numel(), c.out.dtype, pin=pin)
                     out.copy_(store.read(c.out))
                 chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))
@@ -263,9 +264,8 @@ class HostStep(DelayedUpdate):
             overlap = min(hi, end) - max(lo, start)
             if overlap > 0 and key not in self._sent:
                 self._missing[key] -= overlap
-                if self._missing[key] <= 0 and self.ring is not None and len(self._landed) >= len(self.ring):
-                    self._missing[key] = float("inf")  # the ring is full: this one comes down at step()
-                elif self._missing[key] <= 0:
+                # with the ring full, a chunk that lands now comes down at step() (the ring only fills in backward)
+                if self._missing[key] <= 0 and (self.ring is None or len(self._landed) < len(self.ring)):
                     if self.ring is not None:
                         self._place(key, len(self._landed))
                     self._wait_chunk(key)  # the delayed update may still read its host buffer
@@ -316,14 +316,14 @@ class HostStep(DelayedUpdate):
             self.last_step.update(step_s=time.perf_counter() - start, grad_wait_s=self._wait_s,
                                   landing_wait_s=self.landing_wait_s, adam_s=self._adam_s)
             return
-        if isinstance(optimizer, ShardAdam) and self.ring is None:
-            optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, after_chunk=self._up)
-        elif type(optimizer) is ShardAdam:  # the ring: the order its buffers were given out in
+        if self.ring is not None:  # zkern's Adam, in the order the ring's buffers were given out
+            if type(optimizer) is not ShardAdam:
+                raise RuntimeError(f"zkern: offload's staging ring steps chunk by chunk, and the optimizer is "
+                                   f"{type(optimizer).__name__}; set offload_optimizer.staging_chunks to 0")
             optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down,
                            after_chunk=self._up_and_next, order=order)
-        elif self.ring is not None:
-            raise RuntimeError(f"zkern: offload's staging ring steps chunk by chunk, and the optimizer is "
-                               f"{type(optimizer).__name__}; set offload_optimizer.staging_chunks to 0")
+        elif isinstance(optimizer, ShardAdam):
+            optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, after_chunk=self._up)
         else:  # a torch optimizer steps every piece at once
             for gi, ci in order:
                 self._wait_down(gi, ci)

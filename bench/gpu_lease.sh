@@ -31,6 +31,8 @@
 #             says (the reference takes about 12 s a step at 7B)
 #   headline-ds  DeepSpeed's ZeRO-Offload on the headline's model and batch, with gradient norms:
 #             from .lease-wheels/ (`make lease-wheels`, carried on the call) where the machine lacks DeepSpeed
+#   uploads   stage 3 with offload_param at 1b and 16K tokens a step: prefetched units' host chunks up on a side
+#             stream (the default) beside the same copies in line on the compute stream (stage3/uploads.py)
 #   largest   zkern's offload with bf16 state at 13B (4K tokens a step): does it train on one GPU and this host
 #
 # The machine's python3 holds torch; nothing is installed into it: the CPU extension is built in place, its sources
@@ -144,6 +146,9 @@ for step in "$@"; do
         headline-more) run headline-more 330 $P variants zkern2-offload-bf16-dpu zkern2 --model "$H" \
             --micro-batch 8 --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 140 --bw-json "$R/bw.json" \
             --json "$R/headline-more.json" ;;
+        uploads) run uploads 200 $P variants zkern3-offload zkern3-offload-inline --model "$M" --micro-batch 8 \
+            --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 90 --bw-json "$R/bw.json" \
+            --json "$R/uploads.json" ;;
         largest) run largest 200 $P variants zkern2-offload-bf16 --model "$L" --micro-batch 2 \
             --checkpoint non_reentrant --warmup 1 --steps 2 --timeout 190 --json "$R/largest.json" ;;
         *) say "unknown step $step" ;;

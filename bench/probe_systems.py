@@ -13,6 +13,8 @@ zkern2-offload-dpu   the same with the delayed update (offload_optimizer.delayed
 zkern2-offload-bf16-dpu  both: bf16 state and the delayed update (10 host bytes a parameter with its two staging
                      copies, where fp32 state's 16 outgrew a 128 GB host at 7B)
 zkern3-offload       stage 3 with offload_optimizer and offload_param cpu
+zkern3-offload-inline  the same with every unit's host chunk copied up on the compute stream, in line with the
+                     compute (the path before stage3/uploads.py's side stream): the overlap's A/B
                      (every zkern offload variant builds its model on the device in bf16, as a user whose host cannot
                      hold a spare fp32 copy of the model does; the engine takes it from there)
 ddp, ddp-fused       fp32 parameters under torch.autocast(bf16), torch.optim.AdamW with its defaults (foreach) or
@@ -49,7 +51,8 @@ OFFLOAD = {"zkern2-offload": (2, {"offload_optimizer": HOST_ADAM}, {}),
            "zkern2-offload-dpu": (2, {"offload_optimizer": {**HOST_ADAM, "delayed_update": True}}, {}),
            "zkern2-offload-bf16-dpu": (2, {"offload_optimizer": {**HOST_ADAM, "delayed_update": True}},
                                        {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
-           "zkern3-offload": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {})}
+           "zkern3-offload": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {}),
+           "zkern3-offload-inline": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {})}
 NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *OFFLOAD, "ddp", "ddp-fused", "zero1", "fsdp2", "fsdp2-fused",
          "fsdp2-zero2", "fsdp2-offload", "torch-mixed", "torch-mixed-offload", "deepspeed0", "deepspeed1", "deepspeed2",
          "deepspeed3", "deepspeed2-offload")
@@ -243,6 +246,20 @@ class MixedOffloadTorchSystem(TorchSystem):
         self.last_norm = total ** 0.5 if self.record_norms else None
 
 
+@contextlib.contextmanager
+def _uploads_inline():
+    """Inside: a stage-3 runtime built gets no side stream for its uploads (each prefetched unit's host chunk is
+    then copied up on the compute stream, as before stage3/uploads.py)."""
+    from zkern.stage3.runtime import Stage3Runtime
+
+    original = Stage3Runtime.__dict__["_uploads"]
+    Stage3Runtime._uploads = staticmethod(lambda *args: None)
+    try:
+        yield
+    finally:
+        Stage3Runtime._uploads = original
+
+
 def build(name: str, spec: TrainSpec, world: int):
     """The system called name, built on this rank for spec (bf16 or fp32 as the spec says)."""
     if name not in NAMES:
@@ -259,7 +276,8 @@ def build(name: str, spec: TrainSpec, world: int):
             spec = dataclasses.replace(spec, stage=int(name[-1]))
         if spec.stage == 3:
             spec = dataclasses.replace(spec, zero={"stage3_fetch_units": ["Block"], **spec.zero})
-        return ZkernSystem(spec, world, on_device=name in OFFLOAD)
+        with _uploads_inline() if name.endswith("-inline") else contextlib.nullcontext():
+            return ZkernSystem(spec, world, on_device=name in OFFLOAD)
     if name.startswith("deepspeed"):
         return DeepSpeedSystem(dataclasses.replace(spec, stage=int(name[len("deepspeed")])), world,
                                offload=name.endswith("-offload"))

@@ -145,3 +145,32 @@ def test_every_variant_name_builds_or_is_refused_by_name():
                                          "ddp", "ddp-fused", "fsdp2", "fsdp2-fused", "torch-mixed"}
     with pytest.raises(SystemExit, match="unknown system"):
         probe_systems.build("nope", None, 1)
+
+
+@pytest.mark.dist
+def test_the_uploads_step_compares_the_side_stream_with_copies_in_line(tmp_path):
+    """The lease's `uploads` step: stage 3 with offload_param, its prefetched units' host chunks up ahead of use
+    (zkern3-offload) and in line (zkern3-offload-inline, the runtime built without stage3/uploads.py): the same
+    arithmetic, so the same losses bit for bit, and only the first variant's uploads go ahead."""
+    import dataclasses
+
+    from bench import engine_suite
+    from zkern.stage3.runtime import Stage3Runtime
+
+    base = engine_suite.make_spec(0, "tiny", 3, "bf16", "cpu")
+    spec = dataclasses.replace(base, model={**base.model, "checkpoint": "non_reentrant"})
+    ahead, inline = (probe_systems.build(n, spec, 1) for n in ("zkern3-offload", "zkern3-offload-inline"))
+    try:
+        assert ahead.engine.runtime.gatherer.uploads is not None
+        assert inline.engine.runtime.gatherer.uploads is None
+        assert Stage3Runtime.__dict__["_uploads"].__func__.__name__ == "_uploads"  # the patch was undone
+    finally:
+        ahead.close()
+        inline.close()
+    rec = gpu_probe.run_variants(["zkern3-offload", "zkern3-offload-inline"], "tiny", "cpu", str(tmp_path / "u.json"),
+                                 steps=2, warmup=1, micro_batch=None, snapshot=False, matmul_tflops=None, threads=1,
+                                 timeout=120, checkpoint="non_reentrant", lr=3e-4, grad_norms=True)
+    by = {v["system"]: v for v in rec["variants"]}
+    assert not [v for v in by.values() if "error" in v], by
+    assert by["zkern3-offload"]["losses"] == by["zkern3-offload-inline"]["losses"]
+    assert by["zkern3-offload"]["grad_norms"] == by["zkern3-offload-inline"]["grad_norms"]

@@ -14,7 +14,9 @@ next unit whatever its size (0 turns prefetch off). The budget is
 counted so that every rank reaches the same decision (the ranks must issue the same all-gathers): in forward
 it also keeps the gathered elements under stage3_max_live_parameters; in backward, where a unit is freed when
 this rank's gradients for it arrive, only the prefetched elements count against it. A pass that departs from
-the record stops prefetching and is recorded afresh; verifying passes (divergence.py) prefetch nothing.
+the record stops prefetching and is recorded afresh; verifying passes (divergence.py) prefetch nothing. With
+offload_param "cpu" a prefetched unit's host chunk goes up on a side stream (uploads.py), waited for where the unit
+is first used or let go.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import torch
 
 from zkern.comm.collectives import Comm
 from zkern.comm.divergence import fold_signature
-from zkern.comm.zeropp import FrozenStore, Secondary, quantized_all_gather
+from zkern.comm.zeropp import FrozenStore, Secondary
 from zkern.core.buffers import release, restore
 from zkern.errors import InvariantError
 from zkern.stage3.lifecycle import DataState, GradState, Unit
 from zkern.stage3.order import OrderRecord
+from zkern.stage3.sources import UnitSources
+from zkern.stage3.uploads import Uploads
 
 log = logging.getLogger("zkern")
 
@@ -38,78 +42,33 @@ class Gatherer:
     def __init__(self, units: list[Unit], comm: Comm, *, param_shard: torch.Tensor, dtype: torch.dtype,
                  device: torch.device, layout: dict[int, tuple[torch.Size, int]], params_on_host: bool,
                  prefetch_numel: int, max_live: int, quantize_weights: int = 0,
-                 secondary: Secondary | None = None, frozen: FrozenStore | None = None, param_store=None):
+                 secondary: Secondary | None = None, frozen: FrozenStore | None = None, param_store=None,
+                 uploads: Uploads | None = None):
         """layout: id(parameter) -> (full shape, offset inside its unit's buffer). quantize_weights: qwZ;
         secondary: hpZ's secondary partition; frozen: the units resting as int8 (zeropp.py); param_store: the
-        parameter file (offload_param "nvme", nvme_params.py), read ahead along the recorded order."""
-        self.units, self.comm = units, comm
-        self.param_shard, self.dtype, self.device = param_shard, dtype, device
-        self.layout, self.params_on_host = layout, params_on_host
+        parameter file (offload_param "nvme", nvme_params.py), read ahead along the recorded order; uploads: where
+        prefetched units' host chunks go up off the compute stream (offload_param "cpu", uploads.py)."""
+        self.units, self.comm, self.dtype, self.device, self.layout = units, comm, dtype, device, layout
         self.prefetch_numel, self.max_live = prefetch_numel, max_live
         self.empty = torch.empty(0, dtype=dtype, device=device)
         self.version = 0  # advanced by every optimizer step and every write into the shards
         self.live = self.peak_live = 0  # elements gathered or in flight (a running count: O(units) a gather)
         self.ahead = 0  # of which prefetched and not used yet
-        # _unquantized: the units whose gather in flight is exact where qwZ quantizes the others
-        self._prefetched, self._unquantized = set(), set()
+        self._prefetched: set[int] = set()
         self.counts = [0] * len(units)  # all-gathers issued per unit since construction
         self.signature = 0  # of the gathers issued since the last optimizer step (divergence.fold_signature)
         self.order = OrderRecord()
         self.verify_all = False  # verify every pass (after a signature mismatch, until a merge)
         self.verify = self._said_reorder = False  # verify: this pass verifies (begin_pass)
-        self.quantize_weights, self.secondary, self.frozen = quantize_weights, secondary, frozen
-        self.param_store = param_store
-        self.paths = [self._path_of(u) for u in units]  # per unit: its gather path (ZeRO++ chosen here, once)
+        self.quantize_weights, self.param_store, self.uploads = quantize_weights, param_store, uploads
+        self.sources = UnitSources(units, comm, param_shard=param_shard, params_on_host=params_on_host,
+                                   quantize_weights=quantize_weights, secondary=secondary, frozen=frozen,
+                                   param_store=param_store, uploads=uploads)
 
     # -- one unit ---------------------------------------------------------------------------------------------
-    def _own_chunk(self, u: Unit, buffer: torch.Tensor) -> torch.Tensor:
-        b = u.bucket
-        own = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
-        if self.param_store is not None:  # on NVMe: cached, read ahead, or read now
-            own = self.param_store.unit(u.index)
-        if self.params_on_host:
-            # Copied up into this rank's own slot of the gather buffer, then gathered in place: no extra buffer.
-            slot = buffer[self.comm.rank * b.chunk:(self.comm.rank + 1) * b.chunk]
-            own = slot.copy_(own, non_blocking=own.is_pinned())
-        return own
-
     def _count(self, u: Unit) -> None:
         self.counts[u.index] += 1
         self.signature = fold_signature(self.signature, u.index)
-
-    def _launch(self, u: Unit, buffer: torch.Tensor, purpose: str, async_op: bool, exact: bool):
-        """The all-gather of u into buffer, by the path every rank chooses alike from shared state: hpZ's secondary
-        partition while it holds this version (never for exact gathers: persistent units, GatheredParameters),
-        else the unit's own path, chosen once at construction (_path_of)."""
-        exact = exact or u.persistent or u.pins > 0
-        if self.secondary is not None and not exact and self.secondary.fresh(u.index, self.version):
-            return self.secondary.gather(u.index, buffer, purpose, async_op=async_op)
-        # qwZ: an exact gather's values are not the int8 path's; hpZ's secondary copy must not keep them (_wait), or
-        # a training step's arithmetic would depend on whether a generation ran before it.
-        (self._unquantized.add if self.quantize_weights and exact else self._unquantized.discard)(u.index)
-        return self.paths[u.index](u, buffer, purpose, async_op, exact)
-
-    def _path_of(self, u: Unit):
-        """How u is gathered from the primary partition, fixed for its life: from its stored int8 codes when it rests
-        as int8 (exact: the codes are its values), with qwZ's int8 when configured (plain for exact gathers), or the
-        plain all-gather of the working dtype."""
-        if self.frozen is not None and u.index in self.frozen:
-            def from_codes(u: Unit, buffer, purpose, async_op, exact):
-                return self.frozen.gather(self.comm, u.index, buffer, purpose, async_op=async_op)
-            return from_codes
-
-        def plain(u: Unit, buffer, purpose, async_op, exact):
-            return self.comm.all_gather(buffer, self._own_chunk(u, buffer), purpose, async_op=async_op)
-
-        if not self.quantize_weights:
-            return plain
-
-        def int8(u: Unit, buffer, purpose, async_op, exact):
-            if exact:
-                return plain(u, buffer, purpose, async_op, exact)
-            return quantized_all_gather(self.comm, buffer, self._own_chunk(u, buffer), purpose, async_op=async_op,
-                                        group=self.quantize_weights)
-        return int8
 
     def _slot(self, u: Unit) -> torch.Tensor:
         """u's gather buffer, its storage brought back to full size. Every gather of u fills this one storage, so a
@@ -124,8 +83,9 @@ class Gatherer:
     def gather(self, u: Unit, *, async_op: bool, exact: bool = False) -> None:
         """REST -> INFLIGHT, and on to GATHERED unless async_op. exact: never quantized nor from the secondary
         copy (GatheredParameters)."""
-        buffer = self._slot(u)
-        work = self._launch(u, buffer, f"parameters of unit '{u.name}'", async_op, exact)
+        buffer = self._slot(u)  # allocated on the compute stream, before any side stream writes it
+        work = self.sources.launch(u, buffer, f"parameters of unit '{u.name}'", async_op=async_op, exact=exact,
+                                   version=self.version, ahead=async_op)
         u.issue(buffer, work, self.version)
         self._count(u)
         self.live += u.bucket.padded
@@ -140,7 +100,8 @@ class Gatherer:
         if u.data is DataState.REST:
             raise u._fail("re-gathered while at rest")
         self.finish(u)
-        u.work = self._launch(u, u.buffer, f"{purpose}, unit '{u.name}'", async_op, exact=False)
+        u.work = self.sources.launch(u, u.buffer, f"{purpose}, unit '{u.name}'", async_op=async_op, exact=False,
+                                     version=self.version)
         u.version = self.version
         self._count(u)
         if not async_op:
@@ -149,14 +110,12 @@ class Gatherer:
     def _wait(self, u: Unit) -> None:
         """Wait for u's all-gather, if one is in flight; a gather from the primary partition refreshes hpZ's
         secondary slice of u."""
+        self.sources.arriving(u)
         if u.work is None:
             return
         u.work.wait()
         u.work = None
-        # A gather whose unit has no fresh slice read the primary partition (_launch's choice): keep the slice.
-        if self.secondary is not None and u.index not in self._unquantized and \
-                not self.secondary.fresh(u.index, u.version):
-            self.secondary.keep(u.index, u.buffer, u.version)
+        self.sources.gathered(u)
 
     def finish(self, u: Unit) -> None:
         """Wait for u's all-gather, if one is in flight, and point its parameters into the buffer."""

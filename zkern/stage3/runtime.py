@@ -46,6 +46,7 @@ from zkern.stage3.hooks import Stage3Hooks
 from zkern.stage3.lifecycle import DataState, Unit, check_pass_end
 from zkern.stage3.reduce import GradReducer
 from zkern.stage3.shards import Shards
+from zkern.stage3.uploads import Uploads
 
 log = logging.getLogger("zkern")
 
@@ -84,7 +85,7 @@ class Stage3Runtime:
                                  prefetch_numel=zero.stage3_prefetch_bucket_size,
                                  max_live=zero.stage3_max_live_parameters,
                                  quantize_weights=zero.zeropp_weight_group_size if zero.zero_quantized_weights else 0,
-                                 secondary=s.secondary, frozen=s.store.int8)
+                                 secondary=s.secondary, frozen=s.store.int8, uploads=self._uploads(s, comm, device))
         for u in self.units:
             if u.persistent:
                 self.gatherer.gather(u, async_op=False)
@@ -113,6 +114,17 @@ class Stage3Runtime:
         if not zero.keep_gradient_buffers:  # until the first backward (its chunk views exist now)
             self.reducer.free_grads()
         register_owner(s.all_params, self)
+
+    @staticmethod
+    def _uploads(s: Shards, comm: Comm, device: torch.device) -> Uploads | None:
+        """offload_param "cpu": prefetched units come up off the compute stream, from page-locked memory only (a copy
+        from pageable memory blocks the host until the side stream, and so the compute queued before it, is done).
+        A CPU run defers the copies instead (uploads.py), so its tests check the order of copy and use."""
+        if not s.params_on_host or s.param_store is not None:
+            return None
+        if device.type != "cpu" and not s.param_shard.is_pinned():
+            return None
+        return Uploads(device, world=comm.world)
 
     # -- the pass ---------------------------------------------------------------------------------------------
     @property

@@ -40,6 +40,7 @@ TARGETED = [
     '{"delayed_update": true, "offload_optimizer": "cpu", "save_at": 1, "seed": 26, "stage": 2, "world": 2}',
     '{"offload_optimizer": "cpu", "seed": 27, "set_at": 1, "stage": 2, "world": 2}',
     '{"bucket": 1000, "offload_optimizer": "cpu", "seed": 28, "stage": 2, "staging_chunks": 1, "world": 2}',
+    '{"offload_optimizer": "cpu", "offload_param": "cpu", "seed": 29, "stage": 3, "world": 1}',
 ]
 
 
@@ -61,6 +62,7 @@ KILLERS = {
     "offload.delay_lands_at_once": 15,  # added 2026-11-27, killed by its targeted draw (tests/verify replays it)
     "offload.staging_overwritten": 16,  # added 2026-11-27 with the draws' set_at (a weight set before step())
     "offload.ring_reused_early": 17,  # added 2026-11-27 with the staging ring (offload_optimizer.staging_chunks)
+    "offload.upload_unwaited": 18,  # added 2026-11-27 with stage 3's uploads ahead of use (stage3/uploads.py)
 }
 
 

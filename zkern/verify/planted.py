@@ -173,14 +173,14 @@ def _params_not_gathered(p: _Patches) -> None:
 # -- stage 3 -------------------------------------------------------------------------------------------------------
 def _shard_offset(p: _Patches) -> None:
     """Stage 3 gathers a unit from its shard one element off."""
-    from zkern.stage3.gatherer import Gatherer
+    from zkern.stage3.sources import UnitSources
 
     def make(original):
         def own_chunk(self, u, buffer):
             own = original(self, u, buffer)
             return torch.roll(own, 1) if own.numel() > 1 else own
         return own_chunk
-    p.wrap(Gatherer, "_own_chunk", make)
+    p.wrap(UnitSources, "own_chunk", make)
 
 
 def _first_unit_grads_dropped(p: _Patches) -> None:
@@ -353,6 +353,14 @@ def _ring_reused_early(p: _Patches) -> None:
     p.set(HostStep, "_up_and_next", up_and_next)
 
 
+def _upload_unwaited(p: _Patches) -> None:
+    """Stage 3's offload_param: a prefetched unit is used without waiting for its upload (on a GPU, the side
+    stream's copy races the compute that reads the unit; on a CPU the deferred copy never lands)."""
+    from zkern.stage3.uploads import Uploads
+
+    p.set(Uploads, "wait", lambda self, unit: self.pending.pop(unit, None) and None)
+
+
 def _staging_takes_working_copies(p: _Patches) -> None:
     """A weight set rewrites every working copy from the masters, the host staging that holds the gradients copied
     down in the backward before it included."""
@@ -445,6 +453,8 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "offload.not_uploaded": ("ZeRO-Offload never copies the updated parameters back", _offload_not_uploaded),
     "offload.ring_reused_early": ("offload's staging ring takes the next chunk's gradient before the last chunk's "
                                   "parameters went up", _ring_reused_early),
+    "offload.upload_unwaited": ("stage 3 uses a prefetched unit before its host chunk's upload arrived",
+                                _upload_unwaited),
     "nvme.last_tile_skipped": ("the NVMe optimizer skips the last piece of each tile", _nvme_last_tile_skipped),
     "offload.delay_lands_at_once": ("the delayed update's weights go up before the next forward", _delay_lands_at_once),
     "offload.staging_overwritten": ("a weight set between backward and step() overwrites the host's gradient copies",

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from zkern.reference import sum_of_squares
+
 
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023), as DeepSpeed's: w <- w (1 - lr wd) - lr sign(b1 m + (1 - b1) g);
@@ -97,8 +99,9 @@ class Lamb(torch.optim.Optimizer):
             m, v = state["exp_avg"], state["exp_avg_sq"]
             m.mul_(b1).add_(p.grad, alpha=1 - b1)
             v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-            sums[owner] += torch.linalg.vector_norm(p).double().square()
-            sums[count + owner] += torch.linalg.vector_norm(self._update(p, m, v, group)).double().square()
+            # sum_of_squares: a CPU's vector_norm runs 5.7% low over a 200M-element piece (reference.py)
+            sums[owner] += sum_of_squares(p)
+            sums[count + owner] += sum_of_squares(self._update(p, m, v, group))
         if self.reduce is not None:
             self.reduce(sums)
         norms = sums.sqrt()

@@ -47,6 +47,10 @@ MODELS = {
                warmup=5, bucket=100_000_000, gpu=True, precision="bf16"),
     "7b": dict(model=dict(vocab=32003, dim=4096, n_layer=32, n_head=32, seq=2048), micro_batch=1, steps=10,
                warmup=3, bucket=200_000_000, gpu=True, precision="bf16"),
+    # 7b-slice: two of the 7b's blocks at its width and vocabulary, 0.67B parameters, a short sequence: the 7b's
+    # per-element arithmetic (its 4096-wide layers, a 0.67B-element bucket) within a CPU's reach
+    "7b-slice": dict(model=dict(vocab=32003, dim=4096, n_layer=2, n_head=32, seq=256), micro_batch=2, steps=5,
+                     warmup=1, bucket=200_000_000, precision="bf16"),
     # 13b: 12.7B parameters, for the largest model one GPU trains with ZeRO-Offload's host Adam (the GPU lease's
     # `largest` step: bf16 weights and gradients on the device, 51 GB; on the host bf16 master and moments, 76 GB,
     # and 25 GB of staging)

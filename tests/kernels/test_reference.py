@@ -108,7 +108,8 @@ def test_forcing_a_missing_backend_is_an_error(monkeypatch):
 def test_a_long_buffers_sum_of_squares_is_as_accurate_as_a_short_ones(dtype):
     """A gradient bucket of 2^26 elements (a 7B model's buckets hold 2e8): a CPU torch.dot adds each vector lane
     sequentially in fp32, and its sum came out 1.3e-3 low here in fp32 and 7e-4 for bf16 values (0.8% at 2e8), so
-    zkern's gradient norm and its clipping were off on a CPU. Partials of NORM_CHUNK elements are held to fp32_sum_rtol(NORM_CHUNK), whatever the length."""
+    zkern's gradient norm and its clipping were off on a CPU. Partials of NORM_CHUNK elements are held to
+    fp32_sum_rtol(NORM_CHUNK), whatever the length."""
     g = torch.Generator().manual_seed(26)
     x = torch.randn(1 << 26, generator=g).to(dtype)
     exact = float(x.double().square().sum())

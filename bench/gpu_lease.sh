@@ -23,8 +23,11 @@
 #             GPU with the optimizer on the host: zkern's offload with bf16 master and moments
 #   headline-peers  the same model and batch under FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-Offload (where
 #             installed): one timed step each (torch's AdamW on the host takes tens of seconds a step at 7B)
-#   headline-more  zkern's offload with bf16 state and the delayed update, then the same model without offload
-#             (fits an H200, not an H100: the offloaded step's goal is 1.3x of it)
+#   headline-more  zkern's offload with bf16 state and the delayed update, then, on a card of more than 120 GB (an
+#             H200), the same model without offload (105 GB of model states: the offloaded step's goal is 1.3x of it;
+#             an H100 would only record its out-of-memory)
+#   ratio     the 1.3x goal where both fit one H100: the 1b model at 16K tokens a step (16 x 1024), every block
+#             recomputed, without offload, then offloaded with bf16 state, with and without the delayed update
 #   parity    the headline's model, batch and lr, zkern's fp32-state offload beside torch-mixed-offload (the same
 #             arithmetic in plain torch, its AdamW on the host), every step's loss and gradient norm: on 2026-11-27
 #             FSDP2's third loss parted from zkern's by 0.38, and this says which of the two trains as the arithmetic
@@ -98,6 +101,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 echo "clocks before: $(clocks)" | tee -a "$R/machine.txt"
 nproc
 free -g | head -2
+# the 7B model without offload beside the headline where the card can hold its 105 GB of model states
+BESIDE=$(python3 -c "import torch; print('zkern2' if torch.cuda.get_device_properties(0).total_memory > 120e9 else '')" \
+    2>/dev/null)
 say "the CUDA extension builds in the background"
 TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") MAX_JOBS=4 \
     timeout 240 python3 -c "import zkern.cuda as c; c._ext()" >"$R/cuda-build.log" 2>&1 &
@@ -143,9 +149,12 @@ for step in "$@"; do
         headline-ds) with_deepspeed run headline-ds 280 $P variants deepspeed2-offload --model "$H" --micro-batch 8 \
             --checkpoint non_reentrant --warmup 1 --steps 2 --grad-norms --timeout 270 --bw-json "$R/bw.json" \
             --json "$R/headline-ds.json" ;;
-        headline-more) run headline-more 330 $P variants zkern2-offload-bf16-dpu zkern2 --model "$H" \
+        headline-more) run headline-more 330 $P variants zkern2-offload-bf16-dpu $BESIDE --model "$H" \
             --micro-batch 8 --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 140 --bw-json "$R/bw.json" \
             --json "$R/headline-more.json" ;;
+        ratio) run ratio 200 $P variants zkern2 zkern2-offload-bf16-dpu zkern2-offload-bf16 --model "$M" \
+            --micro-batch 16 --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 90 --bw-json "$R/bw.json" \
+            --json "$R/ratio.json" ;;
         uploads) run uploads 200 $P variants zkern3-offload zkern3-offload-inline --model "$M" --micro-batch 8 \
             --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 90 --bw-json "$R/bw.json" \
             --json "$R/uploads.json" ;;

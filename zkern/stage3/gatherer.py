@@ -60,10 +60,18 @@ class Gatherer:
         self.order = OrderRecord()
         self.verify_all = False  # verify every pass (after a signature mismatch, until a merge)
         self.verify = self._said_reorder = False  # verify: this pass verifies (begin_pass)
-        self.quantize_weights, self.param_store, self.uploads = quantize_weights, param_store, uploads
+        self.param_store = param_store
         self.sources = UnitSources(units, comm, param_shard=param_shard, params_on_host=params_on_host,
                                    quantize_weights=quantize_weights, secondary=secondary, frozen=frozen,
                                    param_store=param_store, uploads=uploads)
+
+    @property
+    def quantize_weights(self) -> int:
+        return self.sources.quantize_weights
+
+    @property
+    def uploads(self) -> Uploads | None:
+        return self.sources.uploads
 
     # -- one unit ---------------------------------------------------------------------------------------------
     def _count(self, u: Unit) -> None:

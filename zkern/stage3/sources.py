@@ -8,8 +8,6 @@ qwZ's int8, or from hpZ's secondary partition. The gatherer (gatherer.py) decide
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from zkern.comm.collectives import Comm
@@ -30,6 +28,11 @@ class UnitSources:
         self.param_store, self.uploads = param_store, uploads
         self._unquantized: set[int] = set()  # units whose gather in flight is exact where qwZ quantizes the others
         self.paths = [self._path_of(u) for u in units]  # per unit: its gather path (ZeRO++ chosen here, once)
+        # per unit: whether its prefetch copies its host chunk off the compute stream. Only on the plain path, whose
+        # one device operation after the copy is the all-gather (qwZ's quantization, hpZ's secondary copy and the
+        # int8 units launch kernels whose temporaries the compute stream would then share with the side stream).
+        plain = uploads is not None and not quantize_weights and secondary is None
+        self.ahead_ok = [plain and (frozen is None or u.index not in frozen) for u in units]
 
     def own_chunk(self, u: Unit, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of u, where the gather reads it (with offload_param: already copied into its slot)."""
@@ -49,23 +52,18 @@ class UnitSources:
         """The all-gather of u into buffer, by the path every rank chooses alike from shared state: hpZ's secondary
         partition while it holds this version (never for exact gathers: persistent units, GatheredParameters),
         else the unit's own path, chosen once at construction (_path_of). ahead: a prefetch, whose host chunk goes
-        up off the compute stream where the path allows (_uploads_ahead)."""
+        up off the compute stream where the path allows (ahead_ok)."""
         exact = exact or u.persistent or u.pins > 0
         if self.secondary is not None and not exact and self.secondary.fresh(u.index, version):
             return self.secondary.gather(u.index, buffer, purpose, async_op=async_op)
         # qwZ: an exact gather's values are not the int8 path's; hpZ's secondary copy must not keep them (gathered),
         # or a training step's arithmetic would depend on whether a generation ran before it.
         (self._unquantized.add if self.quantize_weights and exact else self._unquantized.discard)(u.index)
-        side = self.uploads.ahead(u.index) if ahead and self._uploads_ahead(u) else contextlib.nullcontext()
-        with side:
-            return self.paths[u.index](u, buffer, purpose, async_op, exact)
-
-    def _uploads_ahead(self, u: Unit) -> bool:
-        """u's prefetch copies its host chunk up off the compute stream: only on the plain path, whose one device
-        operation after the copy is the all-gather (qwZ's quantization, hpZ's secondary copy and the int8 units
-        launch kernels whose temporaries the compute stream would then share with the side stream)."""
-        return self.uploads is not None and not self.quantize_weights and self.secondary is None and \
-            (self.frozen is None or u.index not in self.frozen)
+        path = self.paths[u.index]
+        if ahead and self.ahead_ok[u.index]:
+            with self.uploads.ahead(u.index):
+                return path(u, buffer, purpose, async_op, exact)
+        return path(u, buffer, purpose, async_op, exact)
 
     def _path_of(self, u: Unit):
         """How u is gathered from the primary partition, fixed for its life: from its stored int8 codes when it rests

@@ -163,10 +163,18 @@ def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, adamw: bool,
                grad_scale: float = 1.0, param_out: torch.Tensor | None = None, sr_seed: int | None = None,
-               sr_offset: int = 0) -> None:
-    _impl(param, "adam_step_")(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,
-                               weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, param_out=param_out,
-                               sr_seed=sr_seed, sr_offset=sr_offset)
+               sr_offset: int = 0, save: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One fused Adam/AdamW step, in place. save: three buffers shaped like (param, exp_avg, exp_avg_sq) that take
+    their values before the step (the CPU kernel stores them in its one pass; the others copy them first)."""
+    hyper = dict(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                 grad_scale=grad_scale, param_out=param_out, sr_seed=sr_seed, sr_offset=sr_offset)
+    backend = backend_for(param, "adam_step_")
+    if save is not None and backend != "cpu":
+        for buf, now in zip(save, (param, exp_avg, exp_avg_sq)):
+            buf.copy_(now)
+    elif save is not None:
+        hyper["save"] = save
+    AVAILABLE[backend].adam_step_(param, grad, exp_avg, exp_avg_sq, **hyper)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

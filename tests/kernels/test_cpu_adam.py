@@ -283,6 +283,52 @@ def test_reference_and_extension_agree_through_ops():
     assert torch.equal(out, p.bfloat16())
 
 
+@pytest.mark.parametrize("isa", [*_ext.SUPPORTED, "shared"])
+@pytest.mark.parametrize("master, state", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                           (torch.bfloat16, torch.bfloat16)], ids=["fp32", "bf16-state", "bf16"])
+@pytest.mark.parametrize("n", [13, 2**16 + 5])
+def test_a_saving_step_keeps_the_values_before_it_and_steps_as_one_that_does_not(n, master, state, isa):
+    """save= (the speculative offloaded step's rollback): the master and moments as read, stored in the same pass,
+    bit for bit; the step itself, stochastic rounding included, unchanged; across the body and the tail."""
+    torch.manual_seed(0)
+    p, m, v = torch.randn(n).to(master), torch.randn(n).to(state), torch.rand(n).to(state)
+    g, out = torch.randn(n).bfloat16(), torch.empty(n, dtype=torch.bfloat16)
+    before = [t.clone() for t in (p, m, v)]
+    plain = [t.clone() for t in (p, m, v)]
+    saves = [torch.full_like(t, float("nan")) for t in (p, m, v)]
+    hyper = dict(step=3, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, adamw=True, grad_scale=0.5,
+                 sr_seed=7 if torch.bfloat16 in (master, state) else None, isa=isa)
+    _ext.adam_step_(p, g, m, v, param_out=out, save=tuple(saves), **hyper)
+    _ext.adam_step_(*plain[:1], g, *plain[1:], **hyper)
+    assert all(map(torch.equal, saves, before))
+    assert all(map(torch.equal, (p, m, v), plain))
+    assert not torch.equal(p, before[0])
+
+
+def test_a_saving_step_through_ops_saves_on_every_backend(monkeypatch):
+    from zkern import ops
+
+    for backend in ("cpu", "reference"):
+        monkeypatch.setenv("ZKERN_BACKEND", backend)
+        p, m, v, g = torch.randn(100), torch.randn(100), torch.rand(100), torch.randn(100)
+        before, saves = [t.clone() for t in (p, m, v)], tuple(torch.zeros(100) for _ in range(3))
+        ops.adam_step_(p, g, m, v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
+                       save=saves)
+        assert all(map(torch.equal, saves, before)), backend
+        assert not torch.equal(p, before[0]), backend
+
+
+def test_saves_go_together_and_match_their_buffers():
+    args = dict(step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True)
+    with pytest.raises(TypeError, match="save\\[1\\] must be"):
+        _ext.adam_step_(torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(8),
+                        save=(torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8)), **args)
+    with pytest.raises(ValueError, match="all three buffers or none"):
+        _ext.EXT.adam_step("scalar", *(torch.zeros(8).data_ptr(), 0) * 2, torch.zeros(8).data_ptr(),
+                           torch.zeros(8).data_ptr(), 0, 0, -1, 8, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0, False,
+                           0, 0, 1, torch.zeros(8).data_ptr(), 0, 0)
+
+
 def test_the_thread_count_comes_from_the_cores_this_process_may_use(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv("ZKERN_CPU_THREADS", raising=False)

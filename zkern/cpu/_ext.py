@@ -110,12 +110,14 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, adamw: bool,
                grad_scale: float = 1.0, param_out: torch.Tensor | None = None, sr_seed: int | None = None,
-               sr_offset: int = 0, isa: str | None = None, threads: int | None = None) -> None:
+               sr_offset: int = 0, isa: str | None = None, threads: int | None = None,
+               save: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """zkern.reference.adam_step_'s semantics in one fused pass (to float32 rounding; see csrc/adam_kernel.h).
 
     param (the master) and the moments may be bfloat16 (rounded to nearest even, or stochastically with sr_seed).
     isa: a path to use instead of active_isa() (tests step every path; "shared" runs the CUDA kernel's per-element
-    code, zkern/csrc/zk_adam.h, on the host, one element at a time); threads: default cpu_threads().
+    code, zkern/csrc/zk_adam.h, on the host, one element at a time); threads: default cpu_threads(). save: three
+    buffers like (param, exp_avg, exp_avg_sq) that take their values before the step, in the same pass.
     """
     n = param.numel()
     _check("param", param, n, STATE_DTYPES)
@@ -124,6 +126,9 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     _check("exp_avg_sq", exp_avg_sq, n, (exp_avg.dtype,))
     if param_out is not None:
         _check("param_out", param_out, n, tuple(DTYPE_CODES))
+    if save is not None:
+        for name, buf, like in zip(("save[0]", "save[1]", "save[2]"), save, (param, exp_avg, exp_avg_sq)):
+            _check(name, buf, n, (like.dtype,))
     if step < 1:
         raise ValueError(f"CPU Adam: step counts from 1, got {step}")
     chosen = active_isa() if isa is None else isa
@@ -135,7 +140,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                   -1 if param_out is None else DTYPE_CODES[param_out.dtype], n, int(step), float(lr),
                   float(betas[0]), float(betas[1]), float(eps), float(weight_decay), bool(adamw),
                   float(grad_scale), sr_seed is not None, (sr_seed or 0) & 0xFFFFFFFF, int(sr_offset),
-                  threads or cpu_threads())
+                  threads or cpu_threads(), *(0, 0, 0) if save is None else (t.data_ptr() for t in save))
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

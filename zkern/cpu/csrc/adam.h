@@ -30,6 +30,11 @@ struct AdamArgs {
   uint32_t sr_seed;      // stochastic rounding: the hash seed of this call
   int64_t sr_base;       // and the hashed index of its first element
   int threads;           // OpenMP threads for this call
+  // Optional: the master's and the moments' values before this step, stored exactly as read (the speculative step,
+  // offload/speculative.py, restores them if the step's decision comes out otherwise). All three or none.
+  void* save_param;      // param_dtype
+  void* save_exp_avg;    // state_dtype
+  void* save_exp_avg_sq; // state_dtype
 };
 
 namespace zk_avx512 { void adam_step(const AdamArgs& a); }

@@ -87,12 +87,19 @@ inline void store_moment(void* s, int64_t i, Vec x, bool stochastic, VecI r) {
 
 // One vector of W elements at offset i of the given buffers; `at` is the first element's index in the call
 // (with sr_base: the index the stochastic rounding hashes, so it does not depend on how a range is split).
+// save (optional, with sp/sm/sv): the loaded master and moments are stored there first, exactly.
 template <int GradDtype, int OutDtype, bool AdamW, int MasterDtype, int StateDtype, bool Stream = false>
 inline void step_vec(void* param, const void* grad, void* m, void* v, void* out, int64_t i, int64_t at,
-                     const Coeffs& c) {
+                     const Coeffs& c, bool save = false, void* sp = nullptr, void* sm = nullptr,
+                     void* sv = nullptr) {
   Vec p = load_state<MasterDtype>(param, i);
   Vec mv = load_state<StateDtype>(m, i);
   Vec vv = load_state<StateDtype>(v, i);
+  if (save) {
+    store_state<MasterDtype>(sp, i, p);
+    store_state<StateDtype>(sm, i, mv);
+    store_state<StateDtype>(sv, i, vv);
+  }
   // zkern/csrc/zk_math.h, the CUDA kernel's arithmetic too; the moments are stored rounded after it.
   zk_math::adam_update<AdamW>(load_grad<GradDtype>(grad, i), p, mv, vv, c.k);
   // Stochastic rounding's bits: one hash gives exp_avg and exp_avg_sq 16 each; a bf16 master takes a second.
@@ -128,12 +135,17 @@ int64_t run_body(const AdamArgs& args, int64_t i, int64_t hi) {
   void* const v = args.exp_avg_sq;
   void* const out = args.out;
   const void* const grad = args.grad;
+  void* const sp = args.save_param;
+  void* const sm = args.save_exp_avg;
+  void* const sv = args.save_exp_avg_sq;
+  const bool save = sp != nullptr;
   for (; i + W <= hi; i += W) {
     __builtin_prefetch(static_cast<const char*>(param) + (i + kPrefetchElems) * elem_size(MasterDtype));
     __builtin_prefetch(static_cast<const char*>(m) + (i + kPrefetchElems) * elem_size(StateDtype));
     __builtin_prefetch(static_cast<const char*>(v) + (i + kPrefetchElems) * elem_size(StateDtype));
     __builtin_prefetch(static_cast<const char*>(grad) + (i + kPrefetchElems) * elem_size(GradDtype));
-    step_vec<GradDtype, OutDtype, AdamW, MasterDtype, StateDtype, Stream>(param, grad, m, v, out, i, i, c);
+    step_vec<GradDtype, OutDtype, AdamW, MasterDtype, StateDtype, Stream>(param, grad, m, v, out, i, i, c, save, sp,
+                                                                         sm, sv);
   }
   if constexpr (Stream) vstream_fence();  // order the weakly-ordered stores before the caller reads the copy
   return i;
@@ -160,6 +172,11 @@ void run_range(const AdamArgs& a, int64_t lo, int64_t hi) {
   std::memcpy(m, static_cast<const unsigned char*>(a.exp_avg) + i * ss, r * ss);
   std::memcpy(v, static_cast<const unsigned char*>(a.exp_avg_sq) + i * ss, r * ss);
   std::memcpy(g, static_cast<const unsigned char*>(a.grad) + i * elem_size(GradDtype), r * elem_size(GradDtype));
+  if (a.save_param != nullptr) {  // the values before the step, as the body saves them
+    std::memcpy(static_cast<unsigned char*>(a.save_param) + i * ps, p, r * ps);
+    std::memcpy(static_cast<unsigned char*>(a.save_exp_avg) + i * ss, m, r * ss);
+    std::memcpy(static_cast<unsigned char*>(a.save_exp_avg_sq) + i * ss, v, r * ss);
+  }
   step_vec<GradDtype, OutDtype, AdamW, MasterDtype, StateDtype>(p, g, m, v, o, 0, i, coeffs_of(a));
   std::memcpy(static_cast<unsigned char*>(a.param) + i * ps, p, r * ps);
   std::memcpy(static_cast<unsigned char*>(a.exp_avg) + i * ss, m, r * ss);

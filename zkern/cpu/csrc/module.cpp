@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -45,7 +46,8 @@ Kernel kernel_for(const std::string& isa) {
 void adam_step(const std::string& isa, uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype,
                uintptr_t exp_avg, uintptr_t exp_avg_sq, int state_dtype, uintptr_t out, int out_dtype, int64_t n,
                int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-               double grad_scale, bool stochastic, uint32_t sr_seed, int64_t sr_base, int threads) {
+               double grad_scale, bool stochastic, uint32_t sr_seed, int64_t sr_base, int threads,
+               uintptr_t save_param, uintptr_t save_exp_avg, uintptr_t save_exp_avg_sq) {
   // "shared": the CUDA kernel's per-element code (zkern/csrc/zk_adam.h) on the host, for the tests.
   Kernel kernel = isa == "shared" ? nullptr : kernel_for(isa);
   if (step < 1) throw std::invalid_argument("step counts from 1");
@@ -77,10 +79,24 @@ void adam_step(const std::string& isa, uintptr_t param, int param_dtype, uintptr
   a.eps = static_cast<float>(eps);
   a.grad_scale = static_cast<float>(grad_scale);
   a.threads = threads < 1 ? 1 : threads;
+  if ((save_param == 0) != (save_exp_avg == 0) || (save_param == 0) != (save_exp_avg_sq == 0))
+    throw std::invalid_argument("the saved master and moments go together: give all three buffers or none");
+  a.save_param = reinterpret_cast<void*>(save_param);
+  a.save_exp_avg = reinterpret_cast<void*>(save_exp_avg);
+  a.save_exp_avg_sq = reinterpret_cast<void*>(save_exp_avg_sq);
   if (n > 0) {
     py::gil_scoped_release release;
-    if (kernel) kernel(a);
-    else zk_adam_host::adam_step(a, a.l2 == 0.0f);  // AdamW, or Adam without weight decay, as the kernels decide
+    if (kernel) {
+      kernel(a);
+    } else {  // the per-element code has no save: copy the values before the step first
+      if (a.save_param) {
+        const int64_t ps = param_dtype == ZK_F32 ? 4 : 2, ss = state_dtype == ZK_F32 ? 4 : 2;
+        std::memcpy(a.save_param, a.param, n * ps);
+        std::memcpy(a.save_exp_avg, a.exp_avg, n * ss);
+        std::memcpy(a.save_exp_avg_sq, a.exp_avg_sq, n * ss);
+      }
+      zk_adam_host::adam_step(a, a.l2 == 0.0f);  // AdamW, or Adam without weight decay, as the kernels decide
+    }
   }
 }
 
@@ -102,7 +118,8 @@ PYBIND11_MODULE(_adam_ext, m) {
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("state_dtype"), py::arg("out"), py::arg("out_dtype"),
         py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"), py::arg("stochastic"), py::arg("sr_seed"),
-        py::arg("sr_base"), py::arg("threads"));
+        py::arg("sr_base"), py::arg("threads"), py::arg("save_param") = 0, py::arg("save_exp_avg") = 0,
+        py::arg("save_exp_avg_sq") = 0);
   // ZeRO++'s quantization over zkern/csrc/zk_quant.h, the CUDA kernels' per-element rules (see shared_host.h).
   m.def(
       "quantize",

@@ -248,13 +248,17 @@ OFFLOAD = {
         "cpuadam_cores_perc": Inert("zkern's CPU Adam uses the cores this process may run on (ZKERN_CPU_THREADS "
                                     "overrides)"),
         "ratio": DefaultOnly(1.0, "partial optimizer offload"),
-        "super_offload": DefaultOnly(False, "SuperOffload"),
+        # SuperOffload's speculative CPU step: zkern's speculative_step (below), which it turns on
+        "super_offload": _bool(False),
         # zkern's own: each gradient chunk is copied to the host as its reduction lands in the boundary's backward
         # (false: all of them when step() is called)
         "copy_grads_during_backward": _bool(True),
         # zkern's own: ZeRO-Offload's delayed parameter update (DPU): step i's host Adam runs in the background
         # through step i+1's forward and backward, and its parameters reach the model at step i+1's step()
         "delayed_update": _bool(False),
+        # zkern's own: each gradient chunk's host Adam runs in the boundary's backward as the chunk lands, guessing
+        # the step applies unclipped; step() keeps it, or restores the chunks' saved state and steps them again
+        "speculative_step": _bool(False),
         # zkern's own: host staging as a ring of this many chunk-sized buffers, not the whole shard (0: one buffer
         # per chunk); used where each chunk's buffer stages both ways and zkern's Adam steps chunk by chunk
         "staging_chunks": _int(4, 0),

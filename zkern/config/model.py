@@ -153,6 +153,7 @@ def check_combinations(cfg: Config) -> None:
                           "\"cpu\" or \"nvme\" too: the optimizer writes the updated shards into the parameter file "
                           "from the host")
     _check_delayed_update(cfg)
+    _check_speculative_step(cfg)
     _check_zeropp(cfg)
     _check_bf16_state(cfg)
     _check_torch_autocast(cfg)
@@ -174,6 +175,30 @@ def _check_delayed_update(cfg: Config) -> None:
         raise ConfigError("'zero_optimization.offload_optimizer.delayed_update' runs zkern's own Adam/AdamW in the "
                           "background: give an 'optimizer' section of type Adam or AdamW (without torch_adam), not "
                           "a torch optimizer")
+
+
+def _check_speculative_step(cfg: Config) -> None:
+    zero = cfg.zero_optimization
+    if not (zero.offload_optimizer_speculative_step or zero.offload_optimizer_super_offload):
+        return
+    key = "speculative_step" if zero.offload_optimizer_speculative_step else "super_offload"
+    name = f"'zero_optimization.offload_optimizer.{key}'"
+    if zero.offload_optimizer_device != "cpu":
+        raise ConfigError(f"{name} runs the host Adam of offload_optimizer device \"cpu\" during backward; set that "
+                          f"device (with \"nvme\" the step streams its state from files)")
+    if zero.offload_optimizer_delayed_update:
+        raise ConfigError(f"{name} and 'delayed_update' both move the host Adam off the step's critical path, one "
+                          f"exactly (a guess checked at step()) and one a step late; choose one")
+    if zero.offload_param_device != "none" and zero.stage == 3:
+        raise ConfigError(f"{name} with offload_param: the guessed Adam would write the host parameters the next "
+                          f"forward reads before the step's decision is known; zkern does not build that yet, so "
+                          f"drop one of the two")
+    if not zero.offload_optimizer_copy_grads_during_backward:
+        raise ConfigError(f"{name} steps each gradient chunk as it lands in backward, and "
+                          f"'copy_grads_during_backward' is false (no chunk lands before step()); set it to true")
+    if cfg.optimizer is None or cfg.optimizer.type not in ("adam", "adamw") or cfg.optimizer.torch_adam:
+        raise ConfigError(f"{name} runs zkern's own Adam/AdamW chunk by chunk during backward: give an 'optimizer' "
+                          f"section of type Adam or AdamW (without torch_adam), not a torch optimizer")
 
 
 def _check_torch_autocast(cfg: Config) -> None:

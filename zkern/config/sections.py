@@ -118,6 +118,10 @@ class ZeroConfig:
     # zkern's own: ZeRO-Offload's delayed parameter update; each step's host Adam overlaps the next step's forward
     # and backward, and the working weights trail the master by one update (offload/host.py)
     offload_optimizer_delayed_update: bool = _default(K.OFFLOAD["offload_optimizer"], "delayed_update")
+    # zkern's own (DeepSpeed's super_offload turns it on): the host Adam of each gradient chunk runs in the boundary's
+    # backward as the chunk lands, guessing an unclipped step; step() keeps or undoes it (offload/speculative.py)
+    offload_optimizer_speculative_step: bool = _default(K.OFFLOAD["offload_optimizer"], "speculative_step")
+    offload_optimizer_super_offload: bool = _default(K.OFFLOAD["offload_optimizer"], "super_offload")
     # zkern's own: the host staging is a ring of this many chunk buffers (offload/host.py); 0: the whole shard
     offload_optimizer_staging_chunks: int = _default(K.OFFLOAD["offload_optimizer"], "staging_chunks")
     offload_param_device: str = _default(K.OFFLOAD["offload_param"], "device")

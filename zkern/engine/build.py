@@ -206,14 +206,19 @@ def optimizer_side(cfg: Config, spec: RuntimeSpec, runtime: Runtime, comm: Comm,
         host_step = HostStep(shard_groups, pin=spec.pin_optimizer, out_on_host=zero.offload_param_device != "none",
                              store=store, during_backward=zero.offload_optimizer_copy_grads_during_backward,
                              delayed=zero.offload_optimizer_delayed_update,
-                             staging_chunks=zero.offload_optimizer_staging_chunks, per_chunk=per_chunk)
+                             staging_chunks=zero.offload_optimizer_staging_chunks, per_chunk=per_chunk,
+                             speculative=zero.offload_optimizer_speculative_step
+                             or zero.offload_optimizer_super_offload)
         if host_step.during_backward:  # each gradient region goes to the host as its reduction lands
             runtime.on_final_grads = host_step.grad_final
-        if host_step.delayed:  # what reads or writes a shard waits for the update in the background (store.py)
-            store.delayed = host_step
+        if host_step.delayed or host_step.speculative:  # what reads or writes a shard waits for the update in the
+            store.delayed = host_step  # background, or withdraws the speculative one (store.py)
+        if host_step.delayed:
             host_step.on_landed = runtime.refresh  # landed outside a step too: the whole copies follow
         shard_groups = host_step.host_groups
     optimizer = build_optimizer(cfg, client, shard_groups, requested, nvme=nvme_shard, rank=comm.rank, spec=spec)
+    if host_step is not None and host_step.speculative and isinstance(optimizer, ShardAdam):
+        optimizer.keep_saves()  # the speculative step's rollback, allocated (and counted) from the start
     attach_layout(optimizer, runtime, comm, zero.stage)
     return host_step, optimizer, build_scheduler_for(cfg, lr_scheduler, optimizer)
 

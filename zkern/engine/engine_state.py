@@ -44,6 +44,8 @@ def build_registry(parts: EngineParts, reporter: Reporter) -> StateRegistry:
                            tensors=lambda: list(reporter.losses)))
     if parts.host_step is not None:
         registry.add(Component("offload.staging", "derived", tensors=parts.host_step.staging_tensors))
+        saves = getattr(parts.optimizer, "saves", [])  # the speculative step's (ShardAdam.keep_saves)
+        registry.add(Component("offload.speculation_saves", "scratch", tensors=lambda: [t for g in saves for t in g]))
     registry.add(Component("comm.scratch", "scratch", tensors=parts.comm.scratch.tensors))  # reduce-scatters' receive
     nvme = parts.nvme
     if nvme is not None:

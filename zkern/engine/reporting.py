@@ -19,6 +19,7 @@ import torch
 
 from zkern.config import Config
 from zkern.config.report import startup_block
+from zkern.core.buffers import allocated_bytes
 from zkern.core.measure import peak_rss_bytes, rss_bytes
 from zkern.core.runtime import Runtime
 from zkern.engine.parts import EngineParts
@@ -203,6 +204,9 @@ def memory_report(parts: EngineParts) -> dict[str, dict[str, int]]:
         host["master"], device["master"] = device["master"], 0
         host["optimizer"] = optimizer
         host["offload_buffers"] = parts.host_step.staging_bytes
+        saves = getattr(parts.optimizer, "saves", [])  # the speculative step's rollback (ShardAdam.keep_saves)
+        if saves:
+            host["speculation_saves"] = allocated_bytes([t for g in saves for t in g])
     else:
         device["optimizer"] = optimizer
     host["params"], device["params"] = on_host, device["params"] - on_host

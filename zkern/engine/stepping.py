@@ -43,6 +43,8 @@ def optimizer_step(parts: EngineParts) -> None:
                                    "parameters with gradients", kind="control")
     values = control.tolist()  # the one host synchronisation of the step
     if signatures_differ(values[2], values[3], signature, parts.world_size):
+        if parts.host_step is not None:
+            parts.host_step.withdraw()  # the speculative Adam's chunks go back to their state before the step
         parts.runtime.diverged_step()  # stage 3: ranks paired different units; never apply this step
         counters.skipped_steps += 1
         parts.runtime.skipped_step()
@@ -56,6 +58,8 @@ def optimizer_step(parts: EngineParts) -> None:
     norm = math.sqrt(sq) * inv if math.isfinite(sq) else float("inf")
     counters.last_grad_norm = norm
     if overflow:
+        if parts.host_step is not None:
+            parts.host_step.withdraw()
         skip(parts, norm)
         if landed:
             parts.runtime.refresh()
@@ -96,6 +100,8 @@ def begin_backward(parts: EngineParts) -> None:
     boundary = parts.counters.at_boundary()
     if parts.host_step is not None:
         parts.host_step.begin_pass(boundary)
+        if boundary and parts.host_step.speculative:  # the chunks' Adam as they land, guessing an unclipped step
+            parts.host_step.speculate(parts.optimizer, unscale_factor(parts))
     parts.runtime.begin_backward(boundary)
 
 

@@ -48,6 +48,7 @@ from zkern.core.buffers import allocated_bytes
 from zkern.core.pinned import pinned_zeros
 from zkern.core.shard_groups import Chunk, ShardGroup, shares_staging
 from zkern.offload.delayed import DelayedUpdate
+from zkern.offload.speculative import SpeculativeStep
 from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 
 
@@ -57,12 +58,12 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     return pinned_zeros(numel, dtype) if pin else torch.zeros(numel, dtype=dtype)
 
 
-class HostStep(DelayedUpdate):
+class HostStep(DelayedUpdate, SpeculativeStep):
     """Staging buffers and the copy/step pipeline of an offloaded optimizer step."""
 
     def __init__(self, device_groups: list[ShardGroup], *, pin: bool, out_on_host: bool, store=None,
                  during_backward: bool = True, delayed: bool = False, staging_chunks: int = 0,
-                 per_chunk: bool = False):
+                 per_chunk: bool = False, speculative: bool = False):
         """device_groups: the runtime's shard groups (param = host master chunk, grad = device gradient chunk,
         out = device parameter chunk, or a host one when out_on_host). An out that is a meta stand-in (the
         parameter shard on NVMe) is staged on the host and sent with write(out, values); read(out) gives its
@@ -81,7 +82,9 @@ class HostStep(DelayedUpdate):
         chunk-sized buffers instead of the whole shard. The chunk at position p of a step's order stages in buffer
         p mod staging_chunks; the chunk staging_chunks later comes down only after that one's parameters went up
         (the same side stream, in order). In a boundary's backward the first staging_chunks chunks to land come
-        down; the rest at step(), each behind the Adam of the one before."""
+        down; the rest at step(), each behind the Adam of the one before. speculative: the speculative step
+        (offload/speculative.py); its chunks keep their new parameters in staging until the step's decision, so
+        the staging is one buffer per chunk, never the ring."""
         self.device_groups = device_groups
         self.store = store
         self._active: list[list[bool]] | None = None
@@ -97,7 +100,8 @@ class HostStep(DelayedUpdate):
 
         device_chunks = [c for g in device_groups for c in g.chunks]
         self.ring: list[torch.Tensor] | None = None  # the staging buffers, when a ring (else one per chunk)
-        if (staging_chunks and per_chunk and len(device_chunks) > staging_chunks and all(map(both_ways, device_chunks))
+        if (staging_chunks and per_chunk and not speculative and len(device_chunks) > staging_chunks
+                and all(map(both_ways, device_chunks))
                 and len({c.grad.dtype for c in device_chunks}) == 1):
             numel = max(c.grad.numel() for c in device_chunks)
             self.ring = [host_tensor(numel, device_chunks[0].grad.dtype, pin=pin) for _ in range(staging_chunks)]
@@ -137,6 +141,7 @@ class HostStep(DelayedUpdate):
         # units, stages 1-2's gather of every rank's chunk); set by the engine's build
         self.on_landed = None
         self._to_land: list[list[bool]] | None = None  # the delayed update's active pieces, until its parameters go up
+        self._init_speculation(speculative)
 
     @property
     def staging_bytes(self) -> int:
@@ -233,12 +238,20 @@ class HostStep(DelayedUpdate):
     def begin_pass(self, boundary: bool) -> None:
         """A backward begins: at the boundary, the gradients that land in it are copied down as they land; any other
         pass changes gradients already copied, so the step copies them all."""
+        self.withdraw("another backward")  # gradients a guess stepped with change in this pass
         self._sent = set() if boundary and self.during_backward else None
         self._spans, self._backward_copy_s, self._landed = None, 0.0, []
 
     def invalidate(self) -> None:
         """The device gradients were written after they landed: the step copies every chunk again."""
+        self.withdraw("gradients written")
         self._sent = None
+
+    def settle(self) -> None:
+        """Nothing runs on the host state in the background any more, and it holds no guess: what reads or writes
+        it between backward and step() sees the state before the step."""
+        self.withdraw("host state read or written")
+        DelayedUpdate.settle(self)
 
     def grad_final(self, region: torch.Tensor) -> None:
         """region (a view of the device gradient) holds its final values for this step: copy down every chunk whose
@@ -276,6 +289,7 @@ class HostStep(DelayedUpdate):
                     self._sent.add(key)
                     self._landed.append(key)
                     self._backward_copy_s += time.perf_counter() - start
+                    self._speculated_landing(key)
             at += 1
 
     # -- the step ---------------------------------------------------------------------------------------------
@@ -285,7 +299,9 @@ class HostStep(DelayedUpdate):
         issuing the copies), the step's host time, and within it the time the step waited for gradients (on a CPU:
         copied them). Delayed: the Adam starts in the background and step() returns (land() sends its parameters);
         last_step's "adam_s" is then the previous delayed Adam's time and "landing_wait_s" how long step() waited
-        for it."""
+        for it. Speculative: "speculation" says what became of the backward's guess (speculative.py's verdict),
+        "speculated_chunks" how many chunks it stepped and kept, "speculative_adam_s" their Adam's host time and
+        "speculation_wait_s" how long step() waited for its last chunks."""
         start = time.perf_counter()
         self._wait_s = 0.0
         if self.delayed:
@@ -293,6 +309,9 @@ class HostStep(DelayedUpdate):
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # gradients are final on the compute stream
         self._active = active
+        began = time.perf_counter()
+        kept, fate = self.verdict(grad_scale, active, optimizer)  # a withdrawn guess's chunks come down again
+        verdict_s = time.perf_counter() - began
         order = [(gi, ci) for gi, g in enumerate(self.host_groups) for ci in range(len(g.chunks))]
         sent = self._sent or set()
         if self.ring is not None:  # those down already first, in the order they came; then backward's order
@@ -306,7 +325,9 @@ class HostStep(DelayedUpdate):
         moved = sum(self.host_groups[gi].chunks[ci].grad.nbytes for gi, ci in sent)
         self.last_step = {"grad_chunks_in_backward": len(sent), "grad_chunks_at_step": len(order) - len(sent),
                           "grad_bytes_in_backward": moved, "grad_bytes_at_step": self.grad_bytes - moved,
-                          "backward_copy_s": self._backward_copy_s if sent else 0.0}
+                          "backward_copy_s": self._backward_copy_s if sent else 0.0, "speculation": fate,
+                          "speculated_chunks": len(kept), "speculative_adam_s": self._spec_adam_s if kept else 0.0,
+                          "speculation_wait_s": verdict_s}
         self._sent, self._backward_copy_s = None, 0.0
         if self.delayed:
             if self.stream is not None:  # the device gradients may be zeroed once the copies have read them
@@ -323,7 +344,14 @@ class HostStep(DelayedUpdate):
             optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down,
                            after_chunk=self._up_and_next, order=order)
         elif isinstance(optimizer, ShardAdam):
-            optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, after_chunk=self._up)
+            rest = {}
+            if kept:  # stepped in backward: only their parameters go up, now that the guess stands
+                for key in kept:
+                    self._up(*key)
+                done = set(kept)
+                rest["order"] = [k for k in order if k not in done]
+            optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, after_chunk=self._up,
+                           **rest)
         else:  # a torch optimizer steps every piece at once
             for gi, ci in order:
                 self._wait_down(gi, ci)

@@ -42,7 +42,8 @@ class ShardStore:
         self.params: NvmeParams | None = None  # stage 3's working shard in a file (offload_param.device "nvme")
         self.int8: FrozenStore | None = None  # stage 3's units that rest as int8 codes
         # The delayed update (offload_optimizer.delayed_update): its host Adam may be writing masters and moments in
-        # the background; a read waits for it, a write lands it first (host.py)
+        # the background; a read waits for it, a write lands it first (host.py). The speculative step's host step
+        # too: a read or write withdraws its guess first (speculative.py)
         self.delayed: HostStep | None = None
 
     # -- where ------------------------------------------------------------------------------------------------

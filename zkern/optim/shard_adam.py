@@ -45,6 +45,25 @@ class ShardAdam(torch.optim.Optimizer):
         # Per-piece step counts as Python ints: reading a device tensor here would sync the host every step.
         self.steps = [[0] * len(g.pieces) for g in groups]
         self._allocate_moments(groups)
+        self.saves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # keep_saves(): per group
+
+    def keep_saves(self) -> None:
+        """Allocate per group a master and two moments laid out like the moments, which a step(save=True) fills with
+        the values before it (offload/speculative.py's rollback). 12 host bytes an element with fp32 state, 6 with
+        bf16 master and moments."""
+        self.saves = [(torch.zeros(m.numel(), dtype=g.chunks[0].param.dtype if g.chunks else torch.float32),
+                       torch.zeros_like(m), torch.zeros_like(v))
+                      for g, m, v in zip(self.shard_groups, self.exp_avg, self.exp_avg_sq)]
+
+    def restore(self, gi: int, ci: int) -> None:
+        """Chunk ci of group gi back to its values before the step(save=True, advance=False) that stepped it (every
+        piece active, as that step took them; the step counts have not moved since)."""
+        chunk, s = self.shard_groups[gi].chunks[ci], self._start[gi][ci]
+        master, exp_avg, exp_avg_sq = self.saves[gi]
+        for lo, hi, _ in _runs(chunk, [True] * len(self.shard_groups[gi].pieces), self.steps[gi]):
+            chunk.param[lo:hi].copy_(master[s + lo:s + hi])
+            self.exp_avg[gi][s + lo:s + hi].copy_(exp_avg[s + lo:s + hi])
+            self.exp_avg_sq[gi][s + lo:s + hi].copy_(exp_avg_sq[s + lo:s + hi])
 
     def _allocate_moments(self, groups: list[ShardGroup]) -> None:
         # Each group's moments cover its own chunks only, back to back: at stage 3 every group's chunks lie in
@@ -142,15 +161,17 @@ class ShardAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, active: list[list[bool]] | None = None,
              before_chunk=None, after_chunk=None, options: list[dict] | None = None,
-             order: list[tuple[int, int]] | None = None):
+             order: list[tuple[int, int]] | None = None, save: bool = False, advance: bool = True):
         """One step; active[g][i] says whether piece i of group g got a gradient (default: all did).
 
         before_chunk(g, c) / after_chunk(g, c): called around chunk c of group g (the offload pipeline waits
         for that chunk's gradient and sends its parameters back there). options: each group's hyper-parameters
         as param_groups held them when the step was decided (a step run in the background must not see the LR
         schedule move them after); default param_groups now. order: the (group, chunk) pairs in the order to step
-        them, every chunk once (default: group by group, chunk by chunk); each chunk's arithmetic is its own, so the
-        order changes only when each is done."""
+        them, each chunk at most once (default: every chunk, group by group); each chunk's arithmetic is its own, so
+        the order changes only when each is done. save: the stepped elements' values before the step go to the
+        saves (keep_saves). advance=False leaves the step counts where they are: a speculative step's chunks, whose
+        counts move with the step that keeps them."""
         if closure is not None:
             raise ValueError("ShardAdam.step does not take a closure; zkern runs forward/backward itself")
         groups = options or self.param_groups
@@ -169,15 +190,21 @@ class ShardAdam(torch.optim.Optimizer):
                 # the working copy may rest elsewhere (stage 3's offload_param without offload_optimizer: on the
                 # host): written on the master's device, then copied over
                 away = out is not None and out.device != chunk.param.device
+                saved = tuple(t[s + lo:s + hi] for t in self.saves[gi]) if save else None
                 ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], self.exp_avg[gi][s + lo:s + hi],
                                self.exp_avg_sq[gi][s + lo:s + hi], step=step + 1,
                                param_out=None if away else out, **hyper[gi],
-                               **self.rounding(gi, step + 1, chunk.param.storage_offset() + lo))
+                               **self.rounding(gi, step + 1, chunk.param.storage_offset() + lo), save=saved)
                 if away:
                     out.copy_(chunk.param[lo:hi])  # the same rounding the fused copy-out does
             if after_chunk is not None:
                 after_chunk(gi, ci)
-        for steps, flags in zip(self.steps, on):  # each piece's count once every chunk has read it
+        self.advance(on if advance else [])
+        return None
+
+    def advance(self, active: list[list[bool]]) -> None:
+        """The step counts of the active pieces move on by one: a step's end, once every chunk has read them."""
+        for steps, flags in zip(self.steps, active):
             for i, is_on in enumerate(flags):
                 if is_on:
                     steps[i] += 1

@@ -1,0 +1,170 @@
+"""The speculative offloaded step (offload_optimizer.speculative_step, or DeepSpeed's super_offload): each gradient
+chunk's host Adam runs in the boundary's backward as the chunk lands, guessing an unclipped step, and step() keeps
+the guess or undoes it. Against the same engine without it, bit for bit, at stages 1-3: with fp16 overflow on one
+rank and clipping that bites (guesses undone), with bf16 and clipping that does not (guesses kept), with a learning
+rate changed, a weight and a gradient written, and gradients dropped between backward and step, and across a
+checkpoint resumed by a fresh engine; the step's accounting says which guesses stood and why the others did not.
+
+    python -m pytest tests/offload/test_speculative.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zkern
+from zkern.config import ConfigError
+from zkern.testing import TinyGPT, spawn
+
+
+def _config(stage: int, speculative: bool, precision: str, clip: float) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu", "speculative_step": speculative}}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 0,
+           "device": "cpu", "gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": zero}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    else:
+        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+        cfg["bf16_stochastic_rounding"] = True  # the redone steps must draw the same rounding bits
+    return cfg
+
+
+def _backward(engine, rank: int, seed: int, poison: bool = False) -> None:
+    ids = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(100 * seed + rank))
+    loss = engine(ids, ids)
+    engine.backward(loss * float("inf") if poison else loss)
+
+
+def _run(rank: int, stage: int, speculative: bool, precision: str, clip: float, ckpt: str) -> dict:
+    torch.manual_seed(0)
+    cfg = _config(stage, speculative, precision, clip)
+    engine = zkern.Engine(TinyGPT(), cfg)
+    fates = []
+
+    def micro(seed: int, poison: bool = False, before_step=None) -> None:
+        _backward(engine, rank, seed, poison)
+        if before_step is not None:
+            before_step()
+        steps = engine.global_steps
+        engine.step()
+        if engine.global_steps != steps:  # an accumulation boundary: what became of its guess
+            fates.append(engine.host_step.last_step["speculation"] if engine.was_step_applied() else "skipped")
+
+    def halve_a_gradient():
+        p = dict(engine.module.named_parameters())["blocks.0.fc.weight"]
+        zkern.safe_set_full_grad(p, zkern.safe_get_full_grad(p) * 0.5)
+
+    def set_a_weight():
+        p = dict(engine.module.named_parameters())["blocks.1.fc.weight"]
+        zkern.safe_set_full_fp32_param(p, zkern.safe_get_full_fp32_param(p) * 0.5)
+
+    def lower_the_lr():
+        for group in engine.optimizer.param_groups:
+            group["lr"] = 5e-3
+
+    micro(0), micro(1)
+    micro(2), micro(3, before_step=set_a_weight)
+    micro(4), micro(5, before_step=halve_a_gradient)
+    micro(6), micro(7, before_step=lower_the_lr)
+    micro(8, poison=rank == 1), micro(9)  # an overflow on one rank: the step is skipped
+    opt = engine.optimizer  # read directly, not through the engine: the skip itself must have undone the guess
+    after_skip = [t.clone() for t in (*opt.exp_avg, *opt.exp_avg_sq)] + \
+        [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    micro(10)
+    _backward(engine, rank, 11)
+    engine.zero_grad()  # the boundary backward's gradients, and its guesses, are dropped
+    micro(12)
+    engine.save_checkpoint(ckpt, tag=f"s{stage}-{speculative}-{precision}")
+    engine.destroy()
+    torch.manual_seed(1)
+    engine = zkern.Engine(TinyGPT(), cfg)
+    engine.load_checkpoint(ckpt, tag=f"s{stage}-{speculative}-{precision}")
+    micro(14), micro(15)
+    chunks = sum(len(g.chunks) for g in engine.host_step.host_groups)
+    state = engine.full_state_dict()
+    engine.destroy()
+    return {"state": state, "fates": fates, "chunks": chunks, "after_skip": after_skip}
+
+
+RECIPES = {"fp16-clipped": ("fp16", 0.05), "bf16-unclipped": ("bf16", 1e6)}
+
+
+def _worker(rank, world, stage, ckpt):
+    return {(recipe, speculative): _run(rank, stage, speculative, *RECIPES[recipe], ckpt)
+            for recipe in RECIPES for speculative in (True, False)}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_speculative_step_trains_bit_for_bit_as_the_plain_one_kept_or_undone(stage, tmp_path):
+    results = spawn(_worker, 2, stage, str(tmp_path))
+    for rank, r in enumerate(results):
+        for recipe in RECIPES:
+            guessed, plain = r[(recipe, True)], r[(recipe, False)]
+            for name, value in plain["state"].items():
+                assert torch.equal(guessed["state"][name], value), (rank, recipe, name)
+            assert all(map(torch.equal, guessed["after_skip"], plain["after_skip"])), (rank, recipe)
+            assert set(plain["fates"]) <= {"off", "skipped"}, plain["fates"]
+        # with clipping that bites, every guess is undone (the skipped step's too); without, those stand where
+        # nothing moved under them between backward and step
+        for recipe, fates in (("fp16-clipped", ["clipped", "w", "w", "clipped", "skipped", "clipped", "clipped"]),
+                              ("bf16-unclipped", ["kept", "w", "w", "hyper-parameters changed", "skipped", "kept",
+                                                  "kept"])):
+            got = r[(recipe, True)]["fates"]
+            # "w": withdrawn before step() by the weight's write (the store) and the gradient's (at stage 3 its read
+            # goes through the store first)
+            written = ("host state read or written", "gradients written")
+            assert ["w" if f in written else f for f in got] == fates, (recipe, got)
+
+
+def _single_config(**offload) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "device": "cpu", "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 3000,
+                                  "offload_optimizer": {"device": "cpu", **offload}}}
+
+
+def test_every_chunk_steps_in_backward_when_the_guess_stands_and_the_saves_cost_what_the_state_does():
+    torch.manual_seed(0)
+    engine = zkern.Engine(TinyGPT(), _single_config(speculative_step=True))
+    ids = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(ids, ids))
+    engine.step()
+    step = engine.host_step.last_step
+    chunks = sum(len(g.chunks) for g in engine.host_step.host_groups)
+    assert chunks > 1 and step["speculation"] == "kept" and step["speculated_chunks"] == chunks, step
+    assert engine.host_step.ring is None  # the new parameters wait in staging for the decision: no ring
+    saves = sum(t.numel() * t.element_size() for group in engine.optimizer.saves for t in group)
+    assert saves == engine.optimizer.state_bytes() * 3 // 2  # fp32 master and two moments, once each
+    assert engine.memory_report()["host"]["speculation_saves"] == saves  # counted in the host's books
+    engine.destroy()
+
+
+def test_super_offload_turns_the_speculative_step_on():
+    engine = zkern.Engine(TinyGPT(), _single_config(super_offload=True))
+    assert engine.host_step.speculative
+    engine.destroy()
+
+
+@pytest.mark.parametrize("offload, extra, words", [
+    ({"delayed_update": True}, {}, "choose one"),
+    ({}, {"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param"),
+    ({"copy_grads_during_backward": False}, {}, "copy_grads_during_backward"),
+    ({"device": "nvme", "nvme_path": "/tmp"}, {}, "device \"cpu\""),
+])
+def test_the_configs_it_cannot_serve_are_refused(offload, extra, words):
+    cfg = _single_config(speculative_step=True, **offload)
+    cfg["zero_optimization"].update(extra)
+    with pytest.raises(ConfigError, match=words):
+        zkern.Engine(TinyGPT(), cfg)
+
+
+def test_a_torch_optimizer_is_refused():
+    cfg = _single_config(speculative_step=True)
+    del cfg["optimizer"]
+    model = TinyGPT()
+    with pytest.raises(ConfigError, match="zkern's own Adam"):
+        zkern.Engine(model, cfg, optimizer=torch.optim.AdamW(model.parameters()))

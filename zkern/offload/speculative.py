@@ -1,0 +1,147 @@
+"""The speculative half of the offloaded step (HostStep's, offload/host.py; offload_optimizer.speculative_step, or
+DeepSpeed's super_offload): in the boundary's backward, each gradient chunk's host Adam runs as soon as the chunk is
+on the host, in a background thread, on the guess that the step will apply it unclipped (no overflow, no clipping
+coefficient below 1, every piece with a gradient, the hyper-parameters as they were when backward began). The Adam
+stores each element's master and moments as it read them (ShardAdam.keep_saves: one pass, no extra read). step()
+checks the guess against the step's decision: where it holds, the chunks stepped in backward only go up (their
+uploads wait for the decision) and the rest step as usual; where it does not, every speculated chunk gets its saved
+values back, its gradient comes down again (its staging holds the new parameters by then), and the step runs as if
+nothing had been guessed. Either way the arithmetic is the non-speculative step's, bit for bit.
+
+    python -m pytest tests/offload/test_speculative.py -q
+
+A skipped step, a backward that is not the last before the step, dropped gradients, and anything that reads or
+writes the host state between backward and step() (a checkpoint save, offload_states, the store) withdraw the guess
+first (withdraw()).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from zkern.optim.shard_adam import ShardAdam
+
+_HYPER = ("lr", "betas", "eps", "weight_decay", "adamw")
+
+
+def _hyper(optimizer: ShardAdam) -> list[dict]:
+    """The hyper-parameters the Adam reads, per group, as plain numbers (a scheduler may hold lr as a tensor)."""
+    return [{k: float(g[k]) if isinstance(g[k], torch.Tensor) else g[k] for k in _HYPER}
+            for g in optimizer.param_groups]
+
+
+class SpeculativeStep:
+    """HostStep's speculative Adam. HostStep's __init__ calls _init_speculation; _down, _wait_down, _sent and
+    host_groups are HostStep's."""
+
+    def _init_speculation(self, enabled: bool) -> None:
+        self.speculative = enabled
+        self._guess: dict | None = None  # what the chunks in flight were stepped with (None: no guess this pass)
+        self._speculated: list[tuple[int, int]] = []  # chunks the background Adam has stepped, in order
+        self._spec_queue: queue.SimpleQueue | None = None
+        self._spec_thread: threading.Thread | None = None
+        self._spec_error: BaseException | None = None
+        self._spec_adam_s = 0.0  # the background Adam's host time this step
+        self._withdrawn = ""  # why this step's guess was withdrawn before step(), if it was
+
+    def speculate(self, optimizer: ShardAdam, grad_scale: float) -> None:
+        """A boundary backward begins: its chunks step in the background as they land, with grad_scale (the unscale
+        factor, the clipping coefficient guessed 1) and the hyper-parameters as they are now."""
+        self.withdraw()  # a second boundary backward changes gradients the first one's guesses stepped with
+        if not self.speculative:
+            return
+        if type(optimizer) is not ShardAdam:
+            raise RuntimeError(f"zkern: the speculative offloaded step runs zkern's Adam chunk by chunk, and the "
+                               f"optimizer is {type(optimizer).__name__}; set "
+                               f"zero_optimization.offload_optimizer.speculative_step to false")
+        if not optimizer.saves:
+            optimizer.keep_saves()
+        self._guess = {"optimizer": optimizer, "grad_scale": grad_scale,
+                       "options": _hyper(optimizer),
+                       "steps": [list(s) for s in optimizer.steps]}
+        self._speculated, self._spec_error, self._spec_adam_s, self._withdrawn = [], None, 0.0, ""
+        self._spec_queue = queue.SimpleQueue()
+        self._spec_thread = threading.Thread(target=self._speculate_loop, args=(self._guess, self._spec_queue),
+                                             name="zkern-speculative-adam", daemon=True)
+        self._spec_thread.start()
+
+    def _speculated_landing(self, key: tuple[int, int]) -> None:
+        """Chunk `key` was just sent down in a boundary backward: its Adam is queued behind the chunks before it."""
+        if self._spec_queue is not None:
+            self._spec_queue.put(key)
+
+    def _speculate_loop(self, guess: dict, keys: queue.SimpleQueue) -> None:
+        optimizer = guess["optimizer"]
+        while (key := keys.get()) is not None:
+            if self._spec_error is not None:
+                continue  # drain: a failed chunk ends the speculation (reported at the verdict)
+            began = time.perf_counter()
+            try:
+                optimizer.step(grad_scale=guess["grad_scale"], before_chunk=self._await_chunk, order=[key],
+                               options=guess["options"], save=True, advance=False)
+                self._speculated.append(key)
+            except BaseException as e:  # the chunk's call checks its arguments before it writes anything
+                self._spec_error = e
+            self._spec_adam_s += time.perf_counter() - began
+
+    def _await_chunk(self, gi: int, ci: int) -> None:
+        """Until chunk (gi, ci)'s gradient is on the host (its copy's event; the step's own wait is timed apart)."""
+        event = self._events.pop((gi, ci), None)
+        if event is not None:
+            event.synchronize()
+
+    def _stop_speculating(self) -> None:
+        """No more chunks: wait for the background Adam to finish those queued."""
+        thread, self._spec_thread = self._spec_thread, None
+        if thread is not None:
+            self._spec_queue.put(None)
+            thread.join()
+        self._spec_queue = None
+
+    def withdraw(self, why: str = "withdrawn") -> bool:
+        """Undo every speculated chunk's Adam (saved master and moments back; its gradient comes down again at the
+        step); why: what the step's accounting says of it. True when there were any."""
+        self._stop_speculating()
+        guess, self._guess = self._guess, None
+        if guess is None:
+            return False
+        self._withdrawn = why
+        for key in self._speculated:
+            guess["optimizer"].restore(*key)
+            if self._sent is not None:
+                self._sent.discard(key)
+        undone, self._speculated = bool(self._speculated), []
+        return undone
+
+    def verdict(self, grad_scale: float, active: list[list[bool]], optimizer) -> tuple[list, str]:
+        """At step(), the decision known: (the chunks whose speculative Adam stands, in the order they stepped; what
+        became of the guess: "kept", why it was withdrawn, "none" without a guess, "off" without speculation)."""
+        self._stop_speculating()
+        guess = self._guess
+        if guess is None:
+            return [], self._withdrawn or ("none" if self.speculative else "off")
+        error, self._spec_error = self._spec_error, None
+        why = ""
+        if error is not None:
+            why = f"failed ({type(error).__name__}: {error})"
+        elif grad_scale != guess["grad_scale"]:
+            why = "clipped"
+        elif optimizer is not guess["optimizer"] or _hyper(optimizer) != guess["options"]:
+            why = "hyper-parameters changed"
+        elif [list(s) for s in optimizer.steps] != guess["steps"]:
+            why = "step counts changed"
+        elif not all(active[gi][i] for gi, ci in self._speculated
+                     for i, _, _ in self.host_groups[gi].chunks[ci].pieces):
+            why = "a piece got no gradient"
+        if why:
+            self.withdraw(why)
+            if error is not None:
+                raise RuntimeError(f"zkern: the speculative host Adam failed ({type(error).__name__}: {error}); "
+                                   f"its chunks were restored") from error
+            return [], why
+        kept, self._speculated, self._guess = self._speculated, [], None
+        return kept, "kept"

@@ -67,6 +67,7 @@ class Draw:
     offload_param: str = "none"  # none | cpu | nvme (stage 3, with offload_optimizer)
     delayed_update: bool = False  # offload_optimizer.delayed_update: the host Adam one step behind (ZeRO-Offload's DPU)
     staging_chunks: int = 4  # offload_optimizer.staging_chunks: the host staging's ring of chunk buffers (0: none)
+    speculative: bool = False  # offload_optimizer.speculative_step: the chunks' Adam in backward, kept or undone
     qwz: bool = False
     hpz: bool = False
     qgz: bool = False
@@ -188,6 +189,10 @@ class Draw:
                                     or self.optimizer not in ZKERN_ADAM):
             problems.append(f"delayed_update needs offload_optimizer cpu, no NVMe parameters and zkern's Adam "
                             f"({ZKERN_ADAM})")
+        if self.speculative and (self.offload_optimizer != "cpu" or self.offload_param != "none"
+                                 or self.delayed_update or self.optimizer not in ZKERN_ADAM):
+            problems.append(f"speculative needs offload_optimizer cpu, no offload_param, no delayed_update and "
+                            f"zkern's Adam ({ZKERN_ADAM})")
         if self.optimizer == "Lion" and not self.exact:
             # Lion steps by sign(c): a rounding that flips a small c moves the element a whole 2 lr, so 16-bit and
             # quantized Lion runs end 0.22-0.8 of the untrained distance from the fp32 reference even on one rank
@@ -295,6 +300,9 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
         if values.get("offload_optimizer") == "cpu" and values.get("offload_param") != "nvme" and \
                 values["optimizer"] in ZKERN_ADAM and rng.random() < 0.5:
             values["delayed_update"] = True
+        if values.get("offload_optimizer") == "cpu" and values.get("offload_param", "none") == "none" and \
+                not values.get("delayed_update") and values["optimizer"] in ZKERN_ADAM and rng.random() < 0.5:
+            values["speculative"] = True
         if values.get("offload_optimizer") == "cpu" and rng.random() < 0.4:  # a smaller ring reuses its buffers more
             values["staging_chunks"] = rng.choice((0, 1, 2))
         if "overflow_at" in values:

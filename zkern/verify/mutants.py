@@ -41,6 +41,7 @@ TARGETED = [
     '{"offload_optimizer": "cpu", "seed": 27, "set_at": 1, "stage": 2, "world": 2}',
     '{"bucket": 1000, "offload_optimizer": "cpu", "seed": 28, "stage": 2, "staging_chunks": 1, "world": 2}',
     '{"offload_optimizer": "cpu", "offload_param": "cpu", "seed": 29, "stage": 3, "world": 1}',
+    '{"clip": 0.05, "offload_optimizer": "cpu", "seed": 30, "speculative": true, "stage": 2, "world": 2}',
 ]
 
 
@@ -63,6 +64,7 @@ KILLERS = {
     "offload.staging_overwritten": 16,  # added 2026-11-27 with the draws' set_at (a weight set before step())
     "offload.ring_reused_early": 17,  # added 2026-11-27 with the staging ring (offload_optimizer.staging_chunks)
     "offload.upload_unwaited": 18,  # added 2026-11-27 with stage 3's uploads ahead of use (stage3/uploads.py)
+    "offload.speculation_kept_when_clipped": 19,  # added 2026-11-27 with the speculative step (speculative.py)
 }
 
 

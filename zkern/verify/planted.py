@@ -361,6 +361,20 @@ def _upload_unwaited(p: _Patches) -> None:
     p.set(Uploads, "wait", lambda self, unit: self.pending.pop(unit, None) and None)
 
 
+def _speculation_kept_when_clipped(p: _Patches) -> None:
+    """The speculative offloaded step keeps its guess whatever the step's gradient scale: the chunks stepped in
+    backward keep an unclipped update where clipping bit (a check the verdict forgot)."""
+    from zkern.offload.speculative import SpeculativeStep
+
+    def make(original):
+        def verdict(self, grad_scale, active, optimizer):
+            if self._guess is not None:
+                grad_scale = self._guess["grad_scale"]
+            return original(self, grad_scale, active, optimizer)
+        return verdict
+    p.wrap(SpeculativeStep, "verdict", make)
+
+
 def _staging_takes_working_copies(p: _Patches) -> None:
     """A weight set rewrites every working copy from the masters, the host staging that holds the gradients copied
     down in the backward before it included."""
@@ -455,6 +469,8 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
                                   "parameters went up", _ring_reused_early),
     "offload.upload_unwaited": ("stage 3 uses a prefetched unit before its host chunk's upload arrived",
                                 _upload_unwaited),
+    "offload.speculation_kept_when_clipped": ("the speculative offloaded step keeps its unclipped guess where "
+                                              "clipping bit", _speculation_kept_when_clipped),
     "nvme.last_tile_skipped": ("the NVMe optimizer skips the last piece of each tile", _nvme_last_tile_skipped),
     "offload.delay_lands_at_once": ("the delayed update's weights go up before the next forward", _delay_lands_at_once),
     "offload.staging_overwritten": ("a weight set between backward and step() overwrites the host's gradient copies",

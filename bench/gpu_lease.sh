@@ -27,7 +27,11 @@
 #             H200), the same model without offload (105 GB of model states: the offloaded step's goal is 1.3x of it;
 #             an H100 would only record its out-of-memory)
 #   ratio     the 1.3x goal where both fit one H100: the 1b model at 16K tokens a step (16 x 1024), every block
-#             recomputed, without offload, then offloaded with bf16 state, with and without the delayed update
+#             recomputed, without offload, then offloaded with bf16 state: with the delayed update, with the
+#             speculative step, and with neither
+#   speculative  the headline's model and batch, zkern's offload with bf16 state and the speculative step (the host
+#             Adam inside backward, kept where the step is unclipped; the probe does not clip): the exact route to
+#             the 300 TFLOPS goal (14 host bytes a parameter, 92 GB at 7B)
 #   parity    the headline's model, batch and lr, zkern's fp32-state offload beside torch-mixed-offload (the same
 #             arithmetic in plain torch, its AdamW on the host), every step's loss and gradient norm: on 2026-11-27
 #             FSDP2's third loss parted from zkern's by 0.38, and this says which of the two trains as the arithmetic
@@ -152,9 +156,12 @@ for step in "$@"; do
         headline-more) run headline-more 330 $P variants zkern2-offload-bf16-dpu $BESIDE --model "$H" \
             --micro-batch 8 --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 140 --bw-json "$R/bw.json" \
             --json "$R/headline-more.json" ;;
-        ratio) run ratio 200 $P variants zkern2 zkern2-offload-bf16-dpu zkern2-offload-bf16 --model "$M" \
-            --micro-batch 16 --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 90 --bw-json "$R/bw.json" \
-            --json "$R/ratio.json" ;;
+        ratio) run ratio 240 $P variants zkern2 zkern2-offload-bf16-dpu zkern2-offload-bf16-spec zkern2-offload-bf16 \
+            --model "$M" --micro-batch 16 --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 90 \
+            --bw-json "$R/bw.json" --json "$R/ratio.json" ;;
+        speculative) run speculative 150 $P variants zkern2-offload-bf16-spec --model "$H" --micro-batch 8 \
+            --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 140 --bw-json "$R/bw.json" \
+            --json "$R/speculative.json" ;;
         uploads) run uploads 200 $P variants zkern3-offload zkern3-offload-inline --model "$M" --micro-batch 8 \
             --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 90 --bw-json "$R/bw.json" \
             --json "$R/uploads.json" ;;

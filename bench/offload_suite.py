@@ -1,8 +1,12 @@
 """The offload suite: where the time of an offloaded step goes, in four modes in the same run: gradients copied to
 the host during backward (zkern's default), the same with a buffer per chunk (offload_optimizer.staging_chunks 0:
 the default stages through a ring of four chunk buffers where a rank has more chunks), at step()
-(offload_optimizer.copy_grads_during_backward false, through the ring too), and with the delayed update
-(offload_optimizer.delayed_update: the host Adam runs behind the next step's forward and backward).
+(offload_optimizer.copy_grads_during_backward false, through the ring too), with the delayed update
+(offload_optimizer.delayed_update: the host Adam runs behind the next step's forward and backward), and with the
+speculative step (offload_optimizer.speculative_step: each chunk's host Adam runs in backward as the chunk lands,
+kept where the step comes out unclipped; the record says in how many of the timed steps the guess stood), once with
+the gradient clipping every mode has (1.0, where a fresh model's guesses are undone: the Adam runs twice) and once
+without clipping (where they stand).
 
     python bench/run.py --suite offload --stage 2,3           # the small GPT, world 2, CPU
     python bench/run.py --suite offload --stage 3 --model 25m --steps 10 --json out.json
@@ -36,18 +40,21 @@ from zkern.testing import TinyGPT, spawn
 
 # gradients down during backward (staged through the ring where it applies, the default), the same with a buffer per
 # chunk (staging_chunks 0), at step(), the delayed update
-MODES = ("backward", "whole", "step", "delayed")
+MODES = ("backward", "whole", "step", "delayed", "speculative", "speculative-unclipped")
 MODE_NAMES = {"backward": "during backward", "whole": "during backward, whole-shard staging", "step": "at step()",
-              "delayed": "delayed update"}
+              "delayed": "delayed update", "speculative": "speculative step",
+              "speculative-unclipped": "speculative step, no clipping"}
 
 
 def _config(stage: int, mode: str, preset: dict, precision: str) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": preset["bucket"],
             "offload_optimizer": {"device": "cpu", "copy_grads_during_backward": mode != "step",
-                                  "delayed_update": mode == "delayed", "staging_chunks": 0 if mode == "whole" else 4}}
+                                  "delayed_update": mode == "delayed", "staging_chunks": 0 if mode == "whole" else 4,
+                                  "speculative_step": mode.startswith("speculative")}}
     if stage == 3:
         zero["stage3_fetch_units"] = ["Block"]
-    cfg = {"train_micro_batch_size_per_gpu": preset["micro_batch"], "steps_per_print": 0, "gradient_clipping": 1.0,
+    cfg = {"train_micro_batch_size_per_gpu": preset["micro_batch"], "steps_per_print": 0,
+           "gradient_clipping": 0.0 if mode == "speculative-unclipped" else 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -110,13 +117,17 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
     rows = []
     for i, run in enumerate(runs):
         ranks = [r[i]["rows"] for r in results]
-        per = [{k: max(rk[j][k] for rk in ranks) for k in ranks[0][j]} for j in range(len(ranks[0]))]  # slowest rank
+        per = [{k: max(rk[j][k] for rk in ranks) for k in ranks[0][j] if k != "speculation"}
+               for j in range(len(ranks[0]))]  # the slowest rank's figures
         total = [r["forward_backward_s"] + r["step_call_s"] for r in per]
         bytes_total = per[0]["grad_bytes_in_backward"] + per[0]["grad_bytes_at_step"]
-        delayed = run["mode"] == "delayed"
-        # a row's delayed Adam is the previous step's, joined (and waited for) in this step's step()
-        adam = _median(per, "adam_s") if delayed else None
-        waited = _median(per, "landing_wait_s") if delayed else None
+        delayed, speculative = run["mode"] == "delayed", run["mode"].startswith("speculative")
+        # a row's delayed Adam is the previous step's, joined (and waited for) in this step's step(); the
+        # speculative Adam is this step's own, run in its backward, and step() waits for its last chunks
+        adam = _median(per, "adam_s") if delayed else _median(per, "speculative_adam_s") if speculative else None
+        waited = _median(per, "landing_wait_s") if delayed else \
+            _median(per, "speculation_wait_s") if speculative else None
+        kept = sum(r["speculation"] == "kept" for r in ranks[0]) if speculative else None
         rows.append({"stage": run["stage"], "mode": run["mode"], "grads_during_backward": run["mode"] != "step",
                      "step_s": statistics.median(total),
                      "forward_backward_s": _median(per, "forward_backward_s"),
@@ -128,7 +139,8 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
                      "host_staging_bytes": results[0][i]["host_staging_bytes"],
                      "staging_ring": results[0][i]["staging_ring"],
                      "host_bytes": results[0][i]["host_bytes"],
-                     "host_adam_hidden": None if not adam else max(0.0, 1 - waited / adam)})
+                     "host_adam_hidden": None if not adam else max(0.0, 1 - waited / adam),
+                     "speculation_kept_steps": kept})
         progress(f"stage {run['stage']}, {MODE_NAMES[run['mode']]}: step {rows[-1]['step_s'] * 1e3:.1f} ms")
     ratios = {}
     for s in stages:
@@ -136,6 +148,9 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
         ratios[f"stage{s}_step_during_backward_over_at_step"] = mode["backward"]["step_s"] / mode["step"]["step_s"]
         ratios[f"stage{s}_step_delayed_over_during_backward"] = mode["delayed"]["step_s"] / mode["backward"]["step_s"]
         ratios[f"stage{s}_step_ring_over_whole_shard"] = mode["backward"]["step_s"] / mode["whole"]["step_s"]
+        for name in ("speculative", "speculative-unclipped"):
+            ratios[f"stage{s}_step_{name.replace('-', '_')}_over_during_backward"] = \
+                mode[name]["step_s"] / mode["backward"]["step_s"]
     return {"suite": "offload", "model": model, "params": results[0][0]["params"], "world": world, "steps": steps,
             "warmup": warmup, "precision": precision,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({cpu_model()})",
@@ -153,16 +168,19 @@ def table(record: dict) -> str:
            f"{record['precision']}, optimizer on the host, medians of {record['steps'] - record['warmup']} steps "
            f"(slowest rank), {record['device']}", "",
            "| stage | mode | step | fwd+bwd | of it copying grads | offloaded step | of it waiting for grads "
-           "| grad bytes on host before step() | host Adam (delayed) | of it hidden | host staging (rank 0) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| grad bytes on host before step() | host Adam (delayed, speculative) | of it hidden | guesses kept "
+           "| host staging (rank 0) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         adam = "-" if r.get("host_adam_s") is None else f"{r['host_adam_s'] * 1e3:.1f} ms"
         hidden = "-" if r.get("host_adam_hidden") is None else f"{r['host_adam_hidden'] * 100:.0f}%"
+        kept = "-" if r.get("speculation_kept_steps") is None else \
+            f"{r['speculation_kept_steps']} of {r['steps_timed']}"
         out.append(f"| {r['stage']} | {MODE_NAMES[r.get('mode', 'backward' if r['grads_during_backward'] else 'step')]}"
                    f" | {r['step_s'] * 1e3:.1f} ms | {r['forward_backward_s'] * 1e3:.1f} ms | "
                    f"{r['backward_copy_s'] * 1e3:.1f} ms | {r['offloaded_step_s'] * 1e3:.1f} ms | "
                    f"{r['grad_wait_s'] * 1e3:.1f} ms | {r['share_on_host_before_step'] * 100:.0f}% of "
-                   f"{r['grad_bytes'] / 2**20:.1f} MiB | {adam} | {hidden} | "
+                   f"{r['grad_bytes'] / 2**20:.1f} MiB | {adam} | {hidden} | {kept} | "
                    f"{_mib(r.get('host_staging_bytes'))} |")
     out.append("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in record["ratios"].items()))
     return "\n".join(out)

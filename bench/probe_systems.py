@@ -12,6 +12,9 @@ zkern2-offload-dpu   the same with the delayed update (offload_optimizer.delayed
                      next step's forward and backward)
 zkern2-offload-bf16-dpu  both: bf16 state and the delayed update (10 host bytes a parameter with its two staging
                      copies, where fp32 state's 16 outgrew a 128 GB host at 7B)
+zkern2-offload-bf16-spec  bf16 state and the speculative step (offload_optimizer.speculative_step: each chunk's Adam
+                     in backward, kept where the step comes out unclipped; 14 host bytes a parameter with its saves
+                     and a staging buffer per chunk)
 zkern3-offload       stage 3 with offload_optimizer and offload_param cpu
 zkern3-offload-inline  the same with every unit's host chunk copied up on the compute stream, in line with the
                      compute (the path before stage3/uploads.py's side stream): the overlap's A/B
@@ -51,6 +54,8 @@ OFFLOAD = {"zkern2-offload": (2, {"offload_optimizer": HOST_ADAM}, {}),
            "zkern2-offload-dpu": (2, {"offload_optimizer": {**HOST_ADAM, "delayed_update": True}}, {}),
            "zkern2-offload-bf16-dpu": (2, {"offload_optimizer": {**HOST_ADAM, "delayed_update": True}},
                                        {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
+           "zkern2-offload-bf16-spec": (2, {"offload_optimizer": {**HOST_ADAM, "speculative_step": True}},
+                                        {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
            "zkern3-offload": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {}),
            "zkern3-offload-inline": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {})}
 NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *OFFLOAD, "ddp", "ddp-fused", "zero1", "fsdp2", "fsdp2-fused",
@@ -368,6 +373,9 @@ def offload_phases(system, out: dict):
     finally:
         host._wait_down, host._up = wait_down, up
         out.update(spent)
+        if host.speculative:  # what became of the backward's guess, and its Adam's time (speculative.py)
+            out.update({k: host.last_step.get(k) for k in ("speculation", "speculated_chunks", "speculative_adam_s",
+                                                           "speculation_wait_s")})
         out["grad_bytes_down"] = sum(c.grad.numel() * c.grad.element_size() for g in host.host_groups
                                      for c in g.chunks)
         out["param_bytes_up"] = sum(c.out.numel() * c.out.element_size() for g, d in

@@ -506,28 +506,37 @@ def test_memory_suite_measures_every_system_of_a_stage_and_gates_on_the_ratios()
 @pytest.mark.dist
 def test_offload_suite_accounts_for_where_the_gradients_went_down():
     """The offload suite on the tiny GPT: each stage with gradients copied during backward, the same with whole-shard
-    staging, at step(), and with the delayed update (the first and third staged through the ring where a rank has
-    more chunks than its four buffers: stage 1 here); the accounting says how much of the gradient was on the host
-    before step() (all of it with whole-shard staging and the delayed update, the ring's first four chunks with it,
-    none at step()), and times the delayed host Adam and the share of it hidden."""
+    staging, at step(), with the delayed update, and with the speculative step with and without clipping (the first
+    and third staged through the ring where a rank has more chunks than its four buffers: stage 1 here); the
+    accounting says how much of the gradient was on the host before step() (all of it with whole-shard staging, the
+    delayed update and a speculative step whose guess stood, the ring's first four chunks with it, none at step()
+    and where the guess was undone: those come down again), and times the delayed and the speculative host Adam and
+    the share of it hidden. Without clipping every guess stands; with it, as the gradient norm falls (the tiny GPT's
+    is below 1.0 here, the small one's above it)."""
     from bench import offload_suite
 
     rec = offload_suite.run([1, 3], 2, "tiny", steps=4, progress=lambda line: None)
     rows = {(r["stage"], r["mode"]): r for r in rec["rows"]}
-    assert set(rows) == {(s, m) for s in (1, 3) for m in ("backward", "whole", "step", "delayed")}
+    assert set(rows) == {(s, m) for s in (1, 3) for m in ("backward", "whole", "step", "delayed", "speculative",
+                                                           "speculative-unclipped")}
     for mode in ("backward", "step"):  # stage 3's two units are two chunks a rank: no ring
         assert [rows[(s, mode)]["staging_ring"] for s in (1, 3)] == [4, 0]
-    assert all(r["staging_ring"] == 0 for (s, m), r in rows.items() if m in ("whole", "delayed"))
+    assert all(r["staging_ring"] == 0 for (s, m), r in rows.items() if m not in ("backward", "step"))
     for (stage, mode), r in rows.items():
         assert r["grad_bytes"] > 0 and r["steps_timed"] == 2
-        if mode == "step":
+        undone = mode == "speculative" and r["speculation_kept_steps"] == 0
+        if mode == "step" or undone:
             assert r["share_on_host_before_step"] == 0.0, (stage, mode, r)
         elif r["staging_ring"]:
             assert 0 < r["share_on_host_before_step"] < 1, (stage, mode, r)
         else:
             assert r["share_on_host_before_step"] == 1.0, (stage, mode, r)
-        if mode == "delayed":
+        if mode == "speculative-unclipped":
+            assert r["speculation_kept_steps"] == 2, (stage, r)
+        if mode in ("delayed", "speculative-unclipped") or (mode == "speculative" and not undone):
             assert r["host_adam_s"] > 0 and 0 <= r["host_adam_hidden"] <= 1, r
+        elif undone:  # its Adam's time counts in the step's
+            assert r["host_adam_s"] == 0 and r["host_adam_hidden"] is None, r
         else:
             assert r["host_adam_s"] is None and r["host_adam_hidden"] is None, r
     for stage in (1, 3):  # host staging, from its allocations: one copy of the shard, four chunks of it with the
@@ -536,8 +545,10 @@ def test_offload_suite_accounts_for_where_the_gradients_went_down():
         assert rows[(stage, "backward")]["host_staging_bytes"] == rows[(stage, "step")]["host_staging_bytes"]
         assert (rows[(stage, "backward")]["host_staging_bytes"] < shard) == (stage == 1)
         assert rows[(stage, "delayed")]["host_staging_bytes"] == 2 * shard
+        assert rows[(stage, "speculative")]["host_staging_bytes"] == shard
     assert set(rec["ratios"]) == {f"stage{s}_step_{k}" for s in (1, 3)
                                   for k in ("during_backward_over_at_step", "delayed_over_during_backward",
-                                            "ring_over_whole_shard")}
+                                            "ring_over_whole_shard", "speculative_over_during_backward",
+                                            "speculative_unclipped_over_during_backward")}
     table = offload_suite.table(rec)
     assert "| 3 | during backward |" in table and "| 1 | delayed update |" in table

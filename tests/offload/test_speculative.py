@@ -10,6 +10,8 @@ checkpoint resumed by a fresh engine; the step's accounting says which guesses s
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -168,3 +170,84 @@ def test_a_torch_optimizer_is_refused():
     model = TinyGPT()
     with pytest.raises(ConfigError, match="zkern's own Adam"):
         zkern.Engine(model, cfg, optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def test_on_cuda_each_chunk_steps_after_its_copy_down_and_goes_up_after_the_decision(monkeypatch):
+    """The CUDA path's order of calls, with torch.cuda's streams and events faked (this machine has no GPU) under a
+    host engine: in backward each chunk's copy down is queued on the side stream after it waits for the compute
+    stream, an event is recorded behind it, and the background Adam synchronizes on that event before it steps the
+    chunk; at step() the kept chunks' parameters go up on the side stream only after the verdict, and the compute
+    stream waits for them before the next forward."""
+    import threading
+
+    from zkern import ops
+
+    calls, lock = [], threading.Lock()
+
+    def log(entry):
+        with lock:
+            calls.append(entry)
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log(f"{self.name} waits for {other.name}")
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            Event.count += 1
+            self.n = Event.count
+
+        def record(self, stream):
+            log(f"event {self.n} recorded on {stream.name}")
+
+        def synchronize(self):
+            log(f"event {self.n} synchronized")
+
+    compute, side = Stream("compute"), Stream("side")
+    current = [compute]
+
+    @contextlib.contextmanager
+    def on(stream):
+        log(f"on {stream.name}")
+        current.append(stream)
+        yield
+        current.pop()
+
+    torch.manual_seed(0)
+    engine = zkern.Engine(TinyGPT(), _single_config(speculative_step=True))
+    host = engine.host_step
+    host.stream = side
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    adam = ops.adam_step_
+    monkeypatch.setattr(ops, "adam_step_", lambda *a, **k: (log(f"adam on {threading.current_thread().name}"),
+                                                            adam(*a, **k))[1])
+    copy = host._up
+    monkeypatch.setattr(host, "_up", lambda gi, ci: (log("up"), copy(gi, ci))[1])
+    ids = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(ids, ids))
+    log("step")
+    engine.step()
+    assert host.last_step["speculation"] == "kept"
+    chunks = sum(len(g.chunks) for g in host.host_groups)
+    worker = [c for c in calls if c.startswith(("event", "adam on zkern")) and "recorded" not in c]
+    # the background Adam: each chunk's event synchronized, then its Adam, in landing order
+    assert worker == [e for n in range(1, chunks + 1) for e in (f"event {n} synchronized",
+                                                              "adam on zkern-speculative-adam")], worker
+    for n in range(1, chunks + 1):  # each copy down: behind the compute stream's fold, on the side stream, then its
+        at = calls.index(f"event {n} recorded on side")  # event
+        assert calls[at - 2:at] == ["side waits for compute", "on side"], calls[at - 2:at + 1]
+    after = calls[calls.index("step"):]
+    ups = [i for i, c in enumerate(after) if c == "up"]
+    assert len(ups) == chunks and all(after[i + 1] == "on side" for i in ups), after
+    assert "adam on MainThread" not in after  # kept: no second Adam
+    verdict = max(i for i, c in enumerate(after) if c.startswith("adam on zkern"))
+    assert verdict < ups[0]  # the parameters go up only once every guessed chunk has stepped
+    assert after[-1] == "compute waits for side"  # the next forward reads the uploaded parameters
+    engine.destroy()

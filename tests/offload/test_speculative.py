@@ -243,11 +243,47 @@ def test_on_cuda_each_chunk_steps_after_its_copy_down_and_goes_up_after_the_deci
     for n in range(1, chunks + 1):  # each copy down: behind the compute stream's fold, on the side stream, then its
         at = calls.index(f"event {n} recorded on side")  # event
         assert calls[at - 2:at] == ["side waits for compute", "on side"], calls[at - 2:at + 1]
-    after = calls[calls.index("step"):]
-    ups = [i for i, c in enumerate(after) if c == "up"]
-    assert len(ups) == chunks and all(after[i + 1] == "on side" for i in ups), after
-    assert "adam on MainThread" not in after  # kept: no second Adam
-    verdict = max(i for i, c in enumerate(after) if c.startswith("adam on zkern"))
-    assert verdict < ups[0]  # the parameters go up only once every guessed chunk has stepped
-    assert after[-1] == "compute waits for side"  # the next forward reads the uploaded parameters
+    step = calls.index("step")
+    ups = [i for i, c in enumerate(calls) if c == "up"]
+    assert len(ups) == chunks and ups[0] > step and all(calls[i + 1] == "on side" for i in ups), calls[step:]
+    assert "adam on MainThread" not in calls[step:]  # kept: no second Adam
+    last = max(i for i, c in enumerate(calls) if c.startswith("adam on zkern"))
+    assert last < ups[0]  # the parameters go up only once every guessed chunk has stepped
+    assert calls[-1] == "compute waits for side"  # the next forward reads the uploaded parameters
     engine.destroy()
+
+
+def _load_and_async_save(speculative: bool, root: str) -> dict:
+    """A guess in flight (a boundary backward without its step) when a checkpoint loads, without its optimizer
+    state; then an asynchronous save written while the next steps guess."""
+    torch.manual_seed(0)
+    cfg = {**_single_config(speculative_step=speculative), "gradient_clipping": 1e6}
+    engine = zkern.Engine(TinyGPT(), cfg)
+
+    def train(seed: int, step: bool = True) -> None:
+        ids = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(seed))
+        engine.backward(engine(ids, ids))
+        if step:
+            engine.step()
+
+    train(0), train(1)
+    engine.save_checkpoint(root, tag="a")
+    train(2, step=False)  # a stray backward: its guess is in flight when the load begins
+    engine.load_checkpoint(root, tag="a", load_optimizer_states=False)
+    train(3)
+    engine.save_checkpoint(root, tag="b", async_save=True)
+    for seed in range(4, 8):  # the writer writes while these guess
+        train(seed)
+    engine.wait_checkpoint()
+    state = engine.full_state_dict()
+    fates = engine.host_step.last_step["speculation"]
+    engine.destroy()
+    return {"state": state, "fate": fates}
+
+
+def test_a_load_and_an_asynchronous_save_with_a_guess_in_flight_train_as_without_guesses(tmp_path):
+    guessed = _load_and_async_save(True, str(tmp_path / "guessed"))
+    plain = _load_and_async_save(False, str(tmp_path / "plain"))
+    assert guessed["fate"] == "kept"
+    for name, value in plain["state"].items():
+        assert torch.equal(guessed["state"][name], value), name

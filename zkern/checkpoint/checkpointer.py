@@ -63,6 +63,9 @@ class Checkpointer:
         from zkern.checkpoint.load import load
 
         self.wait()
+        # the host step's work in flight ends first (a delayed update lands, a speculative step's guess is withdrawn):
+        # else it would write the state the load is about to set (or, withdrawn later, restore what it replaced)
+        self.holdings.store.land_update()
         return load(self.holdings, self.group, load_dir, tag, strict=strict,
                     load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
                     load_module_only=load_module_only)

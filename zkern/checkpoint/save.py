@@ -79,8 +79,11 @@ class Snapshot:
         return self.store is not None and self.store.in_files(t)
 
     def values(self, kind: str, t: torch.Tensor) -> torch.Tensor:
-        """An entry's values on the host (read from its file for states on NVMe: kind "optim.<state>" names it)."""
-        if self.store is not None:
+        """An entry's values on the host (read from its file for states on NVMe: kind "optim.<state>" names it). An
+        entry in memory is read as it is: the save settled the host step when it took the snapshot, and an
+        asynchronous save's writer thread must not settle it again while training goes on (that would join or
+        withdraw the training thread's work in flight)."""
+        if self.in_files(t):
             t = self.store.read(t, kind[len("optim."):] if kind.startswith("optim.") else "master")
         t = t.reshape(-1)
         return t if t.device.type == "cpu" else t.cpu()

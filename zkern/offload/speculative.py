@@ -65,9 +65,10 @@ class SpeculativeStep:
                        "steps": [list(s) for s in optimizer.steps]}
         self._speculated, self._spec_error, self._spec_adam_s, self._withdrawn = [], None, 0.0, ""
         self._spec_queue = queue.SimpleQueue()
-        self._spec_thread = threading.Thread(target=self._speculate_loop, args=(self._guess, self._spec_queue),
-                                             name="zkern-speculative-adam", daemon=True)
-        self._spec_thread.start()
+        thread = threading.Thread(target=self._speculate_loop, args=(self._guess, self._spec_queue),
+                                  name="zkern-speculative-adam", daemon=True)
+        thread.start()
+        self._spec_thread = thread
 
     def _speculated_landing(self, key: tuple[int, int]) -> None:
         """Chunk `key` was just sent down in a boundary backward: its Adam is queued behind the chunks before it."""

@@ -11,8 +11,8 @@ nothing had been guessed. Either way the arithmetic is the non-speculative step'
     python -m pytest tests/offload/test_speculative.py -q
 
 A skipped step, a backward that is not the last before the step, dropped gradients, and anything that reads or
-writes the host state between backward and step() (a checkpoint save, offload_states, the store) withdraw the guess
-first (withdraw()).
+writes the host state between backward and step() (a checkpoint save or load, offload_states, the store) withdraw
+the guess first (withdraw()). A withdrawal tells the background Adam to leave the chunks still queued alone.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class SpeculativeStep:
         self._spec_queue: queue.SimpleQueue | None = None
         self._spec_thread: threading.Thread | None = None
         self._spec_error: BaseException | None = None
+        self._spec_cancel = False  # the guess is being withdrawn: the chunks still queued are left alone
         self._spec_adam_s = 0.0  # the background Adam's host time this step
         self._withdrawn = ""  # why this step's guess was withdrawn before step(), if it was
 
@@ -64,6 +65,7 @@ class SpeculativeStep:
                        "options": _hyper(optimizer),
                        "steps": [list(s) for s in optimizer.steps]}
         self._speculated, self._spec_error, self._spec_adam_s, self._withdrawn = [], None, 0.0, ""
+        self._spec_cancel = False
         self._spec_queue = queue.SimpleQueue()
         thread = threading.Thread(target=self._speculate_loop, args=(self._guess, self._spec_queue),
                                   name="zkern-speculative-adam", daemon=True)
@@ -78,8 +80,8 @@ class SpeculativeStep:
     def _speculate_loop(self, guess: dict, keys: queue.SimpleQueue) -> None:
         optimizer = guess["optimizer"]
         while (key := keys.get()) is not None:
-            if self._spec_error is not None:
-                continue  # drain: a failed chunk ends the speculation (reported at the verdict)
+            if self._spec_error is not None or self._spec_cancel:
+                continue  # drain: a failed chunk ends the speculation (reported at the verdict), a withdrawal too
             began = time.perf_counter()
             try:
                 optimizer.step(grad_scale=guess["grad_scale"], before_chunk=self._await_chunk, order=[key],
@@ -95,10 +97,12 @@ class SpeculativeStep:
         if event is not None:
             event.synchronize()
 
-    def _stop_speculating(self) -> None:
-        """No more chunks: wait for the background Adam to finish those queued."""
+    def _stop_speculating(self, finish: bool = False) -> None:
+        """No more chunks: wait for the background Adam to finish those queued (finish), or only the one it is
+        stepping."""
         thread, self._spec_thread = self._spec_thread, None
         if thread is not None:
+            self._spec_cancel = not finish
             self._spec_queue.put(None)
             thread.join()
         self._spec_queue = None
@@ -121,22 +125,23 @@ class SpeculativeStep:
     def verdict(self, grad_scale: float, active: list[list[bool]], optimizer) -> tuple[list, str]:
         """At step(), the decision known: (the chunks whose speculative Adam stands, in the order they stepped; what
         became of the guess: "kept", why it was withdrawn, "none" without a guess, "off" without speculation)."""
-        self._stop_speculating()
         guess = self._guess
         if guess is None:
+            self._stop_speculating()
             return [], self._withdrawn or ("none" if self.speculative else "off")
-        error, self._spec_error = self._spec_error, None
-        why = ""
-        if error is not None:
-            why = f"failed ({type(error).__name__}: {error})"
-        elif grad_scale != guess["grad_scale"]:
+        why = ""  # what the decision alone says, before the chunks still queued are stepped for nothing
+        if grad_scale != guess["grad_scale"]:
             why = "clipped"
         elif optimizer is not guess["optimizer"] or _hyper(optimizer) != guess["options"]:
             why = "hyper-parameters changed"
         elif [list(s) for s in optimizer.steps] != guess["steps"]:
             why = "step counts changed"
-        elif not all(active[gi][i] for gi, ci in self._speculated
-                     for i, _, _ in self.host_groups[gi].chunks[ci].pieces):
+        self._stop_speculating(finish=not why)
+        error, self._spec_error = self._spec_error, None
+        if error is not None:
+            why = f"failed ({type(error).__name__}: {error})"
+        elif not why and not all(active[gi][i] for gi, ci in self._speculated
+                                 for i, _, _ in self.host_groups[gi].chunks[ci].pieces):
             why = "a piece got no gradient"
         if why:
             self.withdraw(why)

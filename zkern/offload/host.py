@@ -82,9 +82,8 @@ class HostStep(DelayedUpdate, SpeculativeStep):
         chunk-sized buffers instead of the whole shard. The chunk at position p of a step's order stages in buffer
         p mod staging_chunks; the chunk staging_chunks later comes down only after that one's parameters went up
         (the same side stream, in order). In a boundary's backward the first staging_chunks chunks to land come
-        down; the rest at step(), each behind the Adam of the one before. speculative: the speculative step
-        (offload/speculative.py); its chunks keep their new parameters in staging until the step's decision, so
-        the staging is one buffer per chunk, never the ring."""
+        down; the rest at step(), each behind the Adam of the one before. speculative: offload/speculative.py's
+        step (new parameters wait in staging for the decision: a buffer per chunk, never the ring)."""
         self.device_groups = device_groups
         self.store = store
         self._active: list[list[bool]] | None = None
@@ -248,8 +247,7 @@ class HostStep(DelayedUpdate, SpeculativeStep):
         self._sent = None
 
     def settle(self) -> None:
-        """Nothing runs on the host state in the background any more, and it holds no guess: what reads or writes
-        it between backward and step() sees the state before the step."""
+        """Nothing runs on the host state in the background and no guess is in it: it is the state before the step."""
         self.withdraw("host state read or written")
         DelayedUpdate.settle(self)
 
@@ -299,9 +297,8 @@ class HostStep(DelayedUpdate, SpeculativeStep):
         issuing the copies), the step's host time, and within it the time the step waited for gradients (on a CPU:
         copied them). Delayed: the Adam starts in the background and step() returns (land() sends its parameters);
         last_step's "adam_s" is then the previous delayed Adam's time and "landing_wait_s" how long step() waited
-        for it. Speculative: "speculation" says what became of the backward's guess (speculative.py's verdict),
-        "speculated_chunks" how many chunks it stepped and kept, "speculative_adam_s" their Adam's host time and
-        "speculation_wait_s" how long step() waited for its last chunks."""
+        for it. Speculative: "speculation" (the guess's verdict), "speculated_chunks" (kept), "speculative_adam_s"
+        (their Adam's host time), "speculation_wait_s" (step()'s wait for the last of them)."""
         start = time.perf_counter()
         self._wait_s = 0.0
         if self.delayed:
@@ -344,14 +341,8 @@ class HostStep(DelayedUpdate, SpeculativeStep):
             optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down,
                            after_chunk=self._up_and_next, order=order)
         elif isinstance(optimizer, ShardAdam):
-            rest = {}
-            if kept:  # stepped in backward: only their parameters go up, now that the guess stands
-                for key in kept:
-                    self._up(*key)
-                done = set(kept)
-                rest["order"] = [k for k in order if k not in done]
             optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, after_chunk=self._up,
-                           **rest)
+                           **self._send_kept(kept, order))
         else:  # a torch optimizer steps every piece at once
             for gi, ci in order:
                 self._wait_down(gi, ci)

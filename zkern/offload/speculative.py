@@ -35,7 +35,7 @@ def _hyper(optimizer: ShardAdam) -> list[dict]:
 
 
 class SpeculativeStep:
-    """HostStep's speculative Adam. HostStep's __init__ calls _init_speculation; _down, _wait_down, _sent and
+    """HostStep's speculative Adam. HostStep's __init__ calls _init_speculation; _up, _events, _sent and
     host_groups are HostStep's."""
 
     def _init_speculation(self, enabled: bool) -> None:
@@ -121,6 +121,14 @@ class SpeculativeStep:
                 self._sent.discard(key)
         undone, self._speculated = bool(self._speculated), []
         return undone
+
+    def _send_kept(self, kept: list[tuple[int, int]], order: list[tuple[int, int]]) -> dict:
+        """The kept chunks, stepped in backward, send their parameters up now that the guess stands; returns the
+        step's arguments for the rest (the order of the chunks still to step; nothing without kept chunks)."""
+        for key in kept:
+            self._up(*key)
+        done = set(kept)
+        return {"order": [k for k in order if k not in done]} if kept else {}
 
     def verdict(self, grad_scale: float, active: list[list[bool]], optimizer) -> tuple[list, str]:
         """At step(), the decision known: (the chunks whose speculative Adam stands, in the order they stepped; what

@@ -362,15 +362,12 @@ def _upload_unwaited(p: _Patches) -> None:
 
 
 def _speculation_kept_when_clipped(p: _Patches) -> None:
-    """The speculative offloaded step keeps its guess whatever the step's gradient scale: the chunks stepped in
-    backward keep an unclipped update where clipping bit (a check the verdict forgot)."""
+    """The speculative step's verdict forgets the clipping check: an unclipped update stands where clipping bit."""
     from zkern.offload.speculative import SpeculativeStep
 
     def make(original):
         def verdict(self, grad_scale, active, optimizer):
-            if self._guess is not None:
-                grad_scale = self._guess["grad_scale"]
-            return original(self, grad_scale, active, optimizer)
+            return original(self, self._guess["grad_scale"] if self._guess else grad_scale, active, optimizer)
         return verdict
     p.wrap(SpeculativeStep, "verdict", make)
 

@@ -168,13 +168,13 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     their values before the step (the CPU kernel stores them in its one pass; the others copy them first)."""
     hyper = dict(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
                  grad_scale=grad_scale, param_out=param_out, sr_seed=sr_seed, sr_offset=sr_offset)
-    backend = backend_for(param, "adam_step_")
-    if save is not None and backend != "cpu":
+    impl = _impl(param, "adam_step_")
+    if save is not None and impl is cpu_ext.adam_step_:
+        hyper["save"] = save
+    elif save is not None:
         for buf, now in zip(save, (param, exp_avg, exp_avg_sq)):
             buf.copy_(now)
-    elif save is not None:
-        hyper["save"] = save
-    AVAILABLE[backend].adam_step_(param, grad, exp_avg, exp_avg_sq, **hyper)
+    impl(param, grad, exp_avg, exp_avg_sq, **hyper)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,8 +59,6 @@ class SpeculativeStep:
             raise RuntimeError(f"zkern: the speculative offloaded step runs zkern's Adam chunk by chunk, and the "
                                f"optimizer is {type(optimizer).__name__}; set "
                                f"zero_optimization.offload_optimizer.speculative_step to false")
-        if not optimizer.saves:
-            optimizer.keep_saves()
         self._guess = {"optimizer": optimizer, "grad_scale": grad_scale,
                        "options": _hyper(optimizer),
                        "steps": [list(s) for s in optimizer.steps]}

@@ -163,18 +163,26 @@ def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, adamw: bool,
                grad_scale: float = 1.0, param_out: torch.Tensor | None = None, sr_seed: int | None = None,
-               sr_offset: int = 0, save: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+               sr_offset: int = 0, save: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               threads: int | None = None) -> None:
     """One fused Adam/AdamW step, in place. save: three buffers shaped like (param, exp_avg, exp_avg_sq) that take
-    their values before the step (the CPU kernel stores them in its one pass; the others copy them first)."""
+    their values before the step (the CPU kernel stores them in its one pass; the others copy them first). threads:
+    the CPU kernel's (default: zkern.cpu._ext.cpu_threads()); a device kernel's are its device's."""
     hyper = dict(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
                  grad_scale=grad_scale, param_out=param_out, sr_seed=sr_seed, sr_offset=sr_offset)
     impl = _impl(param, "adam_step_")
-    if save is not None and impl is cpu_ext.adam_step_:
-        hyper["save"] = save
+    if backend_for(param, "adam_step_") == "cpu":  # the kernel's own arguments
+        hyper.update(threads=threads, save=save)
     elif save is not None:
         for buf, now in zip(save, (param, exp_avg, exp_avg_sq)):
             buf.copy_(now)
     impl(param, grad, exp_avg, exp_avg_sq, **hyper)
+
+
+def cpu_adam_threads(share: float = 1.0) -> int | None:
+    """The CPU Adam kernel's threads for `share` (0-1] of those it may use (offload_optimizer.cpuadam_cores_perc, for
+    an Adam beside the training thread); None where the kernel is not built (the fallback is torch's own threads)."""
+    return cpu_ext.threads_share(share) if cpu_ext.available() else None
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -245,8 +245,9 @@ OFFLOAD = {
         "pipeline_read": Inert("zkern's NVMe step always reads the next tile while one steps"),
         "pipeline_write": Inert("zkern's NVMe step always writes the last tile while one steps"),
         "pipeline": Inert("zkern's NVMe step is always pipelined"),
-        "cpuadam_cores_perc": Inert("zkern's CPU Adam uses the cores this process may run on (ZKERN_CPU_THREADS "
-                                    "overrides)"),
+        # DeepSpeed's (SuperOffload's): the share of the CPU Adam's threads the host Adam takes where it runs beside
+        # the training thread (the speculative step, the delayed update); the step's own Adam takes them all
+        "cpuadam_cores_perc": _float(0.8, 0.0, 1.0),
         "ratio": DefaultOnly(1.0, "partial optimizer offload"),
         # SuperOffload's speculative CPU step: zkern's speculative_step (below), which it turns on
         "super_offload": _bool(False),

@@ -197,6 +197,8 @@ def _offload(name: str, raw: Any, stage: Any, notes: Notes) -> dict:
             raise ConfigError(f"'{path}.buffer_count' must be >= 3 (a tile read ahead, one stepping, one written "
                               f"behind), got {values['buffer_count']}")
         values.pop("buffer_count", None)  # only the NVMe pipeline reads it
+    if name == "offload_optimizer" and "cpuadam_cores_perc" in values:
+        _cores_share(path, values, notes)
     if name == "offload_param":
         for key in ("buffer_count", "buffer_size"):
             if values.get(key, 1) < 1:
@@ -204,6 +206,20 @@ def _offload(name: str, raw: Any, stage: Any, notes: Notes) -> dict:
                     raise ConfigError(f"'{path}.{key}' must be >= 1, got {values[key]}")
                 values.pop(key)
     return {f"{name}_{key}": value for key, value in values.items()}
+
+
+def _cores_share(path: str, values: dict, notes: Notes) -> None:
+    """cpuadam_cores_perc: a share of the threads above 0 (DeepSpeed's SuperOffload refuses 0 when it starts its Adam
+    process); it steers only the Adam that runs beside the training thread, so set without one it is said."""
+    share = values["cpuadam_cores_perc"]
+    if share <= 0:
+        raise ConfigError(f"'{path}.cpuadam_cores_perc' is the share of the CPU Adam's threads the background "
+                          f"host Adam uses, in (0, 1]; got {share!r} (0.8 is DeepSpeed's default)")
+    if not any(values.get(key) for key in ("super_offload", "speculative_step", "delayed_update")):
+        notes.warned.append((f"{path}.cpuadam_cores_perc",
+                             "steers the host Adam that runs beside the training thread (super_offload / "
+                             "speculative_step, delayed_update), and none is on: the step's Adam uses every thread "
+                             "(ZKERN_CPU_THREADS sets how many)"))
 
 
 def _optimizer(raw: Any, notes: Notes) -> OptimizerConfig | None:

@@ -122,6 +122,9 @@ class ZeroConfig:
     # backward as the chunk lands, guessing an unclipped step; step() keeps or undoes it (offload/speculative.py)
     offload_optimizer_speculative_step: bool = _default(K.OFFLOAD["offload_optimizer"], "speculative_step")
     offload_optimizer_super_offload: bool = _default(K.OFFLOAD["offload_optimizer"], "super_offload")
+    # DeepSpeed's: the share (0-1] of the CPU Adam's threads (zkern.cpu._ext.cpu_threads) the background host Adam
+    # uses (speculative step, delayed update), leaving the rest to the training thread
+    offload_optimizer_cpuadam_cores_perc: float = _default(K.OFFLOAD["offload_optimizer"], "cpuadam_cores_perc")
     # zkern's own: the host staging is a ring of this many chunk buffers (offload/host.py); 0: the whole shard
     offload_optimizer_staging_chunks: int = _default(K.OFFLOAD["offload_optimizer"], "staging_chunks")
     offload_param_device: str = _default(K.OFFLOAD["offload_param"], "device")

@@ -10,6 +10,7 @@ dtype, contiguity, sizes. The ISA path is the fastest this CPU supports, or the 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -61,6 +62,15 @@ def cpu_threads() -> int:
 
         logging.getLogger("zkern").info("zkern CPU Adam: %d threads (%s; ZKERN_CPU_THREADS overrides)", threads, why)
     return threads
+
+
+def threads_share(share: float) -> int:
+    """The CPU Adam's threads for an Adam that runs beside the training thread: `share` (0-1] of cpu_threads(), at
+    least one (offload_optimizer.cpuadam_cores_perc; DeepSpeed's SuperOffload gives its Adam process that share of
+    the cores)."""
+    if not 0 < share <= 1:
+        raise ValueError(f"a share of the CPU Adam's threads is in (0, 1], got {share!r}")
+    return max(1, math.floor(cpu_threads() * share + 1e-9))  # 0.29 x 100 is 28.999...: still 29
 
 
 def active_isa() -> str:

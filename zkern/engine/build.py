@@ -209,6 +209,8 @@ def optimizer_side(cfg: Config, spec: RuntimeSpec, runtime: Runtime, comm: Comm,
                              staging_chunks=zero.offload_optimizer_staging_chunks, per_chunk=per_chunk,
                              speculative=zero.offload_optimizer_speculative_step
                              or zero.offload_optimizer_super_offload)
+        if host_step.delayed or host_step.speculative:  # its Adam runs beside the training thread: a share of cores
+            host_step.background_threads = ops.cpu_adam_threads(zero.offload_optimizer_cpuadam_cores_perc)
         if host_step.during_backward:  # each gradient region goes to the host as its reduction lands
             runtime.on_final_grads = host_step.grad_final
         if host_step.delayed or host_step.speculative:  # what reads or writes a shard waits for the update in the

@@ -36,7 +36,7 @@ class DelayedUpdate:
             began = time.perf_counter()
             try:
                 optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down,
-                               after_chunk=finished, options=options, order=order)
+                               after_chunk=finished, options=options, order=order, threads=self.background_threads)
             except BaseException as e:  # raised on the training thread by settle()
                 self._flight_error = e
             finally:

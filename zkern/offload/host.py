@@ -61,6 +61,8 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
 class HostStep(DelayedUpdate, SpeculativeStep):
     """Staging buffers and the copy/step pipeline of an offloaded optimizer step."""
 
+    background_threads: int | None = None  # the CPU Adam's threads beside the training thread (cpuadam_cores_perc)
+
     def __init__(self, device_groups: list[ShardGroup], *, pin: bool, out_on_host: bool, store=None,
                  during_backward: bool = True, delayed: bool = False, staging_chunks: int = 0,
                  per_chunk: bool = False, speculative: bool = False):
@@ -298,7 +300,8 @@ class HostStep(DelayedUpdate, SpeculativeStep):
         copied them). Delayed: the Adam starts in the background and step() returns (land() sends its parameters);
         last_step's "adam_s" is then the previous delayed Adam's time and "landing_wait_s" how long step() waited
         for it. Speculative: "speculation" (the guess's verdict), "speculated_chunks" (kept), "speculative_adam_s"
-        (their Adam's host time), "speculation_wait_s" (step()'s wait for the last of them)."""
+        (their Adam's host time), "speculation_wait_s" (step()'s wait for the last of them).
+        "background_adam_threads": the threads of an Adam run beside the training thread (None: all)."""
         start = time.perf_counter()
         self._wait_s = 0.0
         if self.delayed:
@@ -324,7 +327,7 @@ class HostStep(DelayedUpdate, SpeculativeStep):
                           "grad_bytes_in_backward": moved, "grad_bytes_at_step": self.grad_bytes - moved,
                           "backward_copy_s": self._backward_copy_s if sent else 0.0, "speculation": fate,
                           "speculated_chunks": len(kept), "speculative_adam_s": self._spec_adam_s if kept else 0.0,
-                          "speculation_wait_s": verdict_s}
+                          "speculation_wait_s": verdict_s, "background_adam_threads": self.background_threads}
         self._sent, self._backward_copy_s = None, 0.0
         if self.delayed:
             if self.stream is not None:  # the device gradients may be zeroed once the copies have read them

@@ -83,7 +83,7 @@ class SpeculativeStep:
             began = time.perf_counter()
             try:
                 optimizer.step(grad_scale=guess["grad_scale"], before_chunk=self._await_chunk, order=[key],
-                               options=guess["options"], save=True, advance=False)
+                               options=guess["options"], save=True, advance=False, threads=self.background_threads)
                 self._speculated.append(key)
             except BaseException as e:  # the chunk's call checks its arguments before it writes anything
                 self._spec_error = e

@@ -161,7 +161,8 @@ class ShardAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, active: list[list[bool]] | None = None,
              before_chunk=None, after_chunk=None, options: list[dict] | None = None,
-             order: list[tuple[int, int]] | None = None, save: bool = False, advance: bool = True):
+             order: list[tuple[int, int]] | None = None, save: bool = False, advance: bool = True,
+             threads: int | None = None):
         """One step; active[g][i] says whether piece i of group g got a gradient (default: all did).
 
         before_chunk(g, c) / after_chunk(g, c): called around chunk c of group g (the offload pipeline waits
@@ -171,7 +172,8 @@ class ShardAdam(torch.optim.Optimizer):
         them, each chunk at most once (default: every chunk, group by group); each chunk's arithmetic is its own, so
         the order changes only when each is done. save: the stepped elements' values before the step go to the
         saves (keep_saves). advance=False leaves the step counts where they are: a speculative step's chunks, whose
-        counts move with the step that keeps them."""
+        counts move with the step that keeps them. threads: the CPU Adam's (an Adam beside the training thread
+        takes a share of them; default all)."""
         if closure is not None:
             raise ValueError("ShardAdam.step does not take a closure; zkern runs forward/backward itself")
         groups = options or self.param_groups
@@ -194,7 +196,8 @@ class ShardAdam(torch.optim.Optimizer):
                 ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], self.exp_avg[gi][s + lo:s + hi],
                                self.exp_avg_sq[gi][s + lo:s + hi], step=step + 1,
                                param_out=None if away else out, **hyper[gi],
-                               **self.rounding(gi, step + 1, chunk.param.storage_offset() + lo), save=saved)
+                               **self.rounding(gi, step + 1, chunk.param.storage_offset() + lo), save=saved,
+                               threads=threads)
                 if away:
                     out.copy_(chunk.param[lo:hi])  # the same rounding the fused copy-out does
             if after_chunk is not None:

@@ -18,7 +18,7 @@ import torch
 import zkern.core.state
 from zkern.verify import Draw, random_draw, verify_draw
 from zkern.verify.check import compare, compare_runs
-from zkern.verify.fuzz import fuzz
+from zkern.verify.fuzz import draws_for, fuzz, parse_where
 from zkern.verify.runner import run_phases
 from zkern.verify.single import reference
 
@@ -349,3 +349,22 @@ def test_new_draw_dimensions_are_drawn_and_refused_where_they_clash():
     assert trained and all(d.groups and d.save_at < 0 for d in trained) and any(d.accumulation > 1 for d in trained)
     with pytest.raises(ValueError, match="trainer frontend draws decay/no-decay groups"):
         Draw(frontend="trainer", groups=True, eval_at=1).checked()
+
+
+def test_a_focused_fuzz_keeps_only_the_draws_holding_the_values_asked_for():
+    where = parse_where(["speculative=true", "stage=2", "clip=0.05"])
+    assert where == {"speculative": True, "stage": 2, "clip": 0.05}
+    focused = draws_for(5, 7, where=where)
+    assert len(focused) == 5 and all(d.speculative and d.stage == 2 and d.clip == 0.05 for d in focused)
+    assert focused == draws_for(5, 7, where=where)  # a function of the seed, as the unfocused draws are
+    rng = random.Random(7)
+    assert draws_for(5, 7) == [random_draw(rng) for _ in range(5)]  # unfocused: the fuzzer's own sequence
+    for term, words in (("speculatve=true", "did you mean 'speculative'"), ("stage=two", "takes an int"),
+                        ("world", "KEY=VALUE"), ("precision=2", "takes a str")):
+        with pytest.raises(ValueError, match=words):
+            parse_where([term])
+    with pytest.raises(ValueError, match="seldom or never"):  # the draws never combine the two host Adams
+        draws_for(2, 0, where={"speculative": True, "delayed_update": True})
+    run = subprocess.run([sys.executable, "-m", "zkern.verify.fuzz", "--draws", "1", "--where", "stage=9"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "0 of" in run.stderr and "stage" in run.stderr, run.stderr

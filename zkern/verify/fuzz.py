@@ -4,6 +4,7 @@ repeats it.
 
     python -m zkern.verify.fuzz --draws 2000 --seed 0          # make fuzz
     python -m zkern.verify.fuzz --draw '{"stage": 3, "save_at": 1}'
+    python -m zkern.verify.fuzz --draws 60 --where speculative=true --where world=2   # only draws with those values
 
 Draws run in batches: each world size's ranks are started once per batch and run its draws one after another (a
 rank costs seconds to start on two cores, a draw a fraction of one). A batch that fails as a whole (a rank died, a
@@ -13,6 +14,8 @@ hang past the timeout) is run again draw by draw, so the draw to blame is the on
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
 import os
 import random
@@ -92,11 +95,61 @@ def _batch(draws: list[Draw], root: str, timeout: float) -> list[Outcome]:
     return outcomes
 
 
-def fuzz(count: int, seed: int, worlds: tuple[int, ...] = WORLDS, batch: int = 12, timeout: float = 120.0,
-         nvme: bool = True, report=print) -> list[Outcome]:
-    """count random draws from seed; returns every outcome (report(line) is called per failure and per batch)."""
+# How many random draws a focused run may look through per draw it keeps, before saying the values seldom meet.
+TRIES_PER_DRAW = 2000
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
+def parse_where(terms: list[str]) -> dict:
+    """--where's KEY=VALUE terms as {Draw field: value}; VALUE is JSON (true, 2, 0.05, "cpu") or else a plain word."""
+    fields = {f.name: f for f in dataclasses.fields(Draw)}
+    where = {}
+    for term in terms:
+        key, eq, text = term.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--where {term!r}: give KEY=VALUE, a field of a draw and its value (speculative=true)")
+        if key not in fields:
+            near = difflib.get_close_matches(key, fields, n=1)
+            raise ValueError(f"--where {term!r}: a draw has no field {key!r}"
+                             + (f"; did you mean {near[0]!r}?" if near else f" (fields: {', '.join(fields)})"))
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        default = fields[key].default
+        if type(value) is not type(default) and not (type(default) is float and type(value) is int):
+            raise ValueError(f"--where {term!r}: {key} takes {_a(type(default).__name__)} (a draw's default: "
+                             f"{json.dumps(default)}), got {json.dumps(value)}")
+        where[key] = value
+    return where
+
+
+def draws_for(count: int, seed: int, worlds: tuple[int, ...] = WORLDS, nvme: bool = True,
+              where: dict | None = None) -> list[Draw]:
+    """The first count random draws from seed whose fields hold where's values (all of them without where)."""
     rng = random.Random(seed)
-    draws = [random_draw(rng, worlds, nvme=nvme) for _ in range(count)]
+    draws, tries = [], 0
+    while len(draws) < count:
+        draw = random_draw(rng, worlds, nvme=nvme)
+        tries += 1
+        if all(getattr(draw, k) == v for k, v in (where or {}).items()):
+            draws.append(draw)
+        elif tries >= TRIES_PER_DRAW * count:
+            raise ValueError(f"--where {where}: {len(draws)} of {tries} random draws hold those values, fewer than "
+                             f"the {count} asked for; the draws seldom or never combine them (or --worlds/--no-nvme "
+                             f"rule them out)")
+    return draws
+
+
+def fuzz(count: int, seed: int, worlds: tuple[int, ...] = WORLDS, batch: int = 12, timeout: float = 120.0,
+         nvme: bool = True, report=print, where: dict | None = None) -> list[Outcome]:
+    """count random draws from seed (only those holding where's field values, when given); returns every outcome
+    (report(line) is called per failure and per batch)."""
+    draws = draws_for(count, seed, worlds, nvme, where)
     outcomes: list[Outcome] = []
     for first in range(0, count, batch):
         chunk = draws[first:first + batch]
@@ -126,17 +179,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draw", default=None, help="run this one draw (JSON, as a failure prints it)")
     parser.add_argument("--no-nvme", action="store_true", help="draw no NVMe offload (a slow or small disk)")
     parser.add_argument("--json", default=None, help="write every outcome to this file")
+    parser.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
+                        help="keep only draws whose field KEY has VALUE (JSON), e.g. speculative=true; repeatable")
     args = parser.parse_args(argv)
     if args.draw is not None:
         outcome = verify_draw(Draw.from_json(args.draw))
         print("PASS" if outcome.ok else "FAIL\n  " + "\n  ".join(outcome.failures))
         return 0 if outcome.ok else 1
     worlds = tuple(int(w) for w in args.worlds.split(","))
+    try:
+        where = parse_where(args.where)
+        draws_for(args.draws, args.seed, worlds, not args.no_nvme, where)  # too few draws hold them: said first
+    except ValueError as e:
+        parser.error(str(e))
     start = time.perf_counter()
-    outcomes = fuzz(args.draws, args.seed, worlds, nvme=not args.no_nvme)
+    outcomes = fuzz(args.draws, args.seed, worlds, nvme=not args.no_nvme, where=where)
     failed = [o for o in outcomes if not o.ok]
-    print(f"[fuzz] {len(outcomes)} draws (seed {args.seed}, worlds {args.worlds}) in {time.perf_counter() - start:.0f} "
-          f"s: {len(failed)} failed")
+    focus = "".join(f", {k}={json.dumps(v)}" for k, v in where.items())
+    print(f"[fuzz] {len(outcomes)} draws (seed {args.seed}, worlds {args.worlds}{focus}) in "
+          f"{time.perf_counter() - start:.0f} s: {len(failed)} failed")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"draw": json.loads(o.draw.to_json()), "failures": o.failures, "seconds": o.seconds}

@@ -10,10 +10,9 @@ checkpoint resumed by a fresh engine; the step's accounting says which guesses s
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from fake_cuda import FakeCuda
 
 import zkern
 from zkern.config import ConfigError
@@ -182,49 +181,12 @@ def test_on_cuda_each_chunk_steps_after_its_copy_down_and_goes_up_after_the_deci
 
     from zkern import ops
 
-    calls, lock = [], threading.Lock()
-
-    def log(entry):
-        with lock:
-            calls.append(entry)
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log(f"{self.name} waits for {other.name}")
-
-    class Event:
-        count = 0
-
-        def __init__(self):
-            Event.count += 1
-            self.n = Event.count
-
-        def record(self, stream):
-            log(f"event {self.n} recorded on {stream.name}")
-
-        def synchronize(self):
-            log(f"event {self.n} synchronized")
-
-    compute, side = Stream("compute"), Stream("side")
-    current = [compute]
-
-    @contextlib.contextmanager
-    def on(stream):
-        log(f"on {stream.name}")
-        current.append(stream)
-        yield
-        current.pop()
-
     torch.manual_seed(0)
     engine = zkern.Engine(TinyGPT(), _single_config(speculative_step=True))
     host = engine.host_step
-    host.stream = side
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
-    monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    cuda = FakeCuda(monkeypatch)  # from here on the engine's CUDA calls are logged
+    log, calls = cuda.log, cuda.calls
+    host.stream = cuda.side
     adam = ops.adam_step_
     monkeypatch.setattr(ops, "adam_step_", lambda *a, **k: (log(f"adam on {threading.current_thread().name}"),
                                                             adam(*a, **k))[1])

@@ -7,11 +7,11 @@ differently. These runs must match the same model without offload_param bit for 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
 import torch
+from fake_cuda import FakeCuda
 
 from zkern.stage3.uploads import Uploads
 from zkern.testing import TrainSpec, engine_training_loop
@@ -98,50 +98,16 @@ def test_on_cuda_the_side_stream_waits_for_compute_and_compute_waits_for_the_cop
     """The CUDA path's order of calls, with torch.cuda's streams and events faked (this machine has no GPU): the
     side stream waits for the compute stream before the copy is queued on it, the event is recorded after it, and
     only the wait makes the compute stream wait for that event."""
-    calls = []
-
-    class Stream:
-        def __init__(self, name):
-            self.name, self.device = name, torch.device("cuda", 0)
-
-        def wait_stream(self, other):
-            calls.append(f"{self.name} waits for {other.name}")
-
-        def wait_event(self, event):
-            calls.append(f"{self.name} waits for event {event.n}")
-
-    class Event:
-        count = 0
-
-        def __init__(self):
-            Event.count += 1
-            self.n = Event.count
-
-        def record(self, stream):
-            calls.append(f"event {self.n} recorded on {stream.name}")
-
-    compute, side = Stream("compute"), Stream("side")
-    current = [compute]
-
-    @contextlib.contextmanager
-    def on(stream):
-        current.append(stream)
-        yield
-        current.pop()
-
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: side)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
-    monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    cuda = FakeCuda(monkeypatch)
     uploads = Uploads(torch.device("cuda", 0), world=1)
     assert not uploads.defer
     dst, src = torch.zeros(4), torch.arange(4.0)
     with uploads.ahead(5):
         uploads.copy(dst, src)
-        calls.append(f"copy on {current[-1].name}")
+        cuda.log(f"copy on {cuda.current.name}")
     assert torch.equal(dst, src)  # a real stream would run it later; the fake has no queue
-    calls.append("compute goes on")
+    cuda.log("compute goes on")
     uploads.wait(5)
     uploads.wait(5)  # waited once: nothing left
-    assert calls == ["side waits for compute", "copy on side", "event 1 recorded on side", "compute goes on",
-                     "compute waits for event 1"]
+    assert cuda.calls == ["side waits for compute", "on side", "copy on side", "event 1 recorded on side",
+                          "compute goes on", "compute waits for event 1"]

@@ -189,10 +189,10 @@ def _check_speculative_step(cfg: Config) -> None:
     if zero.offload_optimizer_delayed_update:
         raise ConfigError(f"{name} and 'delayed_update' both move the host Adam off the step's critical path, one "
                           f"exactly (a guess checked at step()) and one a step late; choose one")
-    if zero.offload_param_device != "none" and zero.stage == 3:
-        raise ConfigError(f"{name} with offload_param: the guessed Adam would write the host parameters the next "
-                          f"forward reads before the step's decision is known; zkern does not build that yet, so "
-                          f"drop one of the two")
+    if zero.offload_param_device == "nvme" and zero.stage == 3:
+        raise ConfigError(f"{name} with offload_param device \"nvme\": the kept chunks' parameters would be written "
+                          f"to the parameter file at step(), on the step's critical path; use offload_param device "
+                          f"\"cpu\" (or \"none\")")
     if not zero.offload_optimizer_copy_grads_during_backward:
         raise ConfigError(f"{name} steps each gradient chunk as it lands in backward, and "
                           f"'copy_grads_during_backward' is false (no chunk lands before step()); set it to true")

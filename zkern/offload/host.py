@@ -8,7 +8,8 @@ gradient shard from the device into a host buffer in its own dtype (the CPU Adam
 steps chunk by chunk on the host, writing the updated parameter straight into a host buffer in the working
 dtype, and copies that back into the device's parameter shard. On CUDA the copies run on a side stream:
 chunk i+1's gradient comes down while chunk i steps, and chunk i's parameters go up while chunk i+1 steps.
-With offload_param (stage 3) the parameter shard itself lives on the host, so nothing goes back; with its device
+With offload_param (stage 3) the parameter shard itself lives on the host, so nothing goes back (with the delayed
+update or the speculative step the new values are staged, and copied into it once they stand); with its device
 "nvme" the updated chunks go to the parameter file instead (nvme_params.py). Only the pieces that stepped are
 sent: the others' values may have been written since the staging copy was filled (GatheredParameters, a load).
 With offload_optimizer "nvme" the optimizer (nvme.NvmeAdam) streams master and moments from files and calls the
@@ -116,7 +117,7 @@ class HostStep(DelayedUpdate, SpeculativeStep):
                 out = c.out
                 if both_ways(c):
                     out = grad  # the gradient's staging takes the chunk's new values once the Adam has read it
-                elif c.out is not None and (on_device(c) or delayed or store.in_files(c.out)):
+                elif c.out is not None and (on_device(c) or delayed or speculative or store.in_files(c.out)):
                     out = host_tensor(c.out.numel(), c.out.dtype, pin=pin)
                     out.copy_(store.read(c.out))
                 chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))

@@ -189,9 +189,9 @@ class Draw:
                                     or self.optimizer not in ZKERN_ADAM):
             problems.append(f"delayed_update needs offload_optimizer cpu, no NVMe parameters and zkern's Adam "
                             f"({ZKERN_ADAM})")
-        if self.speculative and (self.offload_optimizer != "cpu" or self.offload_param != "none"
+        if self.speculative and (self.offload_optimizer != "cpu" or self.offload_param == "nvme"
                                  or self.delayed_update or self.optimizer not in ZKERN_ADAM):
-            problems.append(f"speculative needs offload_optimizer cpu, no offload_param, no delayed_update and "
+            problems.append(f"speculative needs offload_optimizer cpu, no NVMe parameters, no delayed_update and "
                             f"zkern's Adam ({ZKERN_ADAM})")
         if self.optimizer == "Lion" and not self.exact:
             # Lion steps by sign(c): a rounding that flips a small c moves the element a whole 2 lr, so 16-bit and
@@ -300,7 +300,7 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
         if values.get("offload_optimizer") == "cpu" and values.get("offload_param") != "nvme" and \
                 values["optimizer"] in ZKERN_ADAM and rng.random() < 0.5:
             values["delayed_update"] = True
-        if values.get("offload_optimizer") == "cpu" and values.get("offload_param", "none") == "none" and \
+        if values.get("offload_optimizer") == "cpu" and values.get("offload_param") != "nvme" and \
                 not values.get("delayed_update") and values["optimizer"] in ZKERN_ADAM and rng.random() < 0.5:
             values["speculative"] = True
         if values.get("offload_optimizer") == "cpu" and rng.random() < 0.4:  # a smaller ring reuses its buffers more

@@ -117,7 +117,8 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
     rows = []
     for i, run in enumerate(runs):
         ranks = [r[i]["rows"] for r in results]
-        per = [{k: max(rk[j][k] for rk in ranks) for k in ranks[0][j] if k != "speculation"}
+        labels = ("speculation", "background_adam_threads")  # what the step was, not how long it took
+        per = [{k: max(rk[j][k] for rk in ranks) for k in ranks[0][j] if k not in labels}
                for j in range(len(ranks[0]))]  # the slowest rank's figures
         total = [r["forward_backward_s"] + r["step_call_s"] for r in per]
         bytes_total = per[0]["grad_bytes_in_backward"] + per[0]["grad_bytes_at_step"]
@@ -136,6 +137,7 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
                      "grad_bytes": bytes_total,
                      "share_on_host_before_step": per[0]["grad_bytes_in_backward"] / bytes_total if bytes_total else 0,
                      "steps_timed": len(per), "host_adam_s": adam, "host_adam_wait_s": waited,
+                     "host_adam_threads": ranks[0][0].get("background_adam_threads"),
                      "host_staging_bytes": results[0][i]["host_staging_bytes"],
                      "staging_ring": results[0][i]["staging_ring"],
                      "host_bytes": results[0][i]["host_bytes"],
@@ -173,6 +175,8 @@ def table(record: dict) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         adam = "-" if r.get("host_adam_s") is None else f"{r['host_adam_s'] * 1e3:.1f} ms"
+        if r.get("host_adam_threads") is not None:
+            adam += f" ({r['host_adam_threads']} threads)"
         hidden = "-" if r.get("host_adam_hidden") is None else f"{r['host_adam_hidden'] * 100:.0f}%"
         kept = "-" if r.get("speculation_kept_steps") is None else \
             f"{r['speculation_kept_steps']} of {r['steps_timed']}"

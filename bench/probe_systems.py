@@ -373,9 +373,9 @@ def offload_phases(system, out: dict):
     finally:
         host._wait_down, host._up = wait_down, up
         out.update(spent)
-        if host.speculative:  # what became of the backward's guess, and its Adam's time (speculative.py)
+        if host.speculative:  # what became of the backward's guess, and its Adam's time and threads
             out.update({k: host.last_step.get(k) for k in ("speculation", "speculated_chunks", "speculative_adam_s",
-                                                           "speculation_wait_s")})
+                                                           "speculation_wait_s", "background_adam_threads")})
         out["grad_bytes_down"] = sum(c.grad.numel() * c.grad.element_size() for g in host.host_groups
                                      for c in g.chunks)
         out["param_bytes_up"] = sum(c.out.numel() * c.out.element_size() for g, d in

@@ -39,7 +39,8 @@
 #   headline-ds  DeepSpeed's ZeRO-Offload on the headline's model and batch, with gradient norms:
 #             from .lease-wheels/ (`make lease-wheels`, carried on the call) where the machine lacks DeepSpeed
 #   uploads   stage 3 with offload_param at 1b and 16K tokens a step: prefetched units' host chunks up on a side
-#             stream (the default) beside the same copies in line on the compute stream (stage3/uploads.py)
+#             stream (the default) beside the same copies in line on the compute stream (stage3/uploads.py), and
+#             DeepSpeed's SuperOffload shape: the same with bf16 state and the speculative step
 #   largest   zkern's offload with bf16 state at 13B (4K tokens a step): does it train on one GPU and this host
 #
 # The machine's python3 holds torch; nothing is installed into it: the CPU extension is built in place, its sources
@@ -162,7 +163,8 @@ for step in "$@"; do
         speculative) run speculative 150 $P variants zkern2-offload-bf16-spec --model "$H" --micro-batch 8 \
             --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 140 --bw-json "$R/bw.json" \
             --json "$R/speculative.json" ;;
-        uploads) run uploads 200 $P variants zkern3-offload zkern3-offload-inline --model "$M" --micro-batch 8 \
+        uploads) run uploads 240 $P variants zkern3-offload zkern3-offload-inline zkern3-offload-bf16-spec \
+            --model "$M" --micro-batch 8 \
             --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 90 --bw-json "$R/bw.json" \
             --json "$R/uploads.json" ;;
         largest) run largest 200 $P variants zkern2-offload-bf16 --model "$L" --micro-batch 2 \

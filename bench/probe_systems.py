@@ -16,6 +16,8 @@ zkern2-offload-bf16-spec  bf16 state and the speculative step (offload_optimizer
                      in backward, kept where the step comes out unclipped; 14 host bytes a parameter with its saves
                      and a staging buffer per chunk)
 zkern3-offload       stage 3 with offload_optimizer and offload_param cpu
+zkern3-offload-bf16-spec  the same with bf16 state and the speculative step: DeepSpeed's SuperOffload configuration
+                     (stage 3, both offloads, super_offload); the guessed parameters staged on the host
 zkern3-offload-inline  the same with every unit's host chunk copied up on the compute stream, in line with the
                      compute (the path before stage3/uploads.py's side stream): the overlap's A/B
                      (every zkern offload variant builds its model on the device in bf16, as a user whose host cannot
@@ -57,6 +59,9 @@ OFFLOAD = {"zkern2-offload": (2, {"offload_optimizer": HOST_ADAM}, {}),
            "zkern2-offload-bf16-spec": (2, {"offload_optimizer": {**HOST_ADAM, "speculative_step": True}},
                                         {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
            "zkern3-offload": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {}),
+           "zkern3-offload-bf16-spec": (3, {"offload_optimizer": {**HOST_ADAM, "speculative_step": True},
+                                            "offload_param": HOST_ADAM},
+                                        {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
            "zkern3-offload-inline": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {})}
 NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *OFFLOAD, "ddp", "ddp-fused", "zero1", "fsdp2", "fsdp2-fused",
          "fsdp2-zero2", "fsdp2-offload", "torch-mixed", "torch-mixed-offload", "deepspeed0", "deepspeed1", "deepspeed2",

@@ -25,8 +25,8 @@ def test_bw_on_a_cpu_measures_the_host_and_says_why_nothing_else(tmp_path):
 def test_the_offload_headline_variants_train_the_same_model_under_activation_checkpointing(tmp_path):
     """The GPU lease's headline and parity steps (docs/gpu.md) on the CPU: zkern's offload recipes and FSDP2's CPU
     offload, every block recomputed in backward, each step's gradient norm recorded."""
-    names = ["zkern2-offload", "zkern2-offload-bf16", "zkern2-offload-dpu", "zkern2-offload-bf16-dpu", "fsdp2-offload",
-             "torch-mixed-offload"]
+    names = ["zkern2-offload", "zkern2-offload-bf16", "zkern2-offload-dpu", "zkern2-offload-bf16-dpu",
+             "zkern2-offload-bf16-spec", "zkern3-offload-bf16-spec", "fsdp2-offload", "torch-mixed-offload"]
     rec = gpu_probe.run_variants(names, "tiny", "cpu", str(tmp_path / "h.json"), steps=2, warmup=1, micro_batch=None,
                                  snapshot=False, matmul_tflops=None, threads=1, timeout=120,
                                  checkpoint="non_reentrant", lr=3e-4, grad_norms=True)
@@ -57,6 +57,12 @@ def test_the_offload_headline_variants_train_the_same_model_under_activation_che
         later = by[name]["losses"][1:]
         assert later != plain[1:], name
         assert all(abs(a - b) < 0.01 * b for a, b in zip(later, plain[1:])), (name, later, plain)
+    # the speculative step is the plain step's arithmetic whatever became of its guesses: at stage 2 the bf16
+    # variant's losses bit for bit; at stage 3 with the parameters on the host (SuperOffload's shape), the same model
+    assert by["zkern2-offload-bf16-spec"]["losses"] == by["zkern2-offload-bf16"]["losses"]
+    for name in ("zkern2-offload-bf16-spec", "zkern3-offload-bf16-spec"):
+        assert by[name]["offload_phases_s"]["speculation"] in ("kept", "clipped"), by[name]["offload_phases_s"]
+        assert all(abs(a - b) < 0.01 * b for a, b in zip(by[name]["losses"], plain)), (name, by[name], plain)
     # FSDP2 trains the same model from the same weights: the first step's gradient norm (the engine's own figure,
     # torch's from .grad) and every loss within bf16's reach of zkern's, the delayed update's losses aside (its
     # model trails one update)

@@ -147,6 +147,24 @@ def test_every_chunk_steps_in_backward_when_the_guess_stands_and_the_saves_cost_
     engine.destroy()
 
 
+def test_with_the_parameters_on_the_host_the_guesses_stage_in_a_second_copy_counted_in_the_books():
+    """Stage 3's offload_param (DeepSpeed's SuperOffload shape): the host parameter shard is what the next gathers
+    read, so the guessed parameters go to staging of their own, as large as the gradients' (both bf16 here)."""
+    def host_books(speculative: bool) -> dict:
+        cfg = _single_config(speculative_step=speculative)
+        cfg["bf16"] = {"enabled": True}
+        cfg["zero_optimization"].update(stage=3, stage3_param_persistence_threshold=0,
+                                        offload_param={"device": "cpu"})
+        engine = zkern.Engine(TinyGPT(), cfg)
+        books = engine.memory_report()["host"]
+        engine.destroy()
+        return books
+
+    plain, guessing = host_books(False), host_books(True)
+    assert plain["offload_buffers"] > 0 and guessing["offload_buffers"] == 2 * plain["offload_buffers"]
+    assert guessing["params"] == plain["params"] and guessing["speculation_saves"] > 0
+
+
 def test_super_offload_turns_the_speculative_step_on():
     engine = zkern.Engine(TinyGPT(), _single_config(super_offload=True))
     assert engine.host_step.speculative

@@ -42,6 +42,8 @@ TARGETED = [
     '{"bucket": 1000, "offload_optimizer": "cpu", "seed": 28, "stage": 2, "staging_chunks": 1, "world": 2}',
     '{"offload_optimizer": "cpu", "offload_param": "cpu", "seed": 29, "stage": 3, "world": 1}',
     '{"clip": 0.05, "offload_optimizer": "cpu", "seed": 30, "speculative": true, "stage": 2, "world": 2}',
+    '{"offload_optimizer": "cpu", "offload_param": "cpu", "overflow_at": 1, "precision": "fp16", "seed": 31, '
+    '"speculative": true, "stage": 3, "world": 2}',
 ]
 
 
@@ -65,6 +67,7 @@ KILLERS = {
     "offload.ring_reused_early": 17,  # added 2026-11-27 with the staging ring (offload_optimizer.staging_chunks)
     "offload.upload_unwaited": 18,  # added 2026-11-27 with stage 3's uploads ahead of use (stage3/uploads.py)
     "offload.speculation_kept_when_clipped": 19,  # added 2026-11-27 with the speculative step (speculative.py)
+    "offload.speculation_in_place": 20,  # added 2026-11-28 with the speculative step beside stage 3's offload_param
 }
 
 

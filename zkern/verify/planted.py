@@ -1,7 +1,8 @@
 """The planted bugs themselves: each mutant breaks one thing zkern must get right, the way a real bug would (an
 optimizer that never updates, a reduction that forgets a rank, a checkpoint that drops the moments). mutants.py
-plants each in turn and runs draws until one fails; this file is only the catalogue and the planting, so the
-runner (which plants the one ZKERN_MUTANT names) does not depend on the driver.
+plants each in turn and runs draws until one fails; this file is only the catalogue and the planting (offload's
+mutants are in planted_offload.py), so the runner (which plants the one ZKERN_MUTANT names) does not depend on the
+driver.
 
     python -c "from zkern.verify.planted import MUTANTS; print(len(MUTANTS))"
 
@@ -18,6 +19,17 @@ import os
 from collections.abc import Callable
 
 import torch
+
+from zkern.verify.planted_offload import (
+    delay_lands_at_once,
+    nvme_last_tile_skipped,
+    offload_not_uploaded,
+    ring_reused_early,
+    speculation_guess_in_place,
+    speculation_kept_when_clipped,
+    staging_takes_working_copies,
+    upload_unwaited,
+)
 
 ENV = "ZKERN_MUTANT"
 
@@ -320,77 +332,6 @@ def _hpz_always_fresh(p: _Patches) -> None:
     p.wrap(Secondary, "fresh", make)
 
 
-# -- offload -------------------------------------------------------------------------------------------------------
-def _offload_not_uploaded(p: _Patches) -> None:
-    """ZeRO-Offload: the host step's updated parameters never go back up."""
-    from zkern.offload.host import HostStep
-
-    p.set(HostStep, "_up", lambda self, gi, ci: None)
-
-
-def _delay_lands_at_once(p: _Patches) -> None:
-    """The delayed update's weights go up as soon as its Adam ends, before the next step's forward (no delay)."""
-    from zkern.offload.host import HostStep
-
-    def make(original):
-        def launch(self, optimizer, grad_scale, active, **kw):
-            original(self, optimizer, grad_scale, active, **kw)
-            self.land()
-        return launch
-    p.wrap(HostStep, "_launch", make)
-
-
-def _ring_reused_early(p: _Patches) -> None:
-    """The staging ring's next chunk comes down into a buffer before the chunk there has had its parameters sent up
-    (which then go up as the next chunk's gradient)."""
-    from zkern.offload.host import HostStep
-
-    def up_and_next(self, gi, ci):
-        later = self._position[(gi, ci)] + len(self.ring)
-        if later < len(self._order):
-            self._timed_down(self._order[later])
-        self._up(gi, ci)
-    p.set(HostStep, "_up_and_next", up_and_next)
-
-
-def _upload_unwaited(p: _Patches) -> None:
-    """Stage 3's offload_param: a prefetched unit is used without waiting for its upload (on a GPU, the side
-    stream's copy races the compute that reads the unit; on a CPU the deferred copy never lands)."""
-    from zkern.stage3.uploads import Uploads
-
-    p.set(Uploads, "wait", lambda self, unit: self.pending.pop(unit, None) and None)
-
-
-def _speculation_kept_when_clipped(p: _Patches) -> None:
-    """The speculative step's verdict forgets the clipping check: an unclipped update stands where clipping bit."""
-    from zkern.offload.speculative import SpeculativeStep
-
-    def make(original):
-        def verdict(self, grad_scale, active, optimizer):
-            return original(self, self._guess["grad_scale"] if self._guess else grad_scale, active, optimizer)
-        return verdict
-    p.wrap(SpeculativeStep, "verdict", make)
-
-
-def _staging_takes_working_copies(p: _Patches) -> None:
-    """A weight set rewrites every working copy from the masters, the host staging that holds the gradients copied
-    down in the backward before it included."""
-    from zkern.engine import param_views
-
-    p.set(param_views, "shares_staging", lambda chunk: False)
-
-
-def _nvme_last_tile_skipped(p: _Patches) -> None:
-    """ZeRO-Infinity: the NVMe optimizer skips the last piece of work of every tile."""
-    from zkern.offload.nvme import NvmeAdam
-
-    def make(original):
-        def step_tile(self, tile, buffers, work, grad_scale):
-            return original(self, tile, buffers, list(work)[:-1], grad_scale)
-        return step_tile
-    p.wrap(NvmeAdam, "_step_tile", make)
-
-
 # -- zkern.hf.Accelerator ------------------------------------------------------------------------------------------
 def _accelerate_boundary_ignored(p: _Patches) -> None:
     """accelerator.backward takes every micro-step as the end of an accumulation (steps each one)."""
@@ -461,17 +402,19 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "qgz.hop_drops_ranks": ("qgZ's hop sums only the rank's own section", _qgz_one_hop_dropped),
     "qwz.scales_dropped": ("qwZ dequantizes with scale 1", _qwz_scales_dropped),
     "hpz.always_fresh": ("hpZ's secondary copy never refreshed after a step", _hpz_always_fresh),
-    "offload.not_uploaded": ("ZeRO-Offload never copies the updated parameters back", _offload_not_uploaded),
+    "offload.not_uploaded": ("ZeRO-Offload never copies the updated parameters back", offload_not_uploaded),
     "offload.ring_reused_early": ("offload's staging ring takes the next chunk's gradient before the last chunk's "
-                                  "parameters went up", _ring_reused_early),
+                                  "parameters went up", ring_reused_early),
     "offload.upload_unwaited": ("stage 3 uses a prefetched unit before its host chunk's upload arrived",
-                                _upload_unwaited),
+                                upload_unwaited),
     "offload.speculation_kept_when_clipped": ("the speculative offloaded step keeps its unclipped guess where "
-                                              "clipping bit", _speculation_kept_when_clipped),
-    "nvme.last_tile_skipped": ("the NVMe optimizer skips the last piece of each tile", _nvme_last_tile_skipped),
-    "offload.delay_lands_at_once": ("the delayed update's weights go up before the next forward", _delay_lands_at_once),
+                                              "clipping bit", speculation_kept_when_clipped),
+    "offload.speculation_in_place": ("the speculative step writes its guessed parameters where the model reads "
+                                     "them, not to staging", speculation_guess_in_place),
+    "nvme.last_tile_skipped": ("the NVMe optimizer skips the last piece of each tile", nvme_last_tile_skipped),
+    "offload.delay_lands_at_once": ("the delayed update's weights go up before the next forward", delay_lands_at_once),
     "offload.staging_overwritten": ("a weight set between backward and step() overwrites the host's gradient copies",
-                                    _staging_takes_working_copies),
+                                    staging_takes_working_copies),
     "accelerate.boundary_ignored": ("zkern.hf.Accelerator's backward steps at every micro-step",
                                     _accelerate_boundary_ignored),
     "accelerate.load_flags_dropped": ("zkern.hf.Accelerator's load_state drops its load flags",

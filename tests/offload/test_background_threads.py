@@ -115,3 +115,14 @@ def test_a_share_with_no_background_adam_is_said_not_ignored():
     assert any(path.endswith("cpuadam_cores_perc") and "none is on" in why for path, why in notes.warned), notes
     quiet = Config.load(_config(super_offload=True, cpuadam_cores_perc=0.9)).notes
     assert not any(path.endswith("cpuadam_cores_perc") for path, _ in quiet.warned)
+
+
+def test_the_start_up_block_says_which_host_adam_runs_beside_the_training_thread_and_on_how_many_threads():
+    from zkern.config.report import startup_block
+
+    guessing = startup_block(Config.load(_config(clip=1.0, super_offload=True, cpuadam_cores_perc=0.75)))
+    assert "host Adam: the speculative step, in backward on 0.75 of the CPU Adam's threads" in guessing
+    assert "gradient norm is at most gradient_clipping 1," in guessing  # where its guesses can stand
+    delayed = startup_block(Config.load(_config(delayed_update=True)))
+    assert "host Adam: the delayed update, one step behind the model, on 0.8 of" in delayed
+    assert "host Adam" not in startup_block(Config.load(_config()))

@@ -28,6 +28,14 @@ def summary(cfg: Config) -> list[str]:
     offload += [f"parameters -> {zero.offload_param_device}" for _ in [0] if zero.offload_param_device != "none"]
     if offload:
         lines.append("offload: " + ", ".join(offload))
+    share = f"{zero.offload_optimizer_cpuadam_cores_perc:g} of the CPU Adam's threads (cpuadam_cores_perc)"
+    if zero.offload_optimizer_delayed_update:
+        lines.append(f"host Adam: the delayed update, one step behind the model, on {share}")
+    elif zero.offload_optimizer_speculative_step or zero.offload_optimizer_super_offload:
+        kept = (f"kept at steps without overflow whose gradient norm is at most gradient_clipping "
+                f"{cfg.gradient_clipping:g}, else redone" if cfg.gradient_clipping > 0 else
+                "kept at steps without overflow, else redone")
+        lines.append(f"host Adam: the speculative step, in backward on {share}; {kept}")
     zeropp = [name for name, on in (("qwZ", zero.zero_quantized_weights), ("hpZ", zero.zero_hpz_partition_size > 1),
                                     ("qgZ", zero.zero_quantized_gradients), ("LoCo", zero.loco_err_beta is not None))
               if on]

@@ -149,7 +149,12 @@ def fuzz(count: int, seed: int, worlds: tuple[int, ...] = WORLDS, batch: int = 1
          nvme: bool = True, report=print, where: dict | None = None) -> list[Outcome]:
     """count random draws from seed (only those holding where's field values, when given); returns every outcome
     (report(line) is called per failure and per batch)."""
-    draws = draws_for(count, seed, worlds, nvme, where)
+    return run_draws(draws_for(count, seed, worlds, nvme, where), batch, timeout, report)
+
+
+def run_draws(draws: list[Draw], batch: int = 12, timeout: float = 120.0, report=print) -> list[Outcome]:
+    """Each draw on the engine and the reference, in batches; every outcome (report as for fuzz)."""
+    count = len(draws)
     outcomes: list[Outcome] = []
     for first in range(0, count, batch):
         chunk = draws[first:first + batch]
@@ -187,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         print("PASS" if outcome.ok else "FAIL\n  " + "\n  ".join(outcome.failures))
         return 0 if outcome.ok else 1
     worlds = tuple(int(w) for w in args.worlds.split(","))
-    try:
+    try:  # a bad --where, or too few draws holding it, is said before anything runs
         where = parse_where(args.where)
-        draws_for(args.draws, args.seed, worlds, not args.no_nvme, where)  # too few draws hold them: said first
+        draws = draws_for(args.draws, args.seed, worlds, not args.no_nvme, where)
     except ValueError as e:
         parser.error(str(e))
     start = time.perf_counter()
-    outcomes = fuzz(args.draws, args.seed, worlds, nvme=not args.no_nvme, where=where)
+    outcomes = run_draws(draws)
     failed = [o for o in outcomes if not o.ok]
     focus = "".join(f", {k}={json.dumps(v)}" for k, v in where.items())
     print(f"[fuzz] {len(outcomes)} draws (seed {args.seed}, worlds {args.worlds}{focus}) in "

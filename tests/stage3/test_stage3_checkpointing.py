@@ -138,3 +138,53 @@ def test_a_skipped_hook_is_an_invariant_error_that_names_the_module_and_unit():
     with pytest.raises(zkern.InvariantError, match=r"'inner' \(holding \['inner'\]\).*BaseException"):
         engine(torch.randn(2, 16))
     assert engine.runtime.gathered_units() == []  # the failed pass released what it held
+
+
+class Reused(torch.nn.Module):
+    """One block run outside a reentrant checkpoint and again inside one: its gradients arrive twice in one backward
+    (once from the checkpoint's own backward), and its weights are read again after the first arrival."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 32)
+        self.blk = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 50)
+
+    def forward(self, idx):
+        x = self.blk(self.emb(idx))
+        x = torch.utils.checkpoint.checkpoint(self.blk, x, use_reentrant=True)
+        return self.head(x)
+
+
+def _reused_run(stage: int, bucket: int, steps: int = 3):
+    torch.manual_seed(0)
+    model = Reused()
+    idx = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    if stage < 0:  # plain torch
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(idx).reshape(-1, 50), idx.reshape(-1)).backward()
+            opt.step()
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    engine = zkern.Engine(model, {"train_batch_size": 2, "gradient_clipping": 0.0, "device": "cpu",
+                                  "steps_per_print": 0,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+                                  "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                                                        "stage3_param_persistence_threshold": 0}})
+    for _ in range(steps):
+        engine.backward(torch.nn.functional.cross_entropy(engine(idx).reshape(-1, 50), idx.reshape(-1)))
+        engine.step()
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_module_reused_inside_and_outside_a_reentrant_checkpoint(stage):
+    # While its reduction has not been launched, the second gradient is added (one bucket: DeepSpeed's default
+    # size), and training equals torch's; at stage 3 the unit stays whole for the backward that reads it again.
+    assert_params_close(_reused_run(stage, 500_000_000), _reused_run(-1, 0), lr=1e-2, steps=3)
+    # Once it has been launched, zkern's own error names the parameter and the fix (at stage 3 it was torch's
+    # "size of tensor a (0)" from reading the released weights).
+    with pytest.raises(RuntimeError, match=r"zkern stage \d: 'blk\.(weight|bias)' received a second gradient.*"
+                                           r"use_reentrant=False"):
+        _reused_run(stage, 100)

@@ -180,20 +180,34 @@ def test_released_storage_is_regathered_for_backward_exactly():
 
 @pytest.mark.dist
 def test_gathered_parameters_leave_no_storage_behind():
+    # A context nobody keeps a view of frees its storage at exit; a user's view taken inside keeps its values (it
+    # is never left pointing at freed memory), and the storage goes when that view goes.
     results = spawn(_gathered_then_forward, 2)
     for r in results:
-        assert r["after_context"] == 0, f"the context's gathered storage is still alive: {r}"
+        assert r["unheld_after"] == 0, f"the context's gathered storage is still alive with no view of it: {r}"
+        assert r["view_kept_values"], f"a view taken inside the context lost its values at exit: {r}"
+        assert r["freed_with_view"], f"the context's storage outlived the last view of it: {r}"
 
 
 def _gathered_then_forward(rank: int, world: int) -> dict:
+    import weakref
+
     model, loss_of = _model_and_batch("gpt", rank)
     engine = zkern.Engine(model, _config({}, "bf16"))
     weight = engine.module.blocks[0].fc.weight
+    unit = engine.runtime.shards.unit_of[id(weight)]
+    with zkern.GatheredParameters([weight]):
+        slot = unit.slot
+    unheld_after = slot.untyped_storage().nbytes()
+    del slot
     with zkern.GatheredParameters([weight]):
         view = weight.data.t()  # a user's view taken inside the context
-        assert view.untyped_storage().nbytes() > 0
-    after = view.untyped_storage().nbytes()
+        inside = view.clone()
+        storage = weakref.ref(view.untyped_storage())
+    kept = bool(torch.equal(view, inside))
+    del view
+    freed = storage() is None
     engine.backward(loss_of(engine))
     engine.step()
     engine.destroy()
-    return {"after_context": after}
+    return {"unheld_after": unheld_after, "view_kept_values": kept, "freed_with_view": freed}

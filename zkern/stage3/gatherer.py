@@ -30,6 +30,7 @@ from zkern.comm.divergence import fold_signature
 from zkern.comm.zeropp import FrozenStore, Secondary
 from zkern.core.buffers import release, restore
 from zkern.errors import InvariantError
+from zkern.stage3.escapes import held_elsewhere
 from zkern.stage3.lifecycle import DataState, GradState, Unit
 from zkern.stage3.order import OrderRecord
 from zkern.stage3.sources import UnitSources
@@ -135,9 +136,11 @@ class Gatherer:
             shape, off = self.layout[id(p)]
             p.data = u.buffer[off:off + shape.numel()].view(shape)
 
-    def release(self, u: Unit) -> bool:
+    def release(self, u: Unit, *, outside_autograd: bool = False) -> bool:
         """Put u to rest if nobody holds it (persistent units stay). A divergent unit whose gradients this rank still
-        waits for lingers instead (GradReducer's completion puts it to rest). Returns whether it went to rest."""
+        waits for lingers instead (GradReducer's completion puts it to rest). Returns whether it went to rest.
+        outside_autograd: no forward saved views of u since it was gathered (a GatheredParameters context ends), so
+        any tensor still sharing its storage is a user's view, like one taken while gradients are off."""
         if u.persistent or u.data is DataState.REST or not u.idle:
             return False
         if u.divergent and u.grads is GradState.PENDING:
@@ -146,9 +149,14 @@ class Gatherer:
         self._wait(u)
         for p in u.plan.params:
             p.data = self.empty
-        # Free the bytes themselves, not just this reference: views autograd saved keep the storage object, which
-        # now holds nothing until the next gather of u refills it (the released copy is gone, as FSDP2 frees it).
-        release(u.slot)
+        if u.escaped or ((outside_autograd or not torch.is_grad_enabled()) and held_elsewhere(u.slot)):
+            # A view of it left a module's call (escapes.py): its holders keep these bytes, which are freed when they
+            # let go; the next gather fills a fresh storage.
+            u.slot, u.escaped = None, False
+        else:
+            # Free the bytes themselves, not just this reference: views autograd saved keep the storage object, which
+            # now holds nothing until the next gather of u refills it (the released copy is gone, as FSDP2 frees it).
+            release(u.slot)
         self.live -= u.bucket.padded
         self._unmark_prefetched(u)
         u.rest()

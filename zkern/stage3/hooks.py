@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map
 from zkern.comm.divergence import TagKind, path_under
 from zkern.errors import InvariantError
 from zkern.stage3.agreement import Agreement
+from zkern.stage3.escapes import alias_parameters, mark_escaped
 from zkern.stage3.external import WatchAtRest
 from zkern.stage3.gatherer import Gatherer
 from zkern.stage3.lifecycle import DataState, GradState, Unit, check_pass_end
@@ -99,12 +100,16 @@ class Stage3Hooks:
         """Backward keeps u whole while it may be needed. A divergent unit: until an event outside `holder` (see
         _release_divergent), decided alike on every rank. Any other: until its gradients are in here, or for a
         frozen unit a module of which ran (its weights serve the input gradients), until backward ends; a unit
-        whose gradients are complete already (no module of it ran here) only passes through."""
+        whose gradients are complete already and no module of which ran here only passes through. One a module of
+        which ran here but whose gradients are already in (a module reused inside and outside a reentrant activation
+        checkpoint: the checkpoint's own backward delivered them) is read again by the backward still to come: it
+        stays whole until backward ends, and a second gradient for it is added while its reduction has not been
+        launched (GradReducer.on_grad names the fix once it has)."""
         if u.divergent:
             if not u.held and holder is not None:
                 u.held, u.holder = True, holder
                 self._divergent_held.append(u)
-        elif u.grads is GradState.PENDING or (u.trainable == 0 and u.touched):
+        elif u.grads is GradState.PENDING or (u.touched and (u.trainable == 0 or u.arrived)):
             u.held = True
 
     def _release_divergent(self, requester: torch.nn.Module, keep: Unit) -> None:
@@ -159,6 +164,8 @@ class Stage3Hooks:
         raised = output is None and sys.exc_info()[1] is not None
         self.state.in_hook = True
         try:
+            if not raised and self.state.frames and self.state.frames[-1].module is module:
+                output = self._keep_escaping_views(module, output, self.state.frames[-1])
             self._pop_frame(module, raised)
             if not raised and torch.is_grad_enabled() and self.modules.wanted(module):
                 output = tree_map(lambda t: self._hook_output(t, module), output)
@@ -169,6 +176,16 @@ class Stage3Hooks:
                     self._end_forward()
         finally:
             self.state.in_hook = False
+        return output
+
+    def _keep_escaping_views(self, module: torch.nn.Module, output, frame: Frame):
+        """Views of the frame's units that leave the call keep their storage past the release (escapes.py)."""
+        if not frame.acquired:
+            return output
+        output = alias_parameters(output, frame.acquired)
+        for t in mark_escaped(output, module, frame.acquired):
+            if torch.is_grad_enabled() and t.requires_grad and t.grad_fn is not None:
+                self._hook_output(t, module)  # a kept view: its gradient reaches the parameter past the outputs
         return output
 
     def _pop_frame(self, module: torch.nn.Module, raised: bool) -> None:

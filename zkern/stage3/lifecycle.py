@@ -55,6 +55,9 @@ class Unit:
     # The one tensor every gather of this unit fills (Gatherer._slot). At rest its storage is resized to zero bytes:
     # a view of it that autograd saved in forward then holds nothing, and sees the regathered values in backward.
     slot: torch.Tensor | None = None
+    # A view of the gathered storage left a module's call (returned, or kept on the module: escapes.py): the release
+    # leaves that storage to its holders instead of freeing it, and the next gather fills a fresh one.
+    escaped: bool = False
     work: Work | None = None  # the in-flight all-gather
     version: int = -1  # shard version the buffer was gathered from
     refs: int = 0
@@ -63,6 +66,7 @@ class Unit:
     prefetched: bool = False  # gathered ahead of use and not used yet
     grads: GradState = GradState.IDLE
     fired: set[int] = field(default_factory=set)  # positions of parameters whose gradient arrived this pass
+    arrived: bool = False  # a gradient came for it in this pass (not only positions counted as arrived)
     touched: bool = False  # a module that reads it ran forward since the last backward
     group: object = None  # its reduce.ReduceGroup
     # Units whose readers differ between ranks (merged by hooks.py after a divergence). Their backward hold is
@@ -151,6 +155,7 @@ class Unit:
             raise self._fail("a backward pass began while the last one's gradients were not closed")
         self.grads = GradState.PENDING
         self.fired = set()
+        self.arrived = False
 
     def complete_grads(self) -> None:
         if self.grads is not GradState.PENDING:
@@ -163,7 +168,7 @@ class Unit:
 
     def abandon_grads(self) -> None:
         """The backward pass raised: its gradients are dropped, not reduced."""
-        self.grads, self.fired, self.touched = GradState.IDLE, set(), False
+        self.grads, self.fired, self.touched, self.arrived = GradState.IDLE, set(), False, False
         self.ran = set()
 
     def close_grads(self) -> None:

@@ -104,4 +104,4 @@ def unpin(s: Shards, gatherer: Gatherer, units: list[Unit], modifier_rank: int |
                 s.store.write(resting, mine)
     for u in units:
         u.unpin()
-        gatherer.release(u)
+        gatherer.release(u, outside_autograd=True)  # a view taken inside the context keeps its bytes

@@ -146,6 +146,7 @@ class GradReducer:
         self._scatter_into(g, u, p, p.grad.reshape(-1), add=pos in u.fired or u.grads is GradState.COMPLETE)
         p.grad = None  # only the shard is kept
         u.fired.add(pos)
+        u.arrived = True
         if u.grads is GradState.PENDING and len(u.fired) == u.trainable:
             self._complete(u)
 

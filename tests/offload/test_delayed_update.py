@@ -12,6 +12,7 @@ step; the configs it cannot serve are refused.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 
 import pytest
@@ -76,7 +77,7 @@ def test_a_checkpoint_saved_with_an_update_in_flight_resumes_exactly(stage, tmp_
     torch.manual_seed(0)
     engine = zkern.Engine(TinyGPT(), _config(stage))
     _train(engine, range(3))
-    engine.save_checkpoint(tmp_path, tag="t")  # lands the update in flight: the saving run goes on from it too
+    engine.save_checkpoint(tmp_path, tag="t")  # lands nothing: the update in flight stays so, saved as pending
     straight = _train(engine, range(3, 6))
     final = engine.full_state_dict()
     engine.destroy()
@@ -105,8 +106,9 @@ def test_a_weight_set_between_steps_is_not_overwritten_when_the_update_lands(sta
     ids = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(9))
     engine.backward(engine(ids, ids))
     engine.step()  # lands nothing (the write landed the update first), starts the next in the background
-    working = engine.full_working_state_dict()["blocks.0.fc.weight"]
-    assert torch.equal(working, value), "the landing overwrote the weight set between the steps"
+    with zkern.GatheredParameters([p]):  # the weights the forward computes with (exports include the next update)
+        working = p.detach().clone()
+    assert torch.equal(working.float(), value), "the landing overwrote the weight set between the steps"
     engine.destroy()
 
 
@@ -228,3 +230,102 @@ def test_a_delayed_step_refreshes_the_whole_copies_once_and_a_skipped_one_still_
     for k, v in master.items():
         assert torch.equal(working[k], v.to(working[k].dtype)), f"{k}: the forward's copy is not the landed weights"
     engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_exports_after_the_last_step_hold_the_trained_model(stage, tmp_path):
+    # The trained model of a delayed run includes the last step's update (the delayed reference lands it at the
+    # end); every export gives it, though the forward's weights still trail it, and giving it changes nothing.
+    spec = TrainSpec(stage=stage, zero={**DELAYED, "stage3_gather_16bit_weights_on_model_save": True}, steps=4,
+                     reduce_bucket_size=5000, lr=1e-2)
+    engine = spec.build_engine(spec.make_model(), 1)
+    batches = spec.batches(1)
+    for step in range(spec.steps):
+        idx, tgt = batches[step][0][0]
+        engine.backward(spec.loss(engine, idx, tgt, step))
+        engine.step()
+    trained, _ = reference_run(spec, 1)
+    master = engine.full_state_dict()
+    exports = {"full_working_state_dict": engine.full_working_state_dict(),
+               "stream_full_weights": {n: t for b in engine.stream_full_weights() for n, t in b}}
+    path = engine.save_16bit_model(tmp_path)
+    exports["save_16bit_model"] = torch.load(path, weights_only=True)
+    names = [n for n, _ in engine.module.named_parameters()]
+    for how, state in exports.items():
+        for name in names:  # fp32 training: the working weights are the masters' own values
+            assert torch.equal(state[name], master[name]), f"{how}: {name} is not the trained weight"
+        assert_params_close({n: state[n] for n in names}, {n: trained[n] for n in names}, lr=spec.lr,
+                            steps=spec.steps)
+    assert engine.host_step.pending(), "an export landed the update the next forward must not see yet"
+    engine.destroy()
+
+
+READS = ["save", "async-save", "full_state_dict", "full_working_state_dict", "stream_full_weights",
+         "GatheredParameters"]
+MODES = {"cpu": {"device": "cpu"}, "delayed": {"device": "cpu", "delayed_update": True},
+         "speculative": {"device": "cpu", "speculative_step": True}, "nvme": {"device": "nvme"}}
+
+
+def _read_run(stage: int, mode: str, reads: bool, tmp) -> tuple[list[float], dict]:
+    torch.manual_seed(0)
+    cfg = _config(stage)
+    offload = {**MODES[mode], **({"nvme_path": str(tmp / "nvme")} if mode == "nvme" else {})}
+    cfg["zero_optimization"] = {**cfg["zero_optimization"], "offload_optimizer": offload,
+                                "stage3_gather_16bit_weights_on_model_save": True}
+    cfg["gradient_clipping"] = 0.0  # the speculative step's guesses stand
+    engine = zkern.Engine(TinyGPT(), cfg)
+    losses = _train(engine, range(2))
+    if reads:
+        engine.save_checkpoint(tmp / "ckpt", tag="sync")
+        engine.save_checkpoint(tmp / "ckpt", tag="async", async_save=True)
+        losses += _train(engine, range(2, 3))  # while the asynchronous save writes
+        engine.wait_checkpoint()
+        engine.full_state_dict()
+        engine.full_working_state_dict()
+        for _ in engine.stream_full_weights():
+            pass
+        p = dict(engine.module.named_parameters())["blocks.0.fc.weight"]
+        with zkern.GatheredParameters([p], modifier_rank=0):  # entered to write, and nothing written
+            pass
+        with zkern.GatheredParameters([p]):
+            pass
+    else:
+        losses += _train(engine, range(2, 3))
+    losses += _train(engine, range(3, 6))
+    state = engine.full_state_dict()
+    engine.destroy()
+    return losses, state
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_save_or_a_read_never_changes_the_run(stage, mode, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain_losses, plain_state = _read_run(stage, mode, False, tmp_path / "a")
+    read_losses, read_state = _read_run(stage, mode, True, tmp_path / "b")
+    assert read_losses == plain_losses, f"{READS} changed the run's losses: {read_losses} against {plain_losses}"
+    for name, value in plain_state.items():
+        assert torch.equal(read_state[name], value), name
+
+
+def test_a_pending_update_resumed_by_an_engine_that_does_not_delay_lands_at_the_load(tmp_path, caplog):
+    torch.manual_seed(0)
+    engine = zkern.Engine(TinyGPT(), _config(2))
+    _train(engine, range(2))
+    engine.save_checkpoint(tmp_path, tag="t")
+    trained = engine.full_state_dict()
+    engine.destroy()
+    manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())["manifest"]
+    assert manifest["pending_update"] and any(e["kind"] == "working" for e in manifest["tensors"])
+    cfg = _config(3)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    torch.manual_seed(1)
+    plain = zkern.Engine(TinyGPT(), cfg)
+    with caplog.at_level("INFO", logger="zkern"):
+        plain.load_checkpoint(tmp_path, tag="t")
+    assert "saved with a delayed update pending" in caplog.text
+    working = plain.full_working_state_dict()
+    for name, value in trained.items():  # the forward computes with the landed weights from the first step
+        assert torch.equal(working[name], value.to(working[name].dtype)), name
+    plain.destroy()

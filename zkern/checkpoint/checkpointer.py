@@ -40,7 +40,9 @@ class Checkpointer:
         whose path wait() gives). No refusal mid-accumulation: the engine refuses there, zkern.hf.Accelerator
         saves there as DeepSpeed does (the pending gradients are not saved)."""
         self.wait()
-        self.holdings.store.land_update()
+        # the host step's work in flight ends, landing nothing: a delayed update stays pending (the snapshot keeps the
+        # weights the forward computes with beside the masters), so a save never changes the run that saves
+        self.holdings.store.settle()
         client_state = {} if client_state is None else client_state
         check_plain(client_state, "client_state")
         # A copy, taken now: an asynchronous save writes the manifest later, and the caller's dict may change by then

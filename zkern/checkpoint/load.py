@@ -25,7 +25,7 @@ from zkern.checkpoint.ranges import TORCH_DTYPES, RangeReader
 from zkern.checkpoint.save import loco_layout, loco_reducer
 from zkern.checkpoint.save import module_state as held_module_state
 from zkern.core.generators import encode
-from zkern.core.shard_groups import shares_staging
+from zkern.core.shard_groups import shares_staging, working_pieces
 from zkern.core.state import kinds_a_load_resets
 from zkern.errors import CheckpointError
 from zkern.optim.shard_adam import ShardAdam
@@ -50,6 +50,8 @@ class _Plan:
         self.commit = None  # ShardMap.commit: stores the resting views that are staged copies
         self.hyper: list[dict] = []  # per optimizer param group: the checked hyper-parameters to set
         self.loco: dict[str, torch.Tensor] | None = None  # LoCo's error buffers, where the layout matches
+        # a delayed update saved pending: (working view, staged weights the forward computed with) per piece
+        self.trailing: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.forms: dict[str, object] = {}  # component name -> its checked saved form, to restore
         self.absent: list[str] = []  # components the load restores that the checkpoint holds nothing of
         self.unknown: list[str] = []  # saved forms no component of this engine takes
@@ -150,12 +152,18 @@ def _stage(h: Holdings, manifest: dict, path: str, *, strict: bool, optimizer: b
     if optimizer:
         _check_optimizer(h.optimizer, manifest, where)
         plan.hyper = _checked_hyper_parameters(h.optimizer, manifest["optimizer"]["param_groups"], where)
+    plan.trailing = [] if optimizer and manifest.get("pending_update") and _resumes_pending(h) else None
     for gi, group in enumerate(rt.shard_groups):
+        working = working_pieces(group) if plan.trailing is not None else []
         for k, piece in enumerate(group.pieces):
             index, start, _ = smap.pieces[gi][k]
             name = source[index]
             if name is None:
                 continue
+            if plan.trailing is not None and working[k] is not None and reader.has("working", name):
+                trailing = torch.empty(piece.numel(), dtype=working[k].dtype)
+                reader.request("working", name, start, trailing)
+                plan.trailing.append((working[k], trailing))
             kind = "master" if name in saved_params else "module"
             staged = torch.empty(piece.numel(), dtype=torch.float32)
             reader.request(kind, name, start, staged)
@@ -309,6 +317,19 @@ def _stage_loco(h: Holdings, manifest: dict, reader: RangeReader, where: str) ->
     return out
 
 
+def _resumes_pending(h: Holdings) -> bool:
+    """A checkpoint saved with a delayed update pending resumes it where this engine delays its updates too; else its
+    masters' values (the update landed) are the weights from the load on, said once."""
+    delayed = h.store.delayed
+    if delayed is not None and delayed.delayed:
+        return True
+    if h.rank == 0:
+        log.info("zkern: load_checkpoint: the checkpoint was saved with a delayed update pending; this engine does not "
+                 "delay its updates, so it computes with the updated weights from the first step (the run that "
+                 "saved landed them one step later)")
+    return False
+
+
 def _stage_optimizer(optimizer, reader: RangeReader, manifest: dict, name: str, start: int,
                      piece: torch.Tensor) -> dict:
     """This piece's optimizer state from the checkpoint, staged; {} when the checkpoint has none for it (it never
@@ -354,6 +375,10 @@ def _apply(h: Holdings, manifest: dict, plan: _Plan, *, load_module_only: bool, 
                 group.update(values)
             if plan.loco is not None:
                 loco_reducer(rt).load_errors(plan.loco, manifest["loco"]["steps"], h.device)
+        if plan.trailing is not None:  # the update the save left pending lands at this engine's next step
+            for live, staged in plan.trailing:
+                store.write(live, staged)
+            store.delayed.resume_pending()
     h.registry.reset("derived")  # hpZ's slices no longer stand for the shards
     rt.refresh()  # every whole copy (stage 1-2 buckets, stage 3 persistent units) from the loaded shards
     _restore_forms(h, manifest, plan)

@@ -10,7 +10,9 @@
 A tensor entry is one contiguous range of one tensor of model.state_dict(), flattened: (kind, name, start, numel)
 in the manifest, stored under the key "kind:name:start" in a rank's file. kinds: "master" (fp32 weights of a
 trained parameter), "optim.<state>" (an optimizer state shaped like its parameter, e.g. optim.exp_avg), "module"
-(frozen parameters and buffers, in their own dtype), "loco.<bucket>" (a rank's LoCo error buffer, name "rank<r>").
+(frozen parameters and buffers, in their own dtype), "loco.<bucket>" (a rank's LoCo error buffer, name "rank<r>"),
+"working" (with "pending_update": a delayed update was stepped and not landed when the save ran; the weights the
+forward computed with then, in the working dtype, beside masters that hold the update).
 Nothing here depends on the world size or stage that wrote it.
 
 Version 3 keeps every state component's saved form (core/state.py) as plain data: "state" maps a component's name
@@ -150,6 +152,8 @@ def _validate(body: dict, path: str) -> None:
     if "client_state" not in body:  # its value may be null; its absence would fail after the weights were applied
         raise CheckpointError(f"{path}: 'client_state' is missing")
     need(body, "excluded_frozen", bool, "")
+    if not isinstance(body.get("pending_update", False), bool):  # absent before the delayed update saved its own
+        raise CheckpointError(f"{path}: 'pending_update' is not true or false")
     aliases = need(body, "aliases", dict, "")
     if not all(isinstance(v, str) for v in aliases.values()):
         raise CheckpointError(f"{path}: 'aliases' maps names to something other than names")

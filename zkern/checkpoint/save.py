@@ -54,6 +54,7 @@ from zkern.checkpoint.plain import jsonable, plain
 from zkern.checkpoint.ranges import byte_view, dtype_name
 from zkern.checkpoint.tensorfile import StreamWriter
 from zkern.core.pinned import pinned_empty
+from zkern.core.shard_groups import working_pieces
 from zkern.errors import CheckpointError
 from zkern.optim.shard_adam import ShardAdam
 
@@ -114,13 +115,20 @@ def snapshot(h: Holdings, *, client_state, exclude_frozen: bool, copy: bool) -> 
     node_local = h.config.checkpoint.use_node_local_storage
     # ZeRO-Infinity: master, moments or working shard on disk; each range is read as it is written
     snap.store = h.store
+    # A delayed update stepped and not landed: the masters hold it, the forward's weights not yet. Those are saved
+    # too ("working"), so a resume computes its next forward with them and lands the update at its next step, as
+    # the run that saved does (the save lands nothing: it must not change that run).
+    pending = h.store.update_pending()
     for gi, group in enumerate(rt.shard_groups):
+        working = working_pieces(group) if pending else []
         for i, piece in enumerate(group.pieces):
             index, start, mine = smap.pieces[gi][i]
             if not mine and not node_local:  # node-local: every rank keeps what it holds (its node may be alone)
                 continue
             name = rt.names[index]
             snap.entries.append(("master", name, start, piece.reshape(-1)))
+            if pending and working[i] is not None:
+                snap.entries.append(("working", name, start, working[i]))
             for key, value in optimizer_piece_state(opt, gi, i, piece).items():
                 # One value per element: shaped like the piece (a 0-dim parameter's state is 0-dim too, but its
                 # step count, like every optimizer's step, is a scalar).
@@ -185,6 +193,7 @@ def snapshot(h: Holdings, *, client_state, exclude_frozen: bool, copy: bool) -> 
         "client_state": client_state,
         "params": params, "module": module, "aliases": aliases, "order": order,
         "excluded_frozen": bool(exclude_frozen),
+        "pending_update": pending,
         "loco": None if quantizer is None else {"steps": quantizer.steps, "layout": loco_layout(h)},
         "config": plain(jsonable(cfg.to_dict()), "the config"),
     }

@@ -1,4 +1,5 @@
-"""Which engine runtime partitions a parameter: a weak reference on the parameter, set once the runtime owns it.
+"""Which engine runtime partitions a parameter: a weak reference on the parameter, set once the runtime owns it; and
+the hooks a runtime leaves on the model's tensors, which hold it weakly too.
 
 zkern.GatheredParameters (stage3/gathered.py) asks it to reach the right runtime from a bare parameter; stages 1-2
 register too, so that a write under modifier_rank reaches their fp32 masters.
@@ -24,3 +25,18 @@ def owner_of(p: torch.Tensor):
     ref = getattr(p, "_zkern_runtime", None)
     return None if ref is None else ref()
 
+
+
+def weak_grad_hook(method, *args):
+    """A gradient hook for a parameter (register_post_accumulate_grad_hook) that calls method(*args, p) while
+    method's object lives and does nothing after. A hook stored on a tensor is held from C++, where Python's
+    collector cannot see the way back: a hook holding its runtime (which holds the parameters) would keep the
+    runtime, its buffers, its optimizer and its host state alive forever once the engine is dropped. args must not
+    hold the runtime or its parameters either."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, p)
+    return hook

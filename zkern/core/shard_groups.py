@@ -35,3 +35,12 @@ class ShardGroup:
 
     pieces: list[torch.Tensor]  # the optimizer's params, in shard order
     chunks: list[Chunk]
+
+
+def working_pieces(group: ShardGroup) -> list[torch.Tensor | None]:
+    """Each piece's range of its chunk's working copy (1-D), in piece order; None where the chunk has none."""
+    out: list[torch.Tensor | None] = [None] * len(group.pieces)
+    for chunk in group.chunks:
+        for index, start, numel in chunk.pieces:
+            out[index] = None if chunk.out is None else chunk.out[start:start + numel]
+    return out

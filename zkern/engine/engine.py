@@ -220,6 +220,8 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
                 (loss * factor).backward()
             except BaseException:
                 self.runtime.abort_backward()  # stage 3: release what the failed pass held; nothing is reduced
+                if self.host_step is not None:  # the speculative Adam of its landed chunks is undone and ends
+                    self.host_step.withdraw("backward failed")
                 raise
             self.runtime.end_backward()
         self.counters.backward_unstepped = True

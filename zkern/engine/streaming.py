@@ -45,6 +45,12 @@ def _groups(parts: EngineParts) -> list[list[torch.nn.Parameter]]:
 
 
 def _buckets(parts: EngineParts, bucket_bytes: int, dtype: torch.dtype, rank0_only: bool) -> Iterator[list]:
+    # a delayed update in flight is in what streams (the trained weights), and out of the forward's again after
+    with parts.store.landed_view():
+        yield from _landed_buckets(parts, bucket_bytes, dtype, rank0_only)
+
+
+def _landed_buckets(parts: EngineParts, bucket_bytes: int, dtype: torch.dtype, rank0_only: bool) -> Iterator[list]:
     keep = not rank0_only or parts.rank == 0
     names: dict[int, list[str]] = {}
     with parts.runtime.unguarded():

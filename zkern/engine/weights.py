@@ -38,7 +38,13 @@ def full_working_state_dict(parts: EngineParts, rank0_only: bool = False) -> dic
     """The weights in the training dtype (bf16/fp16 when mixed precision, else fp32) with model.state_dict()'s
     names, on the host: what DeepSpeed's 16-bit consolidation gives (a collective: call it on every rank). With
     rank0_only, other ranks return None and, at stage 3, hold one unit at a time. Tensors one parameter shares
-    under two names (tied embeddings) stay one tensor."""
+    under two names (tied embeddings) stay one tensor. With a delayed update in flight they include it: the trained
+    model, not the weights the next forward computes with (which stay as they are: store.landed_view)."""
+    with parts.store.landed_view():
+        return _working_copies(parts, rank0_only)
+
+
+def _working_copies(parts: EngineParts, rank0_only: bool) -> dict[str, torch.Tensor] | None:
     if parts.config.zero_optimization.stage == 3:
         values = parts.runtime.full_working(rank0_only)
     else:

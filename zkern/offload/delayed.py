@@ -7,6 +7,7 @@ The module docstring of offload/host.py says what it computes and what waits for
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -94,3 +95,45 @@ class DelayedUpdate:
         if refresh and self.on_landed is not None:
             self.on_landed()
         return True
+
+    def pending(self) -> bool:
+        """An update is stepped (or stepping) on the host and not yet sent to the working parameters."""
+        return self._to_land is not None
+
+    @contextlib.contextmanager
+    def landed_view(self):
+        """Inside: the working parameters hold the update in flight, as its landing will send them (what an export
+        reads: the trained model); after: the values they had, bit for bit, and the update still pending, so the run
+        goes on exactly as one that never looked. Collective where landing is (the runtime's refresh); every rank
+        enters it together. Without an update pending, a wait for the background Adam."""
+        self.settle()
+        if self._to_land is None:
+            yield
+            return
+        kept, self._active = self._active, self._to_land
+        before: list[tuple[torch.Tensor, torch.Tensor]] = []  # this rank's stepped ranges, as the forward has them
+        try:
+            for gi, g in enumerate(self.host_groups):
+                for ci, chunk in enumerate(g.chunks):
+                    dev = self.device_groups[gi].chunks[ci].out
+                    if chunk.out is None or chunk.out is dev:
+                        continue
+                    before += [(dev[lo:hi], dev[lo:hi].to("cpu", copy=True)) for lo, hi in self._stepped(gi, ci)]
+                    self._up(gi, ci)
+            if self.stream is not None:
+                torch.cuda.current_stream().wait_stream(self.stream)
+            if self.on_landed is not None:
+                self.on_landed()
+            yield
+        finally:
+            for dst, values in before:
+                dst.copy_(values)
+            self._active = kept
+            if self.on_landed is not None:
+                self.on_landed()
+
+    def resume_pending(self) -> None:
+        """A checkpoint saved with an update pending was loaded: the working parameters hold the weights its forward
+        computed with, the masters and the host staging the update; every piece lands at the next step."""
+        self.settle()
+        self._to_land = [[True] * len(g.pieces) for g in self.host_groups]

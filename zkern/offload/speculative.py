@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 
 import torch
 
@@ -65,8 +66,12 @@ class SpeculativeStep:
         self._speculated, self._spec_error, self._spec_adam_s, self._withdrawn = [], None, 0.0, ""
         self._spec_cancel = False
         self._spec_queue = queue.SimpleQueue()
-        thread = threading.Thread(target=self._speculate_loop, args=(self._guess, self._spec_queue),
+        # The thread holds its owner weakly, and the owner's collection wakes it to end: an engine dropped between a
+        # boundary backward and its step() (a failed backward in an out-of-memory retry loop, a loop that stopped)
+        # must not leave the thread waiting forever on its queue, holding the host state.
+        thread = threading.Thread(target=_speculate_loop, args=(weakref.ref(self), self._spec_queue),
                                   name="zkern-speculative-adam", daemon=True)
+        self._spec_wake = weakref.finalize(self, self._spec_queue.put, None)
         thread.start()
         self._spec_thread = thread
 
@@ -75,19 +80,21 @@ class SpeculativeStep:
         if self._spec_queue is not None:
             self._spec_queue.put(key)
 
-    def _speculate_loop(self, guess: dict, keys: queue.SimpleQueue) -> None:
-        optimizer = guess["optimizer"]
-        while (key := keys.get()) is not None:
-            if self._spec_error is not None or self._spec_cancel:
-                continue  # drain: a failed chunk ends the speculation (reported at the verdict), a withdrawal too
-            began = time.perf_counter()
-            try:
-                optimizer.step(grad_scale=guess["grad_scale"], before_chunk=self._await_chunk, order=[key],
-                               options=guess["options"], save=True, advance=False, threads=self.background_threads)
-                self._speculated.append(key)
-            except BaseException as e:  # the chunk's call checks its arguments before it writes anything
-                self._spec_error = e
-            self._spec_adam_s += time.perf_counter() - began
+    def _speculate_one(self, key: tuple[int, int]) -> None:
+        """The background Adam of chunk `key` on the guess (the loop's body, on its thread; the guess stays until the
+        thread has been joined)."""
+        guess = self._guess
+        if self._spec_error is not None or self._spec_cancel or guess is None:
+            return  # drain: a failed chunk ends the speculation (reported at the verdict), a withdrawal too
+        began = time.perf_counter()
+        try:
+            guess["optimizer"].step(grad_scale=guess["grad_scale"], before_chunk=self._await_chunk, order=[key],
+                                    options=guess["options"], save=True, advance=False,
+                                    threads=self.background_threads)
+            self._speculated.append(key)
+        except BaseException as e:  # the chunk's call checks its arguments before it writes anything
+            self._spec_error = e
+        self._spec_adam_s += time.perf_counter() - began
 
     def _await_chunk(self, gi: int, ci: int) -> None:
         """Until chunk (gi, ci)'s gradient is on the host (its copy's event; the step's own wait is timed apart)."""
@@ -101,6 +108,7 @@ class SpeculativeStep:
         thread, self._spec_thread = self._spec_thread, None
         if thread is not None:
             self._spec_cancel = not finish
+            self._spec_wake.detach()
             self._spec_queue.put(None)
             thread.join()
         self._spec_queue = None
@@ -157,3 +165,15 @@ class SpeculativeStep:
             return [], why
         kept, self._speculated, self._guess = self._speculated, [], None
         return kept, "kept"
+
+
+def _speculate_loop(owner: weakref.ref, keys: queue.SimpleQueue) -> None:
+    """The speculative Adam's thread: each chunk key as it is queued, until None. It holds its SpeculativeStep (and
+    through it the guess, the optimizer and the host state) only while stepping a chunk, so a dropped engine is
+    collected, and its collection queues the None that ends this."""
+    while (key := keys.get()) is not None:
+        step = owner()
+        if step is None:
+            return
+        step._speculate_one(key)
+        del step  # not held while waiting for the next key

@@ -22,6 +22,8 @@ resident_bytes(). tests/house/test_layout.py holds that no other module asks `is
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zkern.comm.zeropp import FrozenStore
@@ -93,6 +95,27 @@ class ShardStore:
         first, so that a run resumed from it continues exactly as the run that saved)."""
         if self.delayed is not None:
             self.delayed.land()
+
+    def settle(self) -> None:
+        """The host step's work in flight ends without landing anything: a delayed update's Adam finishes (its
+        update stays pending, and lands at the next step as it would have), a speculative step's guess is withdrawn
+        (redone exactly at the step). What a save does first: it changes nothing the run computes."""
+        if self.delayed is not None:
+            self.delayed.settle()
+
+    def update_pending(self) -> bool:
+        """A delayed update is stepped and not yet sent to the working parameters (they trail the masters)."""
+        return self.delayed is not None and self.delayed.pending()
+
+    def landed_view(self):
+        """A context in which the working parameters include a delayed update in flight, restored after it
+        (DelayedUpdate.landed_view); a wait for the host step otherwise."""
+        if self.delayed is None:
+            return contextlib.nullcontext()
+        if not self.delayed.pending():
+            self.settle()
+            return contextlib.nullcontext()
+        return self.delayed.landed_view()
 
     def read(self, t: torch.Tensor, state: str = "master") -> torch.Tensor:
         """The values of t: t itself when it is in memory; else read from the file its stand-in names (the

@@ -70,13 +70,13 @@ def shard_slice(g: FlatGroup, i: int) -> slice:
     return slice(b.shard_offset, b.shard_offset + b.chunk)
 
 
-def write_master(g: FlatGroup, i: int, before: torch.Tensor) -> None:
-    """Parameter i's working values were written (GatheredParameters with a modifier rank; `before`: its values
-    when the context began): the elements that changed take the new value in this rank's fp32 master pieces."""
+def write_master(g: FlatGroup, i: int, changed: torch.Tensor) -> None:
+    """Parameter i's working values were written (GatheredParameters with a modifier rank; `changed`: which of its
+    elements the context changed): those take the new value in this rank's fp32 master pieces."""
     if g.master is None:  # fp32 without offload: the flat parameter buffer is the master
         return
     new = g.params[i].detach().reshape(-1)
-    changed = new != before.reshape(-1)
+    changed = changed.reshape(-1)
     for piece in g.pieces:
         if piece.param != i:
             continue

@@ -32,7 +32,7 @@ from zkern.comm.collectives import Comm, CommError
 from zkern.comm.divergence import TagKind, exchange_tags
 from zkern.comm.schedule import ReduceSchedule
 from zkern.comm.zeropp import QuantizedReduce
-from zkern.core.owners import register_owner
+from zkern.core.owners import register_owner, weak_grad_hook
 from zkern.core.runtime import ShardMap
 from zkern.core.shard_groups import ShardGroup
 from zkern.core.spec import RuntimeSpec
@@ -80,9 +80,9 @@ class Stage12Runtime:
         self._reducing = False
         self._in_pass = False  # inside engine.backward (begin_backward to end_backward)
         self._handles = []
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
             for i, p in enumerate(g.params):
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(g, i)))
+                self._handles.append(p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad_at, gi, i)))
         # Which modules' forward makes a parameter able to get a gradient: its owners and declared readers.
         index = self._index = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
         register_owner(model.parameters(), self)  # zkern.GatheredParameters writes through pin/unpin
@@ -99,10 +99,8 @@ class Stage12Runtime:
                 g.touched[i] = True
         return hook
 
-    def _grad_hook(self, g: FlatGroup, i: int):
-        def hook(p: torch.Tensor) -> None:
-            self._on_grad(g, i, p)
-        return hook
+    def _on_grad_at(self, gi: int, i: int, p: torch.Tensor) -> None:
+        self._on_grad(self.groups[gi], i, p)
 
     def _on_grad(self, g: FlatGroup, i: int, p: torch.Tensor) -> None:
         if not self._in_pass:  # loss.backward() instead of engine.backward(loss): no scaling, no reduction
@@ -263,8 +261,9 @@ class Stage12Runtime:
         """Parameters are whole at stages 0-2: nothing to gather. With a modifier rank, each one's values are kept,
         so that unpin can tell which elements the modifier changed (a collective: the ranks check they agree)."""
         _agree_on_pin(self.groups[0].comm, len(params), modifier_rank, self.groups[0].param_flat.device)
-        if modifier_rank is not None:  # a delayed update lands first: its weights must not arrive over the write
-            self.groups[0].store.land_update()
+        # a delayed update in flight stays so: the context shows the weights the forward computes with (unpin lands
+        # it only where a rank changed something)
+        self.groups[0].store.settle()
         return [(p, p.detach().clone() if modifier_rank is not None else None) for p in params]
 
     def unpin(self, pinned: list, modifier_rank: int | None) -> None:
@@ -277,12 +276,22 @@ class Stage12Runtime:
             return
         comm = self.groups[0].comm
         with torch.no_grad():
+            edits = []
             for p, before in pinned:
                 comm.broadcast(p.data, f"GatheredParameters: a parameter modified on rank {modifier_rank}",
                                src=modifier_rank)
+                new = p.detach().clone()  # a copy: a landing below refreshes p from the shards
+                changed = (new != before) & ~(new.isnan() & before.isnan())
+                edits.append((p, new, changed))
+            # every rank sees the same broadcast values, so every rank reaches the same answer without a collective
+            if not any(changed.any() for _, _, changed in edits):
+                return  # nothing written: the run goes on exactly as it was (a delayed update stays in flight)
+            self.groups[0].store.land_update()  # its weights must not arrive over the write
+            for p, new, changed in edits:
+                p.data.copy_(torch.where(changed, new, p.detach()))
                 if id(p) in self._index:
                     g, i = self._index[id(p)]
-                    group_state.write_master(g, i, before)
+                    group_state.write_master(g, i, changed)
 
     def add_external_reader(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
         """`module` reads p in its forward (GatheredParameters' fwd_module): its forward now marks p as able to get

@@ -78,30 +78,59 @@ def agree_pin(s: Shards, gatherer: Gatherer, u: Unit, modifier_rank: int | None)
 
 def unpin(s: Shards, gatherer: Gatherer, units: list[Unit], modifier_rank: int | None) -> None:
     """Leave a GatheredParameters context; with modifier_rank, write that rank's values into every shard (the
-    working copy, and the fp32 master where a value changed)."""
+    working copy, and the fp32 master where a value changed). Where no rank's values changed, nothing is written:
+    a context that only read leaves the run exactly as it was (a delayed update in flight stays in flight)."""
     if modifier_rank is not None:
         with torch.no_grad():
-            for u in units:
-                s.comm.broadcast(u.buffer, f"GatheredParameters: unit '{u.name}' modified on rank "
-                                            f"{modifier_rank}", src=modifier_rank)
-                b = u.bucket
-                mine = u.buffer[s.comm.rank * b.chunk:(s.comm.rank + 1) * b.chunk]
-                if s.secondary is not None:  # every rank writes, so every rank forgets alike
-                    s.secondary.forget(u.index)
-                if s.store.in_int8(u.index):
-                    s.store.int8.write(u.index, mine)
-                    continue
-                resting = s.param_shard[b.shard_offset:b.shard_offset + b.chunk]
-                working = s.store.read(resting)
-                if s.master is not None:
-                    # Only the elements that changed take the 16-bit value: the others keep their fp32 master
-                    # value, which the 16-bit copy had only rounded.
-                    region = s.master[b.shard_offset:b.shard_offset + b.chunk]
-                    master = s.store.read(region)
-                    changed = (mine.to(working.device) != working).to(master.device)
-                    merged = torch.where(changed, mine.to(master.device, master.dtype), master)
-                    s.store.write(region, merged)
-                s.store.write(resting, mine)
+            edits = _edits(s, units, modifier_rank)
+            flag = torch.tensor([1.0 if any(changed.any() for _, _, changed in edits) else 0.0],
+                                device=gatherer.device)
+            if s.comm.world > 1:
+                s.comm.all_reduce(flag, "GatheredParameters: whether any rank's parameters changed", kind="control",
+                                  op=torch.distributed.ReduceOp.MAX)
+            if flag.item():
+                s.store.land_update()  # a delayed update in flight lands first: its weights must not arrive later
+                for u, mine, changed in edits:
+                    _write(s, u, mine, changed)
     for u in units:
         u.unpin()
         gatherer.release(u, outside_autograd=True)  # a view taken inside the context keeps its bytes
+
+
+def _edits(s: Shards, units: list[Unit], modifier_rank: int) -> list[tuple[Unit, torch.Tensor, torch.Tensor]]:
+    """Per unit: this rank's chunk of the modifier rank's values (broadcast to every rank), and which of its elements
+    differ from the shard it was gathered from (NaN where NaN was is no change)."""
+    out = []
+    for u in units:
+        s.comm.broadcast(u.buffer, f"GatheredParameters: unit '{u.name}' modified on rank {modifier_rank}",
+                         src=modifier_rank)
+        b = u.bucket
+        # a copy: a landing before the write regathers pinned units into their buffers
+        mine = u.buffer[s.comm.rank * b.chunk:(s.comm.rank + 1) * b.chunk].clone()
+        if s.store.in_int8(u.index):
+            before = s.store.int8.get(u.index, mine.dtype).to(mine.device)
+        else:
+            before = s.store.read(s.param_shard[b.shard_offset:b.shard_offset + b.chunk]).to(mine.device)
+        changed = (mine != before) & ~(mine.isnan() & before.isnan())
+        out.append((u, mine, changed))
+    return out
+
+
+def _write(s: Shards, u: Unit, mine: torch.Tensor, changed: torch.Tensor) -> None:
+    """The changed elements of u's chunk into its working shard and its fp32 master; the others keep the values
+    there (the master's own, which the 16-bit copy only rounded; a landed update's)."""
+    b = u.bucket
+    if s.secondary is not None:  # every rank writes, so every rank forgets alike
+        s.secondary.forget(u.index)
+    if s.store.in_int8(u.index):
+        s.store.int8.write(u.index, mine)
+        return
+    resting = s.param_shard[b.shard_offset:b.shard_offset + b.chunk]
+    working = s.store.read(resting)
+    if s.master is not None:
+        region = s.master[b.shard_offset:b.shard_offset + b.chunk]
+        master = s.store.read(region)
+        where = changed.to(master.device)
+        s.store.write(region, torch.where(where, mine.to(master.device, master.dtype), master))
+    where = changed.to(working.device)
+    s.store.write(resting, torch.where(where, mine.to(working.device), working))

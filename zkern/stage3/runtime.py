@@ -35,7 +35,7 @@ import torch
 from zkern.comm.collectives import Comm, CommError
 from zkern.comm.divergence import MAX_SIGNATURE_WORLD
 from zkern.comm.zeropp import QuantizedReduce, Secondary
-from zkern.core.owners import register_owner
+from zkern.core.owners import register_owner, weak_grad_hook
 from zkern.core.runtime import ShardMap
 from zkern.core.spec import RuntimeSpec
 from zkern.core.state import Component
@@ -102,7 +102,8 @@ class Stage3Runtime:
                                    quantized=self.quantized, keep_grads=zero.keep_gradient_buffers)
         self.reducer.on_complete = self.hooks.on_complete
         self.on_final_grads = None  # callback(region): a region of the gradient shard final for the step
-        self._handles = [p.register_post_accumulate_grad_hook(self.reducer.on_grad) for p in self.params]
+        self._handles = [p.register_post_accumulate_grad_hook(weak_grad_hook(self.reducer.on_grad))
+                         for p in self.params]
         self._unguarded = False
         for module in model.modules():
             if any(id(p) in s.unit_of for p in module.parameters(recurse=False)):
@@ -230,9 +231,8 @@ class Stage3Runtime:
         return pinning.generation_params(self.units, self.gatherer.max_live)
 
     def pin(self, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list[Unit]:
-        # a delayed update lands first: its weights must not arrive over the write
-        if modifier_rank is not None and self.shards.store is not None:
-            self.shards.store.land_update()
+        # a delayed update in flight stays so: the context shows the weights the forward computes with, and lands
+        # it only where a rank changed something (pinning.unpin)
         return pinning.pin(self.shards, self.gatherer, params, modifier_rank)
 
     def unpin(self, units: list[Unit], modifier_rank: int | None) -> None:

@@ -73,14 +73,26 @@ def mark_escaped(output, module: torch.nn.Module, units: list[Unit]) -> list[tor
     return kept
 
 
-def held_elsewhere(slot: torch.Tensor) -> bool:
-    """Does a tensor besides `slot` itself share its storage? Where autograd can have saved none of it (gradients
-    off, or a GatheredParameters context ending), such a tensor is a user's view, which release would leave pointing
-    at freed memory."""
+def holders(slot: torch.Tensor, params) -> int:
+    """The tensors sharing slot's storage besides slot itself and the parameters in `params` that view it (what the
+    gather left: a communication library may keep views of its output for a while). -1 where this torch cannot
+    count them."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:  # not in this torch: assume a holder (the bytes are kept, never read freed)
+    if use_count is None:
+        return -1
+    storage = slot.untyped_storage()
+    viewing = sum(1 for p in params if p.untyped_storage().data_ptr() == storage.data_ptr() and p.numel())
+    return use_count(storage._cdata) - 2 - viewing  # less slot's own tensor and the storage object made to ask
+
+
+def held_elsewhere(slot: torch.Tensor, since_gather: int) -> bool:
+    """Does a tensor share slot's storage that did not when it was gathered (since_gather: holders() then)? Where
+    autograd can have saved none of it (gradients off, or a GatheredParameters context ending), such a tensor is a
+    user's view, which release would leave pointing at freed memory. Where torch cannot count, assume one (the bytes
+    are kept, never read freed)."""
+    if since_gather < 0:
         return True
-    return use_count(slot.untyped_storage()._cdata) > 2  # slot's tensor and the storage object made to ask
+    return holders(slot, ()) > since_gather
 
 
 def alias_parameters(output, units: list[Unit]):

@@ -30,7 +30,7 @@ from zkern.comm.divergence import fold_signature
 from zkern.comm.zeropp import FrozenStore, Secondary
 from zkern.core.buffers import release, restore
 from zkern.errors import InvariantError
-from zkern.stage3.escapes import held_elsewhere
+from zkern.stage3.escapes import held_elsewhere, holders
 from zkern.stage3.lifecycle import DataState, GradState, Unit
 from zkern.stage3.order import OrderRecord
 from zkern.stage3.sources import UnitSources
@@ -125,6 +125,7 @@ class Gatherer:
         u.work.wait()
         u.work = None
         self.sources.gathered(u)
+        u.holders = holders(u.slot, u.plan.params)  # what shares its storage now is the gather's, not a user's
 
     def finish(self, u: Unit) -> None:
         """Wait for u's all-gather, if one is in flight, and point its parameters into the buffer."""
@@ -149,7 +150,7 @@ class Gatherer:
         self._wait(u)
         for p in u.plan.params:
             p.data = self.empty
-        if u.escaped or ((outside_autograd or not torch.is_grad_enabled()) and held_elsewhere(u.slot)):
+        if u.escaped or ((outside_autograd or not torch.is_grad_enabled()) and held_elsewhere(u.slot, u.holders)):
             # A view of it left a module's call (escapes.py): its holders keep these bytes, which are freed when they
             # let go; the next gather fills a fresh storage.
             u.slot, u.escaped = None, False

@@ -58,6 +58,7 @@ class Unit:
     # A view of the gathered storage left a module's call (returned, or kept on the module: escapes.py): the release
     # leaves that storage to its holders instead of freeing it, and the next gather fills a fresh one.
     escaped: bool = False
+    holders: int = 0  # tensors sharing the slot's storage when its gather arrived (escapes.holders)
     work: Work | None = None  # the in-flight all-gather
     version: int = -1  # shard version the buffer was gathered from
     refs: int = 0

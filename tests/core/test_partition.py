@@ -39,11 +39,11 @@ def test_layout_pieces_cover_every_element_exactly_once(numels, world, bucket):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_every_chunk_and_shard_offset_is_16_byte_aligned(world):
+def test_every_chunk_and_shard_offset_is_256_byte_aligned(world):
     """Chunks start at multiples of ALIGN elements in the flat buffer, the shard and the optimizer's compact
-    moments, so a whole-chunk kernel call on a 16-byte aligned buffer is 16-byte aligned in any dtype down to int4;
-    and the padding that buys it stays under one ALIGN per chunk."""
-    assert ALIGN * 4 % 16 == 0 and ALIGN // 2 % 16 == 0  # fp32 and int4 bytes of one ALIGN are whole 16-byte lines
+    moments, so a whole-chunk kernel call on a 256-byte aligned buffer is 256-byte aligned in the 16-bit dtypes and
+    fp32 (16-byte in int4); and the padding that buys it stays under one ALIGN per chunk."""
+    assert ALIGN * 2 % 256 == 0 and ALIGN // 2 % 16 == 0  # 16-bit bytes of one ALIGN: whole 256-byte lines
     for layout in (plan_layout([10, 7, 3, 1000, 1, 129], world, 200),
                    plan_unit_layout([[3], [64, 1], [5, 5, 5], [4096]], world)):
         for b in layout.buckets:

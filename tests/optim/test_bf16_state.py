@@ -363,16 +363,19 @@ def test_the_engine_keeps_its_fp32_state_rounded_to_bf16(stage, offload, master_
                 assert mem_a[where]["master"] * 2 == mem_b[where]["master"] if offload == "cpu" \
                     else mem_a[where]["master"] == 0
         else:
-            assert mem_a["nvme"]["optimizer"] * 2 <= mem_b["nvme"]["optimizer"]
+            # each file region is rounded up to whole 4 KiB blocks (2,048 bf16 elements, 1,024 fp32 ones): at most
+            # one block more per moment for each of the optimizer's (here at most two) regions
+            assert mem_a["nvme"]["optimizer"] <= mem_b["nvme"]["optimizer"] / 2 + 2 * 2 * 4096
 
 
 def test_memory_report_and_estimate_memory_agree_on_the_bytes():
     """The formula with the new bytes per parameter (moments 4, master 0 on the device or 2 offloaded) against what
-    the engine holds, at world 1 where nothing is padded for other ranks."""
+    the engine holds, at world 1 where nothing is padded for other ranks, per element of its layout (the parameters
+    and the padding that starts each at a 256-byte boundary: a large share of this tiny model's 32-element norms)."""
     for offload, master_bf16 in (("none", False), ("none", True), ("cpu", True)):
         engine = zkern.Engine(tiny_model(), engine_config(2, offload, bf16_optimizer_states=True,
                                                           bf16_master_weights_and_grads=master_bf16))
-        n = sum(p.numel() for p in engine.module.parameters())
+        n = sum(g.layout.total for g in engine.runtime.groups)
         formula = zkern.estimate_memory(n, 1, 2, offload_optimizer=offload != "none", bf16_optimizer_states=True,
                                         bf16_master_weights_and_grads=master_bf16)
         mem = engine.memory_report()

@@ -40,6 +40,7 @@ import torch
 
 from zkern import ops
 from zkern.comm.collectives import Comm, Work
+from zkern.core.buffers import aligned_empty
 from zkern.core.state import Component, host_copy
 
 WEIGHT_GROUP = 2048  # int8 weights: elements per fp32 scale
@@ -214,7 +215,7 @@ class Secondary:
         for ui, padded in sizes.items():
             self.offsets[ui] = (total, padded // k)
             total += padded // k
-        self.store = torch.empty(total, dtype=dtype, device=device)
+        self.store = aligned_empty(total, dtype, device)  # hpZ's copies: each unit's slice starts aligned
         self.versions: dict[int, int] = {}
 
     def fresh(self, ui: int, version: int) -> bool:

@@ -2,18 +2,21 @@
 
     python -c "from zkern.core.partition import plan_layout; print(plan_layout([10, 7, 3], world=4, bucket_numel=12))"
 
-The layout every stage uses: the trainable parameters of one group are packed, in order, into buckets of at
-most `bucket_numel` elements (a larger parameter gets a bucket to itself). Each bucket is padded to a multiple
-of ALIGN * world and split into `world` equal chunks; rank r owns chunk r of every bucket. So every collective
-is an even reduce-scatter / all-gather over one contiguous bucket, every rank's shard has the same size, and a
-rank's shard is the concatenation of its chunks:
+The layout every stage uses: the trainable parameters of one group are packed, in order, into buckets of at most
+`bucket_numel` elements (a larger parameter gets a bucket to itself), each parameter at a multiple of ALIGN
+elements from its bucket's start. Each bucket is padded to a multiple of ALIGN * world and split into `world` equal
+chunks; rank r owns chunk r of every bucket. So every collective is an even reduce-scatter / all-gather over one
+contiguous bucket, every rank's shard has the same size, and a rank's shard is the concatenation of its chunks:
 
     flat buffer (world=2):  | b0: c0 c1 | b1: c0 c1 |        shard of rank 1:  | b0.c1 | b1.c1 |
 
-Every chunk is therefore a multiple of ALIGN (64) elements, so every bucket, chunk and shard offset is one too:
-with a buffer that starts 16-byte aligned (every allocator torch uses), each chunk starts on a 16-byte boundary
-in every dtype zkern keeps (int4 through fp32), and the whole-chunk optimizer calls, collectives and kernels on
-a GPU take their 128-bit paths. The price is at most ALIGN * world - 1 padding elements a bucket.
+Every chunk is therefore a multiple of ALIGN (128) elements, and so is every bucket, chunk, shard and parameter
+offset, and the start of every piece of a parameter in a shard. In a buffer that starts ALIGN_BYTES (256) aligned
+(core/buffers.py allocates them so), every parameter view the model is handed, every gradient view and every chunk
+starts at a multiple of 256 bytes in the 16-bit dtypes (512 in fp32, 128 in int8), as torch's own allocator
+places each parameter: cuBLAS, cuDNN and Triton choose their vectorised and TMA paths by that alignment. The price:
+at most ALIGN - 1 elements after each parameter and ALIGN * world - 1 at a bucket's end (docs/benchmark.md says
+what it comes to on the benchmark's presets).
 
 Padding elements are zero, never belong to a parameter and never change the math. Depends on torch alone
 (and not even that, for the arithmetic).
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALIGN = 64  # elements a chunk is a multiple of: 16 bytes of int4, 32 of int8, 128 of fp16, 256 of fp32
+ALIGN = 128  # elements every parameter, chunk and bucket offset is a multiple of: 256 bytes of fp16/bf16, 512 of fp32
 
 
 def bucket_multiple(world: int) -> int:
@@ -54,7 +57,7 @@ class Bucket:
 
     index: int
     offset: int  # flat offset of the bucket
-    numel: int  # elements that belong to parameters
+    numel: int  # elements up to the end of its last parameter's ALIGN-rounded slot: parameters and the gaps between
     padded: int  # numel rounded up to a multiple of bucket_multiple(world)
     first: int  # first parameter index in the bucket
     last: int  # one past the last parameter index
@@ -131,6 +134,7 @@ def plan_layout(numels: list[int], world: int, bucket_numel: int) -> Layout:
     groups: list[tuple[int, int]] = []  # (first, last) parameter index per bucket
     first, filled = 0, 0
     for i, n in enumerate(numels):
+        n = aligned_numel(n)  # the slot it takes
         if filled and filled + n > bucket_numel:
             groups.append((first, i))
             first, filled = i, 0
@@ -152,14 +156,21 @@ def plan_unit_layout(unit_numels: list[list[int]], world: int) -> Layout:
     return _layout([n for sizes in unit_numels for n in sizes], world, bounds)
 
 
+def aligned_numel(numel: int) -> int:
+    """numel rounded up to a multiple of ALIGN: the slot a parameter takes in a bucket."""
+    return -(-numel // ALIGN) * ALIGN
+
+
 def _layout(numels: list[int], world: int, groups: list[tuple[int, int]]) -> Layout:
     buckets, offsets = [], []
     flat, shard = 0, 0
     for index, (lo, hi) in enumerate(groups):
-        numel = sum(numels[lo:hi])
+        numel = sum(aligned_numel(n) for n in numels[lo:hi])  # ops.flatten(..., align=ALIGN)'s length
         padded = padded_numel(max(numel, 1), bucket_multiple(world))
+        at = flat
         for p in range(lo, hi):
-            offsets.append(flat + sum(numels[lo:p]))
+            offsets.append(at)
+            at += aligned_numel(numels[p])
         buckets.append(Bucket(index=index, offset=flat, numel=numel, padded=padded, first=lo, last=hi,
                               shard_offset=shard, world=world))
         flat += padded

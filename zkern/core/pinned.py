@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from zkern.core.buffers import aligned_empty
+
 EXACT_MIN_BYTES = 64 << 20  # glibc maps any allocation above 32 MiB (its largest mmap threshold) on its own pages
 
 
@@ -37,7 +39,7 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < EXACT_MIN_BYTES:
         return _torch_pinned(numel, dtype)
-    t = torch.empty(numel, dtype=dtype)
+    t = aligned_empty(numel, dtype, "cpu")  # where every buffer zkern hands out starts (core/buffers.py)
     ptr = t.data_ptr()
     cudart = _cudart()
     err = int(cudart.cudaHostRegister(ptr, nbytes, 0))

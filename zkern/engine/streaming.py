@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from zkern.core.buffers import aligned_copy
 from zkern.engine.parts import EngineParts
 from zkern.stage3.gathered import GatheredParameters
 
@@ -65,7 +66,7 @@ def _landed_buckets(parts: EngineParts, bucket_bytes: int, dtype: torch.dtype, r
                 if bucket and size + nbytes > bucket_bytes:
                     yield bucket if keep else []
                     bucket, size = [], 0
-                value = p.detach().to(dtype, copy=True) if keep else None
+                value = aligned_copy(p.detach(), p.device, dtype) if keep else None
                 bucket += [(name, value) for name in names.get(id(p), [])]
                 size += nbytes
     if bucket:

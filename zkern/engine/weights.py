@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from zkern.core.buffers import aligned_copy
 from zkern.engine.parts import EngineParts
 from zkern.stage3.gathered import GatheredParameters
 
@@ -56,7 +57,7 @@ def _working_copies(parts: EngineParts, rank0_only: bool) -> dict[str, torch.Ten
     out = {}
     for name, t in module_state(parts).items():
         if id(t) not in copies:
-            copies[id(t)] = values.get(id(t), t).detach().to("cpu", copy=True)
+            copies[id(t)] = aligned_copy(values.get(id(t), t).detach())  # each starts 256-byte aligned
         out[name] = copies[id(t)]
     return out
 

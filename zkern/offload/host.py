@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from zkern.core.buffers import allocated_bytes
+from zkern.core.buffers import aligned_zeros, allocated_bytes
 from zkern.core.pinned import pinned_zeros
 from zkern.core.shard_groups import Chunk, ShardGroup, shares_staging
 from zkern.offload.delayed import DelayedUpdate
@@ -56,7 +56,7 @@ from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     """A zeroed host buffer; page-locked when pin (only meaningful, and only asked, with CUDA present), at exactly its
     size (core/pinned.py: torch's pinned allocator would round it up to a power of two)."""
-    return pinned_zeros(numel, dtype) if pin else torch.zeros(numel, dtype=dtype)
+    return pinned_zeros(numel, dtype) if pin else aligned_zeros(numel, dtype, "cpu")
 
 
 class HostStep(DelayedUpdate, SpeculativeStep):

@@ -27,6 +27,7 @@ import contextlib
 import torch
 
 from zkern.comm.zeropp import FrozenStore
+from zkern.core.buffers import aligned_zeros
 from zkern.offload.host import HostStep, host_tensor
 from zkern.offload.nvme import NvmeShard
 from zkern.offload.nvme_params import NvmeParams
@@ -54,7 +55,7 @@ class ShardStore:
         files, returned as its stand-in."""
         match home:
             case "device":
-                return torch.zeros(numel, dtype=dtype, device=self.device)
+                return aligned_zeros(numel, dtype, self.device)
             case "host":
                 return host_tensor(numel, dtype, pin=pin)
             case "nvme":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from zkern import ops
+from zkern.core.buffers import aligned_zeros
 from zkern.core.partition import ALIGN
 from zkern.core.shard_groups import Chunk, ShardGroup
 from zkern.reference import call_seed
@@ -71,8 +72,8 @@ class ShardAdam(torch.optim.Optimizer):
         # would cost 8 bytes per element of the whole shard for every group.
         self._start = [_compact_starts(g) for g in groups]  # per group, per chunk: its first moment element
         sizes = [starts[-1] + g.chunks[-1].param.numel() if g.chunks else 0 for starts, g in zip(self._start, groups)]
-        self.exp_avg = [torch.zeros(n, dtype=self.state_dtype, device=_device(g)) for n, g in zip(sizes, groups)]
-        self.exp_avg_sq = [torch.zeros(n, dtype=self.state_dtype, device=_device(g)) for n, g in zip(sizes, groups)]
+        self.exp_avg = [aligned_zeros(n, self.state_dtype, _device(g)) for n, g in zip(sizes, groups)]
+        self.exp_avg_sq = [aligned_zeros(n, self.state_dtype, _device(g)) for n, g in zip(sizes, groups)]
         # Per-piece state as views into the flat buffers, shaped like the piece (as torch's AdamW keeps it).
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for gi, g in enumerate(groups):

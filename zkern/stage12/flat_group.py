@@ -18,8 +18,8 @@ from zkern import ops
 from zkern.comm.collectives import Comm, Work
 from zkern.comm.reducer import BucketReducer
 from zkern.comm.schedule import fold_reduced
-from zkern.core.buffers import release, restore
-from zkern.core.partition import Bucket, Layout, plan_layout
+from zkern.core.buffers import aligned_empty, aligned_zeros, release, restore
+from zkern.core.partition import ALIGN, Bucket, Layout, plan_layout
 from zkern.core.shard_groups import Chunk, ShardGroup
 from zkern.core.spec import RuntimeSpec
 from zkern.offload.store import ShardStore
@@ -53,7 +53,7 @@ class FlatGroup:
         # rounding to 16 bits; on the host or the device): each bucket's parameters become views into the flat
         # buffer as soon as it is written, so their old storage goes at once and building holds one bucket of fp32
         # beside the model. torch.empty commits pages only as they are written.
-        self.param_flat = torch.empty(layout.total, dtype=dtype, device=device)
+        self.param_flat = aligned_empty(layout.total, dtype, device)
         self.store = store
         self.master = None
         if spec.offload_optimizer == "nvme":
@@ -61,7 +61,7 @@ class FlatGroup:
         elif spec.offloaded:
             self.master = store.allocate(layout.shard_numel, spec.master_dtype, "host", pin=spec.pin_optimizer)
         elif mixed:
-            self.master = torch.empty(layout.shard_numel, dtype=spec.master_dtype, device=device)
+            self.master = aligned_empty(layout.shard_numel, spec.master_dtype, device)
         for b in layout.buckets:
             _write_bucket(b, params, self.param_flat, self.master, layout.chunk_range(b, self.shard_rank), store)
             for i in range(b.first, b.last):
@@ -74,13 +74,13 @@ class FlatGroup:
         self.grad_flat = self.grad_shard = None
         self._grad_views = None
         self.keep_grads = spec.zero.keep_gradient_buffers
-        alloc = torch.zeros if self.keep_grads else torch.empty  # empty: no page is touched before it goes
+        alloc = aligned_zeros if self.keep_grads else aligned_empty  # empty: no page is touched before it goes
         if stage < 2:
-            self.grad_flat = alloc(layout.total, dtype=self.accum_dtype, device=device)
+            self.grad_flat = alloc(layout.total, self.accum_dtype, device)
             if self.accum_dtype == dtype:
                 self._grad_views = [self._param_view(self.grad_flat, i) for i in range(len(self.params))]
         else:
-            self.grad_shard = alloc(layout.shard_numel, dtype=self.accum_dtype, device=device)
+            self.grad_shard = alloc(layout.shard_numel, self.accum_dtype, device)
         self.grads_live = True
         if self.keep_grads:
             self._attach_grad_views()
@@ -257,11 +257,18 @@ class FlatGroup:
 
     def _zero_unfilled(self, buf: torch.Tensor, b: Bucket) -> None:
         """Zero the slots of parameters that got no gradient in this backward, and the padding."""
+        end = 0  # the gaps between parameters (their slots are ALIGN-rounded) are padding too
         for i in range(b.first, b.last):
+            off = self.layout.offsets[i] - b.offset
             if not self.fired[i]:
-                off = self.layout.offsets[i] - b.offset
-                buf[off:off + self.layout.numels[i]].zero_()
-        buf[b.numel:b.padded].zero_()
+                off = end  # its slot and the gap before it in one call
+            if off > end:
+                buf[end:off].zero_()
+            end = self.layout.offsets[i] - b.offset + self.layout.numels[i]
+            if not self.fired[i]:
+                buf[off:end].zero_()
+        if b.padded > end:
+            buf[end:b.padded].zero_()
 
     def _take_buffer(self, b: Bucket) -> torch.Tensor:
         """A stage-2 bucket buffer; reuses one whose collective has finished before allocating another."""
@@ -270,7 +277,7 @@ class FlatGroup:
         if self._free_buffers:
             return self._free_buffers.pop()
         self._buffer_count += 1
-        return torch.empty(self._bucket_capacity, dtype=self.comm_dtype, device=self.param_flat.device)
+        return aligned_empty(self._bucket_capacity, self.comm_dtype, self.param_flat.device)
 
     def abort_backward(self) -> None:
         """loss.backward() raised: forget this pass's reductions (a later drain would have folded them in), keep the
@@ -328,7 +335,7 @@ def _write_bucket(b: Bucket, params: list[torch.nn.Parameter], param_flat: torch
                   chunk: tuple[int, int], store: ShardStore) -> None:
     """Bucket b of the flat working-dtype buffer from its parameters' own values (fp32, before any rounding to 16
     bits), and this rank's chunk of it into the fp32 master shard (chunk: its (start, size) in the flat buffer)."""
-    values = ops.flatten([p.detach() for p in params[b.first:b.last]], torch.float32).to(param_flat.device)
+    values = ops.flatten([p.detach() for p in params[b.first:b.last]], torch.float32, align=ALIGN).to(param_flat.device)
     bucket = param_flat[b.offset:b.offset + b.padded]
     bucket[:b.numel].copy_(values)
     bucket[b.numel:].zero_()  # padding stays zero

@@ -28,7 +28,7 @@ import torch
 from zkern.comm.collectives import Comm
 from zkern.comm.divergence import fold_signature
 from zkern.comm.zeropp import FrozenStore, Secondary
-from zkern.core.buffers import release, restore
+from zkern.core.buffers import aligned_empty, release, restore
 from zkern.errors import InvariantError
 from zkern.stage3.escapes import held_elsewhere, holders
 from zkern.stage3.lifecycle import DataState, GradState, Unit
@@ -84,7 +84,7 @@ class Gatherer:
         view of it that autograd saved in forward (F.linear saves the weight's transpose, a convolution the weight)
         reads the regathered values in backward instead of keeping the released copy alive beside a second one."""
         if u.slot is None:
-            u.slot = torch.empty(u.bucket.padded, dtype=self.dtype, device=self.device)
+            u.slot = aligned_empty(u.bucket.padded, self.dtype, self.device)
         else:
             restore(u.slot, zero=False)  # every element is written by the all-gather
         return u.slot

@@ -13,7 +13,8 @@ import torch
 
 from zkern import ops
 from zkern.comm.zeropp import FrozenStore
-from zkern.core.partition import plan_unit_layout
+from zkern.core.buffers import aligned_empty, aligned_zeros
+from zkern.core.partition import ALIGN, plan_unit_layout
 from zkern.core.runtime import ShardMap
 from zkern.core.shard_groups import Chunk, ShardGroup
 from zkern.core.spec import RuntimeSpec
@@ -58,12 +59,10 @@ def plan(s: Shards, model: torch.nn.Module, groups: list[list[torch.nn.Parameter
     s.frozen_ids = {id(p) for p in s.all_params if not p.requires_grad}
     s.unit_of = {id(p): u for u in s.units for p in u.plan.params}
     s.full_shapes = {id(p): full_shape(p) for p in s.all_params}
-    s.offsets = {}
-    for u in s.units:
-        off = 0
-        for p in u.plan.params:
-            s.offsets[id(p)] = off
-            off += s.full_shapes[id(p)].numel()
+    # each parameter at a multiple of ALIGN elements from its unit's start (partition.py): every view a gathered
+    # unit hands the model starts 256-byte aligned in the 16-bit dtypes
+    index = {id(p): i for i, p in enumerate(s.all_params)}
+    s.offsets = {id(p): s.layout.offsets[index[id(p)]] - u.bucket.offset for u in s.units for p in u.plan.params}
     return needs
 
 
@@ -97,8 +96,8 @@ def allocate(s: Shards, spec: RuntimeSpec, store: ShardStore, param_files) -> No
         s.master = store.allocate(shard, spec.master_dtype, "device")
     # data_types.grad_accum_dtype; empty unless kept between steps (its memory goes before the first backward, and
     # comes back zeroed: GradReducer.ensure_grads)
-    alloc = torch.zeros if spec.zero.keep_gradient_buffers else torch.empty
-    s.grad_shard = alloc(shard, dtype=spec.accum_dtype, device=device)
+    alloc = aligned_zeros if spec.zero.keep_gradient_buffers else aligned_empty
+    s.grad_shard = alloc(shard, spec.accum_dtype, device)
     s.empty = torch.empty(0, dtype=dtype, device=device)
     if frozen_units:
         store.keep_int8(FrozenStore({u.index: u.bucket.chunk for u in frozen_units}, zero.zeropp_weight_group_size,
@@ -119,7 +118,7 @@ def partition(s: Shards) -> None:
             built = [is_sharded(p) for p in u.plan.params]
             values = [gather_built(p, s.comm, "a parameter built under init_sharded, for the stage-3 layout")
                       if sharded else p.detach() for p, sharded in zip(u.plan.params, built)]
-            full = ops.flatten(values, torch.float32, pad_to=b.padded).to(device)  # (b.padded,)
+            full = ops.flatten(values, torch.float32, align=ALIGN, pad_to=b.padded).to(device)  # (b.padded,)
             del values
             if not all(built):
                 s.comm.broadcast(full, f"initial values of unit '{u.plan.name}' from rank 0")

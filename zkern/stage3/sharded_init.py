@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from zkern.comm.collectives import Comm, backend_for, device_from_config, init_distributed
 from zkern.config import Config
+from zkern.core.buffers import aligned_empty
 from zkern.stage3 import ds_attributes
 
 _SHAPE_QUERIES = {"shape", "size", "dim", "ndim", "numel", "dtype", "device", "requires_grad", "is_leaf"}
@@ -55,7 +56,7 @@ def full_shape(p: torch.Tensor) -> torch.Size:
 def gather_built(p: torch.nn.Parameter, comm: Comm, purpose: str) -> torch.Tensor:
     """A parameter partitioned by init_sharded, whole (a collective: every rank calls it in the same order)."""
     shard, shape = p._zkern_shard, p._zkern_shape
-    out = torch.empty(shard.numel() * comm.world, dtype=shard.dtype, device=shard.device)
+    out = aligned_empty(shard.numel() * comm.world, shard.dtype, shard.device)  # whole views start aligned
     comm.all_gather(out, shard, purpose)
     return out[:shape.numel()].view(shape)
 

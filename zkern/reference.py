@@ -118,11 +118,11 @@ def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch
         sq_norm += _squares(x)
         if not on_cpu:
             found |= (~torch.isfinite(x)).any()  # no host synchronisation on an accelerator
-    if on_cpu and not torch.isfinite(sq_norm):
-        # One pass in the common case: a NaN or inf element makes the sum of squares non-finite, so only then look
-        # for one (a finite sum can hide none; reading sq_norm costs nothing on the CPU). The buffer holds the
-        # unscaled values now: rounding to its dtype keeps a NaN or an inf what it was.
-        found = (~torch.isfinite(flat_grad)).any()
+    if on_cpu:
+        # One pass: a NaN or inf element makes the sum of squares non-finite, and a finite sum hides none. A sum that
+        # overflowed from finite elements says overflow too, which the step decides anyway from the non-finite norm.
+        # No host read: the step's control exchange stays its one synchronisation.
+        found = ~torch.isfinite(sq_norm)
     return found.float(), sq_norm.float()
 
 

@@ -120,12 +120,45 @@ def test_save_refuses_what_it_cannot_keep(tmp_path):
         engine.save_checkpoint(tmp_path, client_state={3: "int key"})
     with pytest.raises(CheckpointError, match="directory name"):
         engine.save_checkpoint(tmp_path, tag="../escape")
-    idx = torch.zeros(2, 16, dtype=torch.long)
-    engine.backward(engine(idx, idx))
-    engine.step()  # micro-step 1 of 2
-    with pytest.raises(CheckpointError, match="micro-step 1 of an accumulation of 2"):
-        engine.save_checkpoint(tmp_path)
     assert not any(p.name.startswith("global") for p in tmp_path.iterdir())
+
+
+def _micro(engine, k: int) -> float:
+    idx = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(k))
+    loss = engine(idx, idx)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_save_between_micro_steps_holds_the_last_step_and_changes_nothing(stage, tmp_path):
+    """DeepSpeed's test_save_before_accum_grad_is_done: a save between the micro-steps of an accumulation holds the
+    state at the last optimizer step (the pending gradients are not part of it): a resume from it equals a resume
+    from the save at that step, and the saving run goes on with its gradients as if it had not saved."""
+    spec = spec_for(1, stage=stage, accumulation=2)
+    runs = {}
+    for name, save_at in (("boundary", 4), ("mid", 5), ("none", None)):
+        engine = build(spec, 1)
+        losses = []
+        for k in range(8):  # micro-steps; the optimizer steps after 1, 3, 5, 7
+            if k == save_at:
+                engine.save_checkpoint(tmp_path / name, tag="t")
+            losses.append(_micro(engine, k))
+        runs[name] = (losses, engine.full_state_dict())
+        engine.destroy()
+    assert runs["mid"][0] == runs["none"][0]  # the save changed nothing in the run that saved
+    assert all(torch.equal(v, runs["none"][1][k]) for k, v in runs["mid"][1].items())
+    resumed = {}
+    for name in ("boundary", "mid"):
+        engine = build(spec, 1)
+        engine.load_checkpoint(tmp_path / name, tag="t")
+        assert engine.global_steps == 2 and engine.is_gradient_accumulation_boundary() is False
+        resumed[name] = ([_micro(engine, k) for k in range(4, 8)], engine.full_state_dict())
+        engine.destroy()
+    assert resumed["mid"][0] == resumed["boundary"][0] == runs["none"][0][4:]
+    for key, value in resumed["boundary"][1].items():
+        assert torch.equal(resumed["mid"][1][key], value), key
 
 
 def test_nothing_to_load_warns_and_returns_none(tmp_path, caplog):

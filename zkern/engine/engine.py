@@ -35,6 +35,7 @@ from zkern.engine.precision import LossScaler
 from zkern.engine.replicated import ReplicatedRuntime
 from zkern.engine.reporting import Reporter
 from zkern.engine.resident import Residency
+from zkern.engine.user_backward import UserBackward
 from zkern.offload import nvme
 from zkern.offload.store import ShardStore
 from zkern.stage3.sharded_init import release_freed_memory
@@ -118,6 +119,8 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         reporting.log_offload(parts)
         # What the config asks to report beside training (timers, monitors, profiler, comms logger): no cost when off.
         self.reporter = Reporter(parts)
+        # loss.backward() on the engine's outputs runs the pass engine.backward(loss) would (user_backward.py)
+        self.user_backward = UserBackward(self._begin_backward, self._end_backward, self._abort_backward)
         # Every stateful piece, with how it resets: loads, zero_grad and the tests walk this (core/state.py).
         self.state = build_registry(parts, self.reporter)
         # Saves and loads go through the registry and the shards (zkern/checkpoint/), never through the engine.
@@ -135,15 +138,19 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
     # -- the training loop ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.residency.require("forward", reads=("lp_params",))
+        self.user_backward.before_forward()
         cast = _input_cast(self.config)  # fp16 or bf16 auto_cast: the float inputs in the training dtype
         if cast is not None:
             args, kwargs = tree_map(cast, (args, kwargs))
         try:
             with self.reporter.phase("forward"), precision.forward_autocast(self.autocast_dtype, self.device):
-                return self.reporter.forward(self.module, args, kwargs)
+                out = self.reporter.forward(self.module, args, kwargs)
         except BaseException as e:
             self.runtime.abort_pass(e)  # stage 3: release what the failed pass gathered
             raise
+        if self.optimizer is None or not torch.is_grad_enabled():
+            return out
+        return self.user_backward.outputs(out)  # loss.backward() on them runs engine.backward's pass
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next step() will update the parameters."""
@@ -210,21 +217,37 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             raise ValueError("engine.backward: the loss does not require grad (computed under torch.no_grad(), or "
                              "no trainable parameter took part in it)")
         self.reporter.loss(loss)
-        stepping.begin_backward(self.parts)
-        # The loss scale, the mean over micro-steps and the division before the sum over ranks, in one factor
-        # (gradient_predivide_factor, by default the world size: no sum of ranks' 16-bit gradients grows past the
-        # largest of them).
-        factor = self.scaler.scale / (self.counters.accumulation_steps * self.config.gradient_predivide_factor)
+        factor = self._begin_backward()
         with self.reporter.phase("backward"):
+            self.user_backward.engine_backward = True  # the outputs' entry nodes pass the scaled gradient on
             try:
-                (loss * factor).backward()
+                # a factor of 1 (world 1, no accumulation, no loss scale) multiplies nothing: no op torch would not run
+                (loss * factor if factor != 1.0 else loss).backward()
             except BaseException:
-                self.runtime.abort_backward()  # stage 3: release what the failed pass held; nothing is reduced
-                if self.host_step is not None:  # the speculative Adam of its landed chunks is undone and ends
-                    self.host_step.withdraw("backward failed")
+                self._abort_backward()
                 raise
-            self.runtime.end_backward()
+            finally:
+                self.user_backward.engine_backward = False
+            self._end_backward()
+
+    def _begin_backward(self) -> float:
+        """A backward pass opens (engine.backward, or the user's loss.backward() reaching an output: user_backward.py);
+        returns the gradients' factor: the loss scale, the mean over micro-steps and the division before the sum over
+        ranks (gradient_predivide_factor, by default the world size: no sum of ranks' 16-bit gradients grows past the
+        largest of them)."""
+        _trainable(self, "backward")
+        self.residency.require("backward")
+        stepping.begin_backward(self.parts)
+        return self.scaler.scale / (self.counters.accumulation_steps * self.config.gradient_predivide_factor)
+
+    def _end_backward(self) -> None:
+        self.runtime.end_backward()
         self.counters.backward_unstepped = True
+
+    def _abort_backward(self) -> None:
+        self.runtime.abort_backward()  # stage 3: release what the failed pass held; nothing is reduced
+        if self.host_step is not None:  # the speculative Adam of its landed chunks is undone and ends
+            self.host_step.withdraw("backward failed")
 
     def step(self) -> None:
         """At the accumulation boundary: overflow check, clipping, optimizer, loss-scale and LR update.

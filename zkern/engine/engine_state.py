@@ -152,7 +152,9 @@ def _counters(counters: Counters) -> Component:
 
     def save() -> dict:
         norm = counters.last_grad_norm  # inf after an overflow: JSON holds it as text
-        return {**read(), "last_grad_norm": norm if norm is None or math.isfinite(norm) else str(norm)}
+        # the state at the last optimizer step: micro-steps accumulated since are not part of a checkpoint
+        return {**read(), "micro_steps": counters.micro_steps - counters.pending_micro_steps,
+                "last_grad_norm": norm if norm is None or math.isfinite(norm) else str(norm)}
 
     def check(saved) -> None:
         _fields(saved, {"global_steps": int, "skipped_steps": int, "micro_steps": int,

@@ -9,18 +9,14 @@ from zkern.engine.counters import Counters
 
 
 def check_save(counters: Counters, inference: bool) -> None:
-    """save_checkpoint only where a checkpoint holds the whole training state: an engine with an optimizer, after
-    the step() that ends an accumulation."""
+    """save_checkpoint needs an engine with an optimizer. Between the micro-steps of an accumulation it saves, as
+    DeepSpeed does, the state at the last optimizer step: the gradients held since are not part of it (the
+    counters' saved form counts the micro-steps up to that step), and the saving run goes on with them."""
     from zkern.errors import CheckpointError
 
     if inference:
         raise CheckpointError("save_checkpoint: this engine has no optimizer, so no training state to save; save its "
                               "weights with save_16bit_model(dir) or full_state_dict()")
-    if counters.holding_gradients():
-        where = (f"micro-step {counters.pending_micro_steps} of an accumulation of {counters.accumulation_steps}"
-                 if counters.pending_micro_steps else "a backward whose engine.step() has not run")
-        raise CheckpointError(f"save_checkpoint after {where}: the gradients held since the last optimizer step are "
-                              f"not part of a checkpoint; save after the engine.step() that ends an accumulation")
 
 
 def check_load(inference: bool, load_module_only: bool) -> None:

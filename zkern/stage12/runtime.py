@@ -103,10 +103,12 @@ class Stage12Runtime:
         self._on_grad(self.groups[gi], i, p)
 
     def _on_grad(self, g: FlatGroup, i: int, p: torch.Tensor) -> None:
-        if not self._in_pass:  # loss.backward() instead of engine.backward(loss): no scaling, no reduction
-            raise RuntimeError(f"zkern stage {self.stage}: '{g.names[i]}' received a gradient outside "
-                               f"engine.backward(loss); call engine.backward(loss) instead of loss.backward(), so the "
-                               f"gradient is scaled and reduced across ranks")
+        if not self._in_pass:  # a backward no output of the engine opened (engine/user_backward.py)
+            raise RuntimeError(f"zkern stage {self.stage}: '{g.names[i]}' received a gradient in a backward the "
+                               f"engine did not open: its loss reached the parameter without passing the engine's "
+                               f"outputs (a term on the parameters themselves?); compute the loss from engine(...)'s "
+                               f"outputs, or call engine.backward(loss), so the gradient is scaled and reduced across "
+                               f"ranks")
         slot = self._slot0[id(g)] + g.bucket_of[i].index
         if self._reducing and self.schedule.launched(slot):
             if g.fired[i]:

@@ -29,7 +29,7 @@ from zkern.comm.collectives import Comm
 from zkern.comm.reducer import BucketReducer
 from zkern.comm.schedule import ReduceSchedule, fold_reduced
 from zkern.comm.zeropp import QuantizedReduce
-from zkern.core.buffers import release, restore
+from zkern.core.buffers import aligned_zeros, release, restore
 from zkern.stage3.lifecycle import GradState, Unit
 from zkern.stage3.units import plan_reduce_groups
 
@@ -132,8 +132,10 @@ class GradReducer:
         u = self._unit_of[id(p)]
         name = self.names[id(p)]
         if u.grads is GradState.IDLE:
-            raise RuntimeError(f"zkern stage 3: '{name}' received a gradient outside engine.backward(loss); call "
-                               f"engine.backward(loss) instead of loss.backward(), so the gradient is reduced")
+            raise RuntimeError(f"zkern stage 3: '{name}' received a gradient in a backward the engine did not open: "
+                               f"its loss reached the parameter without passing the engine's outputs (a term on the "
+                               f"parameters themselves?); compute the loss from engine(...)'s outputs, or call "
+                               f"engine.backward(loss), so the gradient is scaled and reduced")
         g = u.group
         if self.schedule.launched(g.index):
             raise RuntimeError(
@@ -174,7 +176,7 @@ class GradReducer:
         """The group's rank-major gradient buffer, made at its first gradient of the pass (or at launch, for a group
         that got none). Zeros: padding and parameters without a gradient reduce as zero."""
         if g.buffer is None:
-            g.buffer = torch.zeros(g.section * self.comm.world, dtype=self.comm_dtype, device=self.grad_shard.device)
+            g.buffer = aligned_zeros(g.section * self.comm.world, self.comm_dtype, self.grad_shard.device)
 
     def _launch(self, g: ReduceGroup) -> None:
         self._ensure_buffer(g)

@@ -169,9 +169,11 @@ def test_value_errors_name_the_key_and_the_range():
         load(fp16={"enabled": True}, bf16={"enabled": True})
     with pytest.raises(ConfigError, match="'zero_optimization.overlap_comm' must be true or false, got 'yes'"):
         load(zero_optimization={"overlap_comm": "yes"})
-    with pytest.raises(ConfigError, match="'zero_optimization.reduce_bucket_size' must be a whole number .>= 0., "
-                                          "got 1.5"):
-        load(zero_optimization={"reduce_bucket_size": 1.5})
+    with pytest.raises(ConfigError, match="'zero_optimization.zero_hpz_partition_size' must be a whole number "
+                                          ".>= 0., got 1.5"):
+        load(zero_optimization={"zero_hpz_partition_size": 1.5})
+    with pytest.raises(ConfigError, match="'zero_optimization.reduce_bucket_size' must be >= 0, got -1"):
+        load(zero_optimization={"reduce_bucket_size": -1.5})
     with pytest.raises(ConfigError, match="'gradient_clipping' must be >= 0, got -1"):
         load(gradient_clipping=-1)
     with pytest.raises(ConfigError, match="'optimizer.params.betas' must be a list of two numbers"):
@@ -224,3 +226,26 @@ def test_auto_values():
     filled = dict(cfg.notes.filled)
     assert {"gradient_clipping", "optimizer.params.lr", "fp16.enabled",
             "zero_optimization.stage3_gather_16bit_weights_on_model_save"} <= set(filled)
+
+
+def test_what_real_configs_carry_that_deepspeed_took_is_taken_and_said():
+    # a count of elements written as a fraction (Hugging Face's "auto" of 0.9 x hidden^2 for hidden 4096, unrounded)
+    cfg = load(zero_optimization={"stage": 3, "stage3_prefetch_bucket_size": 15099494.4, "reduce_bucket_size": 5e8})
+    assert cfg.zero_optimization.stage3_prefetch_bucket_size == 15099494
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert any("15099494.4 rounded down" in line for line in cfg.notes.lines())
+    # fp16's loss-scale keys left in a bf16 section: nothing to scale in bf16, said in the start-up block
+    cfg = load(bf16={"enabled": True, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2})
+    inert = dict(cfg.notes.inert)
+    assert {"bf16.loss_scale_window", "bf16.initial_scale_power", "bf16.hysteresis"} <= set(inert)
+
+
+@pytest.mark.parametrize("section, feature", [
+    ({"optimizer": {"type": "OneBitAdam"}}, "1-bit Adam"),
+    ({"optimizer": {"type": "ZeroOneAdam"}}, "0/1 Adam"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "MiCS"),
+    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}, "compression"),
+])
+def test_features_deepspeed_removed_are_refused_naming_the_removal(section, feature):
+    with pytest.raises(ConfigError, match=f"{feature}.*removed from DeepSpeed in 2026-09"):
+        load(**section)

@@ -4,7 +4,8 @@ monitors and profiler, legacy spellings, a cosine schedule, fp16 + Lamb in Megat
 alone, Lion with a range test), and the stock configs the frameworks built on DeepSpeed ship (llamafactory_*,
 msswift_*, axolotl_*: the keys and values of LLaMA-Factory's DeepSpeed examples and ms-swift's and axolotl's stock
 configs). Each trains on zkern and DeepSpeed's own parser accepts the
-same file; tests/data/ds_configs_refused/ holds stock configs DeepSpeed 0.19's parser refuses, which zkern refuses too,
+same file; tests/data/ds_configs_refused/ holds stock configs DeepSpeed 0.19's parser refuses (zkern refuses the one
+whose key asks for something, and takes the one whose keys ask for nothing in bf16, saying so),
 naming the key. 3000 careless edits of them are each either accepted or a ConfigError naming the key, never another
 exception.
 
@@ -102,12 +103,10 @@ def test_deepspeed_s_own_parser_accepts_every_file(tmp_path):
         zkern.Config.load(cfg).resolve(1, SimpleNamespace(config=SimpleNamespace(hidden_size=32)))
 
 
-@pytest.mark.parametrize("name, key", [("axolotl_zero1_torch_compile.json", "'compile'"),
-                                       ("llamafactory_z3_alst.json", "'bf16.initial_scale_power'")])
+@pytest.mark.parametrize("name, key", [("axolotl_zero1_torch_compile.json", "'compile'")])
 def test_stock_configs_deepspeed_refuses_are_refused_naming_the_key(name, key):
-    """axolotl's torch-compile config (a compile section in an older DeepSpeed's keys) and LLaMA-Factory's ALST config
-    (fp16's loss-scaling keys in the bf16 section): DeepSpeed 0.19's parser refuses both, so zkern does, naming the
-    key (and for the bf16 keys, where they belong)."""
+    """axolotl's torch-compile config (a compile section in an older DeepSpeed's keys): DeepSpeed 0.19's parser
+    refuses it, so zkern does, naming the key."""
     import pydantic
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -294,3 +293,22 @@ def test_zkerns_defaults_are_deepspeeds_key_by_key():
                 differ.append(f"{section}.{name}: zkern {mine!r}, DeepSpeed {ds!r}")
     assert unknown == [], f"DeepSpeed fields zkern's tables do not list: {unknown}"
     assert differ == [], differ
+
+
+def test_fp16_keys_left_in_a_bf16_section_are_taken_and_said():
+    """LLaMA-Factory's ALST config carries fp16's loss-scaling keys in its bf16 section. DeepSpeed 0.19's strict parser
+    refuses them (older DeepSpeed took them); they ask for nothing in bf16, which never scales its loss, so zkern takes
+    them, each said in the start-up block (and its sequence_parallel section, no DeepSpeed key, warned)."""
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    with open(os.path.join(REFUSED, "llamafactory_z3_alst.json")) as f:
+        raw = json.load(f)
+    filled = fill_auto(raw, agreeing_args(raw), world_size=1, num_training_steps=10)
+    with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+        DeepSpeedConfig(copy.deepcopy(filled))
+    notes = zkern.Config.load(filled).notes
+    inert = dict(notes.inert)
+    for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+        assert "bf16 never scales its loss" in inert[f"bf16.{key}"]
+    assert "sequence_parallel" in dict(notes.warned)

@@ -193,3 +193,21 @@ def test_weights_stream_out_in_buckets_equal_to_the_whole_weights(stage, precisi
         assert r["peak"] <= r["kept"] + bucket_bytes + r["unit_bytes"] + 4096, (r["peak"], r["kept"])
         # rank0_only: the others take part in the gathers and get empty buckets
         assert (sum(map(len, r["callback"])) == len(r["params"])) == (rank == 0)
+
+
+def test_engine_config_reads_as_deepspeeds_dict():
+    # OpenRLHF's offload_deepspeed_states reads the offload device this way; HF fills "auto" before DeepSpeed sees
+    # the dict, and DeepSpeed's engine shows the batch trio it derived
+    cfg = {"train_batch_size": 4, "gradient_accumulation_steps": "auto", "steps_per_print": 0, "device": "cpu",
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                                 "stage3_param_persistence_threshold": "auto"}}
+    engine = zkern.Engine(TinyGPT(vocab=67, dim=32, n_layer=1, n_head=2, seq=16), cfg)
+    assert engine.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert engine.config["zero_optimization"]["offload_optimizer"]["pin_memory"] is False  # the user's own keys
+    assert engine.config["zero_optimization"]["stage3_param_persistence_threshold"] == 320  # 10 x hidden
+    assert (engine.config["train_micro_batch_size_per_gpu"], engine.config["gradient_accumulation_steps"]) == (4, 1)
+    assert "offload_param" not in engine.config["zero_optimization"]  # nothing the user did not ask for
+    engine.config["zero_optimization"]["stage"] = 1  # a copy: the engine is not written to
+    assert engine.config["zero_optimization"]["stage"] == 3 and engine.zero_optimization_stage() == 3
+    engine.destroy()

@@ -22,6 +22,8 @@ from typing import Any
 
 AUTO = "auto"  # a value zkern fills in from the world size and the model (Config.resolve), or HF / Accelerate
 INF = math.inf
+# Removed from DeepSpeed itself in 2026-09 (its PR 8490): a config that asks for them trains on no current DeepSpeed
+REMOVED_UPSTREAM = "removed from DeepSpeed in 2026-09 (its PR 8490)"
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,11 @@ class SectionOff:
 
 def _int(default, lo=-INF, hi=INF, auto=False):
     return Key("int", default, lo, hi, auto)
+
+
+def _elements(default, lo=0, auto=False):
+    """A count of elements (a bucket, a threshold): an int, and a fraction is taken rounded down (walk.py)."""
+    return Key("elements", default, lo, INF, auto)
 
 
 def _float(default, lo=-INF, hi=INF):
@@ -132,11 +139,11 @@ TOP = {
     "curriculum_learning": SectionOff("curriculum learning"),
     "elasticity": SectionOff("elastic training"),
     "autotuning": SectionOff("autotuning"),
-    "nebula": SectionOff("Nebula checkpointing"),
+    "nebula": SectionOff(f"Nebula checkpointing, {REMOVED_UPSTREAM}"),
     "eigenvalue": SectionOff("eigenvalue computation"),
     "progressive_layer_drop": SectionOff("progressive layer drop"),
     "hybrid_engine": SectionOff("the RLHF hybrid engine"),
-    "compression_training": SectionOff("compression training"),
+    "compression_training": SectionOff(f"the compression library, {REMOVED_UPSTREAM}"),
     "pipeline": SectionOff("pipeline parallelism"),
     "quantize_training": SectionOff("quantization-aware training"),
     "weight_quantization": SectionOff("weight quantization"),
@@ -165,6 +172,10 @@ BF16 = {
     # float inputs to bf16 as fp16.auto_cast does to fp16; a loss scale is meaningless in bf16, which never scales.
     "auto_cast": _bool(False),
     "loss_scale": Inert("bf16 needs no loss scaling; DeepSpeed's bf16 ignores it too"),
+    # fp16's loss-scale keys left in a bf16 section (configs copied from fp16 ones have them): bf16 never scales
+    **{key: Inert("a loss-scale key left over from an fp16 section: bf16 never scales its loss")
+       for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                   "min_loss_scale")},
 }
 
 # DeepSpeed's torch_autocast (a plain dict there, so not strict): the forward under torch.autocast, weights and
@@ -179,12 +190,12 @@ ZERO = {
     "stage": _int(0, 0, 3),
     "overlap_comm": Key("bool", None),
     "reduce_scatter": _bool(True),
-    "reduce_bucket_size": _int(500_000_000, 0, auto=True),
-    "allgather_bucket_size": _int(500_000_000, 0),
+    "reduce_bucket_size": _elements(500_000_000, auto=True),
+    "allgather_bucket_size": _elements(500_000_000),
     "ignore_unused_parameters": _bool(True),
-    "stage3_prefetch_bucket_size": _int(50_000_000, 0, auto=True),
-    "stage3_param_persistence_threshold": _int(100_000, 0, auto=True),
-    "stage3_max_live_parameters": _int(1_000_000_000, 0),
+    "stage3_prefetch_bucket_size": _elements(50_000_000, auto=True),
+    "stage3_param_persistence_threshold": _elements(100_000, auto=True),
+    "stage3_max_live_parameters": _elements(1_000_000_000),
     "stage3_gather_16bit_weights_on_model_save": _bool(False),
     "sub_group_size": _int(1_000_000_000, 0),
     "offload_optimizer": Key("section"),
@@ -234,8 +245,8 @@ ZERO = {
     "save_muon_momentum_buffer_in_memory": Inert("zkern has no Muon optimizer"),
     "parameter_alignment": Inert("zkern pads every chunk to 64 elements (16-byte aligned) itself"),
     "legacy_stage1": DefaultOnly(False, "DeepSpeed's legacy stage 1"),
-    "mics_shard_size": DefaultOnly(-1, "MiCS"),
-    "mics_hierarchical_params_gather": DefaultOnly(False, "MiCS"),
+    "mics_shard_size": DefaultOnly(-1, f"MiCS, {REMOVED_UPSTREAM}"),
+    "mics_hierarchical_params_gather": DefaultOnly(False, f"MiCS, {REMOVED_UPSTREAM}"),
     "zenflow": SectionOff("ZenFlow"),
 }
 OFFLOAD = {
@@ -335,8 +346,8 @@ OPTIMIZERS = {"adam": ADAM_PARAMS, "adamw": ADAM_PARAMS, "lamb": LAMB_PARAMS, "l
               "sgd": SGD_PARAMS, "adagrad": ADAGRAD_PARAMS}
 # DeepSpeed's own optimizers zkern does not have (DeepSpeed also takes any torch.optim class name: zkern does for
 # the element-wise ones above)
-MISSING_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "muon", "cpuadam",
-                      "fusedadam", "fusedlamb"}
+MISSING_OPTIMIZERS = {"muadam", "muadamw", "musgd", "muon", "cpuadam", "fusedadam", "fusedlamb"}
+REMOVED_OPTIMIZERS = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam", "onebitlamb": "1-bit LAMB"}
 
 _LAST = {"last_batch_iteration": _int(-1, -1)}
 # WarmupLR's warmup_max_lr defaults to each param group's own lr (DeepSpeed 0.19), WarmupDecayLR's to 1e-3.

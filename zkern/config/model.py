@@ -16,12 +16,14 @@ without a word: Config.notes holds what was inert, warned, renamed and filled, a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from zkern.config import keys as K
+from zkern.config.ds_view import deepspeed_dict
 from zkern.config.keys import AUTO
 from zkern.config.parse import parse_config
 from zkern.config.sections import (
@@ -83,6 +85,8 @@ class Config:
     dataloader_drop_last: bool = _default(K.TOP, "dataloader_drop_last")  # zkern.initialize's loader
     notes: ConfigNotes = field(default_factory=ConfigNotes, compare=False)
     world_size: int | None = None  # set by resolve()
+    # the user's dict as given (a copy): engine.config's DeepSpeed view starts from it (ds_view.py)
+    source: dict = field(default_factory=dict, compare=False, repr=False)
 
     # -- construction ------------------------------------------------------------------------------------------
     @staticmethod
@@ -94,7 +98,7 @@ class Config:
             source = read_json(source, "config")
         if not isinstance(source, dict):
             raise ConfigError(f"config must be a dict, a JSON path or a zkern.Config, not {type(source).__name__}")
-        cfg = Config(**parse_config(source))
+        cfg = Config(**parse_config(source), source=copy.deepcopy(source))
         check_combinations(cfg)
         return cfg
 
@@ -108,20 +112,28 @@ class Config:
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every resolved field, flat as zkern keeps them (the user's own dict is `source`, and engine.config's view
+        of it is what indexing gives)."""
+        out = dataclasses.asdict(self)
+        out.pop("source")
+        return out
 
-    # Read-only dict access, as frameworks read DeepSpeed's engine.config: cfg["zero_optimization"]["stage"].
+    # Dict access, as frameworks read DeepSpeed's engine.config: cfg["zero_optimization"]["offload_optimizer"]
+    # ["device"]. The user's sections nested as DeepSpeed keeps them (ds_view.py); each read a fresh copy.
     def __getitem__(self, key: str):
-        return self.to_dict()[key]
+        return deepspeed_dict(self)[key]
 
     def get(self, key: str, default=None):
-        return self.to_dict().get(key, default)
+        return deepspeed_dict(self).get(key, default)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.to_dict()
+        return key in deepspeed_dict(self)
 
     def keys(self):
-        return self.to_dict().keys()
+        return deepspeed_dict(self).keys()
+
+    def items(self):
+        return deepspeed_dict(self).items()
 
 
 def read_json(path: str | os.PathLike, what: str) -> dict:

@@ -238,6 +238,10 @@ def _optimizer(raw: Any, notes: Notes) -> OptimizerConfig | None:
         raise ConfigError(f"'optimizer.type' must name an optimizer (Adam, AdamW, Lamb, Lion, SGD, Adagrad), got "
                           f"{kind!r}")
     name = kind.lower()
+    if name in keys.REMOVED_OPTIMIZERS:
+        raise ConfigError(f"'optimizer.type' {kind!r} asks for {keys.REMOVED_OPTIMIZERS[name]}, "
+                          f"{keys.REMOVED_UPSTREAM}, and zkern does not implement it; use Adam or AdamW (their "
+                          f"compressed communication has no counterpart here)")
     if name in keys.MISSING_OPTIMIZERS:
         raise ConfigError(f"'optimizer.type' {kind!r} is a DeepSpeed optimizer that zkern does not implement; use "
                           f"Adam, AdamW, Lamb, Lion, SGD or Adagrad, or pass a torch optimizer as "

@@ -78,6 +78,8 @@ def check_value(path: str, spec: Key, value: Any) -> Any:
     if kind.endswith("_or_null") and value is None:
         return None
     base = kind.removesuffix("_or_null")
+    if base == "elements":  # a count of elements: an int
+        base = "int"
     if base in ("int", "float"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"'{path}' must be a number ({_range_text(spec)}), got {value!r}")
@@ -193,6 +195,11 @@ def section(path: str, raw: Any, table: dict, notes: Notes, *, strict: bool | No
             if spec.default is not None:
                 out[canonical] = spec.default
             continue
+        if spec.kind == "elements" and isinstance(value, float) and math.isfinite(value) and int(value) != value:
+            # a count of elements written as a fraction (Hugging Face's "auto" filled 0.9 x hidden^2 unrounded; older
+            # DeepSpeed truncated it): taken rounded down, said in the start-up block
+            notes.filled.append((where, f"{int(value)} ({value!r} rounded down: a count of elements)"))
+            value = int(value)
         out[canonical] = check_value(where, spec, value)
     return out
 

@@ -33,42 +33,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import engine_suite, flops, probe_systems  # noqa: E402
+from bench.probe_record import machine, write_json  # noqa: E402,F401  (the probe's record: its machine, its file)
 from bench.probe_report import _line, summary, table  # noqa: E402
 from zkern.testing import TrainSpec, rank_device, spawn  # noqa: E402
 from zkern.testing.memory import peak_rss_bytes, reset_peak_rss  # noqa: E402
-
-
-def write_json(path: str | None, record: dict) -> None:
-    """Write record to path through a temporary file, so a run killed mid-write leaves the last whole record."""
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(path + ".tmp", path)
-
-
-def machine() -> dict:
-    import platform
-
-    out = {"torch": torch.__version__, "python": platform.python_version(), "cores": os.cpu_count(),
-           "cuda": torch.version.cuda, "device": None, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = None
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        out.update(device=p.name, sm_count=p.multi_processor_count, memory_bytes=p.total_memory)
-        try:
-            v = torch.cuda.nccl.version()
-            out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception as e:  # a build without NCCL: say so, measure the rest
-            out["nccl"] = f"unavailable: {e}"
-    out["git_sha"] = engine_suite._git_sha()
-    return out
 
 
 # -- bw ------------------------------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ class Probe:
 
 
 def run(device: str, json_path: str | None, checks: list[str] | None, timeout: float) -> dict:
-    from bench.gpu_probe import machine, write_json
+    from bench.probe_record import machine, write_json
 
     unknown = set(checks or ()) - set(CHECKS)
     if unknown:

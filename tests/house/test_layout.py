@@ -185,6 +185,30 @@ def test_no_import_cycles(annotations):
     assert not cycles, f"import cycles: {cycles}"
 
 
+BENCH = {module_name(p): p for p in sorted((ROOT.parent / "bench").glob("*.py"))}
+
+
+def bench_imports(name: str) -> set[str]:
+    """bench modules `name` imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(BENCH[name].read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "bench":
+            found |= {f"bench.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {t for t in found if t in BENCH and t != name}
+
+
+def test_the_benchmark_has_no_import_cycles():
+    """The benchmark's modules point one way too (the GPU probe's parts once imported each other in a circle)."""
+    graph = {name: bench_imports(name) for name in BENCH}
+    assert graph["bench.probe_world2"], "the bench graph was not read (probe_world2 imports probe_record)"
+    cycles = _circles(graph)
+    assert not cycles, f"import cycles in bench/: {cycles}"
+
+
 def test_only_the_store_asks_where_a_shard_lives():
     """`is_meta` (a stand-in for bytes in a file) is asked by offload/store.py and the file stores behind it only."""
     allowed = {"zkern.offload.store", "zkern.offload.nvme", "zkern.offload.nvme_params"}

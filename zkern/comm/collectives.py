@@ -222,6 +222,11 @@ class ScratchPool:
         i = next(i for i, t in enumerate(self.lent) if t.data_ptr() == view.data_ptr())
         self.orphaned.append((self.lent.pop(i), handle))
 
+    def release(self) -> None:
+        """The spare buffers go (between steps nothing is in flight: the pool's memory is reduction memory, held only
+        while reductions run)."""
+        self.free.clear()
+
     def tensors(self) -> list[torch.Tensor]:
         return [*self.free, *self.lent, *(buf for buf, _ in self.orphaned)]
 

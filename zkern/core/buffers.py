@@ -25,14 +25,15 @@ import torch
 
 ALIGN_BYTES = 256  # where every buffer zkern hands the model starts, and so every parameter view into one
 
-# CPU storages restored into a block of their own: the block that owns their bytes (the storage's data pointer is
-# placed inside it, not owned). The entry goes with the storage, or at its release.
+# CPU storages placed in a block of their own: the block's storage, which owns their bytes (the placed storage's data
+# pointer lies inside it and owns nothing). Kept as a bare storage, not a tensor, so a walk over live tensors counts
+# each byte once. The entry goes with the placed storage, or at its release.
 _BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CAN_PLACE = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and \
     hasattr(torch._C, "_construct_storage_from_data_pointer")
 
 
-def _placed(block: torch.Tensor, lead: int, nbytes: int) -> int:
+def _placed(block: torch.UntypedStorage, lead: int, nbytes: int) -> int:
     """The address in `block` at which a storage of nbytes starts so that its byte `lead` is ALIGN_BYTES-aligned."""
     first = block.data_ptr() + lead
     first += (-first) % ALIGN_BYTES
@@ -49,7 +50,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, device: torch.device | str) ->
     if device.type == "cpu" and _CAN_PLACE:
         nbytes = t.nbytes
         del t
-        block = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
+        block = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8).untyped_storage()
         storage = torch._C._construct_storage_from_data_pointer(_placed(block, 0, nbytes), device, nbytes)
         _BLOCKS[storage] = block
         return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
@@ -90,7 +91,7 @@ def restore(t: torch.Tensor, *, zero: bool) -> None:
     if storage.nbytes() >= nbytes:
         return
     if storage.device.type == "cpu" and _CAN_PLACE and storage.nbytes() == 0:
-        block = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
+        block = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8).untyped_storage()
         placed = torch._C._construct_storage_from_data_pointer(_placed(block, lead, nbytes), storage.device, nbytes)
         storage._swap_data_ptr_(placed)
         _BLOCKS[storage] = block

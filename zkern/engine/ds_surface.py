@@ -228,7 +228,7 @@ class DeepSpeedSurface:
         """Give back the memory zkern keeps between steps for reuse: the receive buffers of host reduce-scatters.
         Gathered stage-3 units are already released at the end of every pass (persistent ones stay whole, as in
         DeepSpeed); the next step allocates what it needs again."""
-        self.comm.scratch.free.clear()
+        self.comm.scratch.release()
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
         """Move the training state on the device to host memory, freeing the device for something else (an RL

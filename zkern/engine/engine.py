@@ -258,6 +258,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             return
         with self.reporter.phase("step"):
             stepping.optimizer_step(self.parts)
+        self.comm.scratch.release()  # the reductions' receive buffers: reduction memory, gone between steps
         self.counters.global_steps += 1
         self.reporter.stepped()
         if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0 and self.rank == 0:

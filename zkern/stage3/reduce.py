@@ -74,9 +74,16 @@ class GradReducer:
         self.final_pass = False  # this backward ends the accumulation
 
     def _plan(self, bucket_numel: int) -> list[ReduceGroup]:
+        """Consecutive units reduced together, each group at most reduce_bucket_size elements and at most the largest
+        unit's: a group's buffer lives from its first gradient to its reduction, so a bucket as large as the whole
+        gradient (DeepSpeed's default of 5e8 holds any model under 500M parameters whole) would keep a full 16-bit
+        gradient on every rank through backward, which is not ZeRO-3's memory. Bounded by the units, as FSDP2
+        reduces unit by unit, small units still share a reduction."""
         out = []
-        spans = plan_reduce_groups([u.bucket.padded for u in self.units], [u.trainable > 0 for u in self.units],
-                                   bucket_numel)
+        padded = [u.bucket.padded for u in self.units]
+        trainable = [u.trainable > 0 for u in self.units]
+        largest = max((n for n, t in zip(padded, trainable) if t), default=1)
+        spans = plan_reduce_groups(padded, trainable, min(bucket_numel, largest))
         for gi, indices in enumerate(spans):
             units = [self.units[i] for i in indices]
             offsets, section = {}, 0

@@ -120,7 +120,10 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         # What the config asks to report beside training (timers, monitors, profiler, comms logger): no cost when off.
         self.reporter = Reporter(parts)
         # loss.backward() on the engine's outputs runs the pass engine.backward(loss) would (user_backward.py)
-        self.user_backward = UserBackward(self._begin_backward, self._end_backward, self._abort_backward)
+        self.user_backward = UserBackward(self._begin_backward, lambda: stepping.close_backward(parts),
+                                          lambda: stepping.abort_backward(parts),
+                                          active=lambda: self.optimizer is not None and torch.is_grad_enabled())
+        self._handles = [self.module.register_forward_hook(self.user_backward.forward_hook, prepend=True)]
         # Every stateful piece, with how it resets: loads, zero_grad and the tests walk this (core/state.py).
         self.state = build_registry(parts, self.reporter)
         # Saves and loads go through the registry and the shards (zkern/checkpoint/), never through the engine.
@@ -144,13 +147,10 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             args, kwargs = tree_map(cast, (args, kwargs))
         try:
             with self.reporter.phase("forward"), precision.forward_autocast(self.autocast_dtype, self.device):
-                out = self.reporter.forward(self.module, args, kwargs)
+                return self.reporter.forward(self.module, args, kwargs)
         except BaseException as e:
             self.runtime.abort_pass(e)  # stage 3: release what the failed pass gathered
             raise
-        if self.optimizer is None or not torch.is_grad_enabled():
-            return out
-        return self.user_backward.outputs(out)  # loss.backward() on them runs engine.backward's pass
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next step() will update the parameters."""
@@ -208,8 +208,6 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate loss (scaled for fp16, divided by the accumulation steps); reduce gradients as the
         stage prescribes (at the boundary for stages 0/1, every micro-step for stage 2)."""
-        _trainable(self, "backward")
-        self.residency.require("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
@@ -219,35 +217,23 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         self.reporter.loss(loss)
         factor = self._begin_backward()
         with self.reporter.phase("backward"):
-            self.user_backward.engine_backward = True  # the outputs' entry nodes pass the scaled gradient on
+            self.user_backward.engine_backward = True  # the outputs' hooks pass the scaled gradient on
             try:
                 # a factor of 1 (world 1, no accumulation, no loss scale) multiplies nothing: no op torch would not run
                 (loss * factor if factor != 1.0 else loss).backward()
             except BaseException:
-                self._abort_backward()
+                stepping.abort_backward(self.parts)
                 raise
             finally:
                 self.user_backward.engine_backward = False
-            self._end_backward()
+            stepping.close_backward(self.parts)
 
     def _begin_backward(self) -> float:
         """A backward pass opens (engine.backward, or the user's loss.backward() reaching an output: user_backward.py);
-        returns the gradients' factor: the loss scale, the mean over micro-steps and the division before the sum over
-        ranks (gradient_predivide_factor, by default the world size: no sum of ranks' 16-bit gradients grows past the
-        largest of them)."""
+        returns the gradients' factor (stepping.open_backward)."""
         _trainable(self, "backward")
         self.residency.require("backward")
-        stepping.begin_backward(self.parts)
-        return self.scaler.scale / (self.counters.accumulation_steps * self.config.gradient_predivide_factor)
-
-    def _end_backward(self) -> None:
-        self.runtime.end_backward()
-        self.counters.backward_unstepped = True
-
-    def _abort_backward(self) -> None:
-        self.runtime.abort_backward()  # stage 3: release what the failed pass held; nothing is reduced
-        if self.host_step is not None:  # the speculative Adam of its landed chunks is undone and ends
-            self.host_step.withdraw("backward failed")
+        return stepping.open_backward(self.parts)
 
     def step(self) -> None:
         """At the accumulation boundary: overflow check, clipping, optimizer, loss-scale and LR update.

@@ -94,6 +94,27 @@ def unscale_factor(parts: EngineParts) -> float:
     return parts.config.gradient_predivide_factor / (parts.scaler.scale * ranks)
 
 
+def open_backward(parts: EngineParts) -> float:
+    """A backward pass opens; returns the gradients' factor: the loss scale, the mean over micro-steps and the division
+    before the sum over ranks (gradient_predivide_factor, by default the world size: no sum of ranks' 16-bit gradients
+    grows past the largest of them)."""
+    begin_backward(parts)
+    return parts.scaler.scale / (parts.counters.accumulation_steps * parts.config.gradient_predivide_factor)
+
+
+def close_backward(parts: EngineParts) -> None:
+    """The pass ended: its reductions are waited for and folded; its gradients are held until the step."""
+    parts.runtime.end_backward()
+    parts.counters.backward_unstepped = True
+
+
+def abort_backward(parts: EngineParts) -> None:
+    """The pass raised: stage 3 releases what it held, nothing is reduced, a speculative Adam's chunks are undone."""
+    parts.runtime.abort_backward()
+    if parts.host_step is not None:
+        parts.host_step.withdraw("backward failed")
+
+
 def begin_backward(parts: EngineParts) -> None:
     """A backward starts: the runtime, and the offloaded step's gradient copies, learn whether it ends the
     accumulation."""

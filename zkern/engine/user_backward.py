@@ -2,15 +2,15 @@
 
     python -m pytest tests/engine/test_user_backward.py -q
 
-The engine's forward hands out its outputs through an entry node (BackwardEntry): an alias forward, and in backward
-the first place a gradient coming from the loss reaches. When engine.backward(loss) runs the pass, the node passes
-the gradient on as it is (the loss was scaled already). When the user's own loss.backward() reaches it, the node
-opens the pass as engine.backward would (the stage's reductions, the offloaded step's copies), multiplies the
-gradient by engine.backward's factor (the loss scale, over the accumulation steps and the predivide factor: the
+A forward hook on the model, ahead of every other (stage 3's among them), puts a gradient hook on each of its outputs
+that requires one: the first place a gradient coming from the loss reaches. When engine.backward(loss) runs the pass,
+the hook leaves the gradient as it is (the loss was scaled already). When the user's own loss.backward() reaches it,
+the hook opens the pass as engine.backward would (the stage's reductions, the offloaded step's copies), multiplies
+the gradient by engine.backward's factor (the loss scale, over the accumulation steps and the predivide factor: the
 same numbers, up to rounding where the factor is not a power of two), and queues the pass's end at the end of
-autograd's run (its reductions waited for and folded). A gradient that reaches a parameter without passing an
-output of the engine (a regulariser on the parameters themselves) is refused by the runtimes, naming
-engine.backward(loss).
+autograd's run (its reductions waited for and folded). The outputs stay the model's own tensors (an in-place
+`loss *= k` on them, as the HF Trainer does, is fine). A gradient that reaches a parameter without passing an output
+of the model (a regulariser on the parameters themselves) is refused by the runtimes, naming engine.backward(loss).
 """
 
 from __future__ import annotations
@@ -18,17 +18,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves
 
 
 class UserBackward:
-    """The entry nodes' shared state: whether engine.backward runs the pass, whether a user's pass is open."""
+    """The output hooks' shared state: whether engine.backward runs the pass, whether a user's pass is open."""
 
-    def __init__(self, begin: Callable[[], float], end: Callable[[], None], abort: Callable[[], None]):
+    def __init__(self, begin: Callable[[], float], end: Callable[[], None], abort: Callable[[], None],
+                 active: Callable[[], bool]):
         """begin(): opens a pass, returns engine.backward's factor; end(): closes it; abort(): drops a pass that
-        never ended (its backward raised)."""
-        self.begin, self.end, self.abort = begin, end, abort
-        self.engine_backward = False  # engine.backward(loss) runs the pass: the entry nodes pass gradients on
+        never ended (its backward raised); active(): whether a forward now builds a graph the engine trains."""
+        self.begin, self.end, self.abort, self.active = begin, end, abort, active
+        self.engine_backward = False  # engine.backward(loss) runs the pass: the hooks leave gradients as they are
         self.factor: float | None = None  # a user's pass is open: its gradients' factor
 
     def before_forward(self) -> None:
@@ -37,30 +38,22 @@ class UserBackward:
             self.factor = None
             self.abort()
 
-    def outputs(self, out):
-        """out with every tensor that requires a gradient behind an entry node (a new alias of it)."""
-        return tree_map(lambda t: BackwardEntry.apply(t, self)
-                        if isinstance(t, torch.Tensor) and t.requires_grad else t, out)
+    def forward_hook(self, module, args, out) -> None:
+        """The model's forward hook (registered first, so its tensor hooks run before any other's)."""
+        if not self.active():
+            return
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self.reached)
 
-    def reached(self, grad: torch.Tensor) -> torch.Tensor:
+    def reached(self, grad: torch.Tensor) -> torch.Tensor | None:
         if self.engine_backward:
-            return grad
+            return None
         if self.factor is None:
             self.factor = self.begin()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        return grad if self.factor == 1.0 else grad * self.factor
+        return None if self.factor == 1.0 else grad * self.factor
 
     def _finish(self) -> None:
         self.factor = None
         self.end()
-
-
-class BackwardEntry(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, state: UserBackward) -> torch.Tensor:
-        ctx.state = state
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.state.reached(grad), None

@@ -72,9 +72,8 @@ def aligned_copy(t: torch.Tensor, device: torch.device | str = "cpu", dtype: tor
     return out
 
 
-def release(t: torch.Tensor) -> None:
-    """Free t's memory: its storage holds zero bytes until restore (reading it before then is an error)."""
-    storage = t.untyped_storage()
+def release_storage(storage: torch.UntypedStorage) -> None:
+    """Free a storage's memory: it holds zero bytes until restore_storage (every tensor viewing it keeps its place)."""
     if storage.device.type == "cpu" and _CAN_PLACE:
         storage._swap_data_ptr_(torch.UntypedStorage(0))  # the bytes go with the temporary (or with their block)
         _BLOCKS.pop(storage, None)
@@ -82,12 +81,9 @@ def release(t: torch.Tensor) -> None:
         storage.resize_(0)
 
 
-def restore(t: torch.Tensor, *, zero: bool) -> None:
-    """Give t's storage its bytes back (uninitialised, or zeroed with zero); nothing if it has them. t's first
-    element is ALIGN_BYTES-aligned again where it was before (see the module docstring)."""
-    lead = t.storage_offset() * t.element_size()
-    nbytes = lead + t.numel() * t.element_size()
-    storage = t.untyped_storage()
+def restore_storage(storage: torch.UntypedStorage, nbytes: int, lead: int = 0) -> None:
+    """Give a released storage nbytes again, its byte `lead` ALIGN_BYTES-aligned on the CPU (on CUDA the allocator
+    aligns every block); nothing if it has them."""
     if storage.nbytes() >= nbytes:
         return
     if storage.device.type == "cpu" and _CAN_PLACE and storage.nbytes() == 0:
@@ -97,6 +93,21 @@ def restore(t: torch.Tensor, *, zero: bool) -> None:
         _BLOCKS[storage] = block
     else:
         storage.resize_(nbytes)
+
+
+def release(t: torch.Tensor) -> None:
+    """Free t's memory: its storage holds zero bytes until restore (reading it before then is an error)."""
+    release_storage(t.untyped_storage())
+
+
+def restore(t: torch.Tensor, *, zero: bool) -> None:
+    """Give t's storage its bytes back (uninitialised, or zeroed with zero); nothing if it has them. t's first
+    element is ALIGN_BYTES-aligned again where it was before (see the module docstring)."""
+    lead = t.storage_offset() * t.element_size()
+    nbytes = lead + t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() >= nbytes:
+        return
+    restore_storage(t.untyped_storage(), nbytes, lead)
     if zero:
         t.zero_()
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zkern.core.buffers import release_storage, restore_storage
 from zkern.core.pinned import pinned_empty
 from zkern.core.state import StateRegistry
 
@@ -55,13 +56,13 @@ class Residency:
             host = pinned_empty(nbytes, torch.uint8) if pin else torch.empty(nbytes, dtype=torch.uint8)
             host.copy_(data, non_blocking=non_blocking and pin)
             seen.add(storage.data_ptr())
-            storage.resize_(0)  # the caching allocator may reuse the block: the copy above is ordered before reuse
+            release_storage(storage)  # the allocator may reuse the block: the copy above is ordered before reuse
             moved.append(Moved(storage, host, self.device, types))
         self.moved = moved
 
     def reload(self, non_blocking: bool) -> None:
         for m in self.moved or ():
-            m.storage.resize_(m.host.numel())
+            restore_storage(m.storage, m.host.numel())
             _bytes(m.storage, m.device).copy_(m.host, non_blocking=non_blocking and m.host.is_pinned())
         self.moved = None
 

@@ -105,7 +105,6 @@ def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch
     _check_float("flat_grad", flat_grad)
     if not flat_grad.is_contiguous():
         raise ValueError("unscale_and_check_ needs a contiguous buffer (it works on flat gradient shards)")
-    on_cpu = flat_grad.device.type == "cpu"
     sq_norm = torch.zeros((), dtype=torch.float64, device=flat_grad.device)
     found = torch.zeros((), dtype=torch.bool, device=flat_grad.device)
     pieces = _norm_pieces(flat_grad.numel(), flat_grad.device)
@@ -116,13 +115,9 @@ def unscale_and_check_(flat_grad: torch.Tensor, inv_scale: float) -> tuple[torch
             x = x * inv_scale
             part.copy_(x)
         sq_norm += _squares(x)
-        if not on_cpu:
-            found |= (~torch.isfinite(x)).any()  # no host synchronisation on an accelerator
-    if on_cpu:
-        # One pass: a NaN or inf element makes the sum of squares non-finite, and a finite sum hides none. A sum that
-        # overflowed from finite elements says overflow too, which the step decides anyway from the non-finite norm.
-        # No host read: the step's control exchange stays its one synchronisation.
-        found = ~torch.isfinite(sq_norm)
+        # on the piece just read (a CPU's pieces fit its cache: one pass over memory), and no host read: the step's
+        # control exchange stays its one synchronisation
+        found |= (~torch.isfinite(x)).any()
     return found.float(), sq_norm.float()
 
 

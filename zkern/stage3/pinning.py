@@ -92,6 +92,9 @@ def unpin(s: Shards, gatherer: Gatherer, units: list[Unit], modifier_rank: int |
                 s.store.land_update()  # a delayed update in flight lands first: its weights must not arrive later
                 for u, mine, changed in edits:
                     _write(s, u, mine, changed)
+                for u, _, _ in edits:  # whole copies that outlive the context (persistent, or pinned again) follow
+                    if u.persistent or u.pins > 1:  # the shards: a landing refreshed them before the write
+                        gatherer.regather(u, "parameters written in a GatheredParameters context")
     for u in units:
         u.unpin()
         gatherer.release(u, outside_autograd=True)  # a view taken inside the context keeps its bytes

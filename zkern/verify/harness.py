@@ -48,11 +48,9 @@ def _engine_runs(draw: Draw, root: str, timeout: float) -> list[list[dict]]:
 
 def twin_without_checkpoint(draw: Draw) -> Draw | None:
     """The same draw without its save and load, when the load keeps the layout (so the two runs must be equal bit for
-    bit); None otherwise (also where the load leaves the optimizer or the scheduler behind, and with the delayed
-    update, whose save lands the update in flight: the run that saves goes on from other weights than one that does
-    not, by design; the reference follows the save, and tests/offload/test_delayed_update.py holds the resumed run
-    to the saving run bit for bit)."""
-    if draw.save_at < 0 or draw.frozen == "load" or draw.load_flags or draw.delayed_update:
+    bit); None otherwise (also where the load leaves the optimizer or the scheduler behind). A delayed update in
+    flight at the save is saved pending and resumed by the load, so those draws are twinned too."""
+    if draw.save_at < 0 or draw.frozen == "load" or draw.load_flags:
         return None
     if draw.load_into == "fresh" and len({(w, s) for w, s, _, _ in draw.phases}) > 1:
         return None

@@ -66,16 +66,18 @@ class Working:
             p.grad = None if w.grad is None else w.grad.float() / scale
             w.grad = None
 
-    def sync(self, units: list | None = None, world: int | None = None) -> None:
+    def sync(self, units: list | None = None, world: int | None = None, frozen_only: bool = False) -> None:
         """The working copy from the master (after a step, a write or a load into another layout: units and
-        world), and which parameters train."""
+        world), and which parameters train. frozen_only: only the frozen parameters take the master's values (a
+        load that resumes a delayed update in flight keeps the trained ones' working weights)."""
         if units is not None:
             self.units, self.world = units, world
         if self.dtype is None:
             return
         with torch.no_grad():
             for p, w in self.pairs():
-                w.copy_(p)
+                if not frozen_only or not p.requires_grad:
+                    w.copy_(p)
                 w.requires_grad_(p.requires_grad)
             self._through_int8()
 
@@ -143,6 +145,7 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
     working = Working(model, dtype if same_arithmetic(draw) else torch.float32 if draw.delayed_update else None,
                       group=QWZ_GROUP)
     phase = -1
+    pending = False  # a delayed update saved in flight, which the load resumes: the trained weights keep trailing
     opt = _optimizer(draw, model)
     count = -1  # the scheduler's steps taken, less one
     hyper = hyper_at(draw, count)  # what the scheduler set in the optimizer's groups: (lr, beta1)
@@ -153,7 +156,7 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
         now = next(k for k, (_, _, first, last) in enumerate(draw.phases) if first <= step < last)
         if now != phase:  # an engine built (or loaded into another layout): its gathers from now on
             phase = now
-            working.sync(qwz_units[phase] if draw.qwz else [], draw.phases[phase][0])
+            working.sync(qwz_units[phase] if draw.qwz else [], draw.phases[phase][0], frozen_only=pending)
         if step == draw.write_at:
             _write(draw, model, working, written_value)
         opt.zero_grad()
@@ -196,8 +199,13 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
             count += 1
             hyper = hyper_at(draw, count)
         if step == draw.save_at:
-            if draw.delayed_update:
-                working.sync()  # a save lands the update in flight
+            # A save lands nothing: a delayed update in flight is saved pending and a load that takes the optimizer's
+            # state resumes it (the run goes on as if it had not saved); a load without it takes the masters, the
+            # update landed.
+            landed = not draw.delayed_update or draw.load_flags in ("no_optimizer", "module_only")
+            pending = not landed
+            if draw.delayed_update and landed:
+                working.sync()
             if draw.frozen == "load":
                 freeze(model)  # the engine after the load was built with these layers frozen, which it keeps in
                 for p in model.parameters():  # the working dtype only (no fp32 master for a frozen layer)
@@ -206,7 +214,7 @@ def reference(draw: Draw, qwz_units: dict | None = None) -> dict:
                         if draw.precision != "fp32":
                             with torch.no_grad():
                                 p.copy_(p.to({"bf16": torch.bfloat16, "fp16": torch.float16}[draw.precision]))
-                working.sync()
+                working.sync(frozen_only=not landed)  # a frozen layer is loaded from its master
             if draw.load_flags in ("no_optimizer", "module_only"):  # a fresh optimizer: no moments, step 0
                 opt = _optimizer(draw, model)
             if draw.load_flags == "module_only":  # and a fresh scheduler, scaler and counters

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zkern
-from zkern.core.partition import ALIGN, bucket_multiple
+from zkern.core.partition import ALIGN, aligned_numel, bucket_multiple
 from zkern.testing import (
     TrainSpec,
     assert_params_close,
@@ -102,8 +102,9 @@ def _formula_slack(world: int, bytes_per_element: int) -> int:
 def test_memory_report_and_comm_stats_match_the_formulas(world):
     specs = [TrainSpec(stage=s, precision=p, steps=2, accumulation=2)
              for s in (0, 1, 2) for p in ("fp32", "bf16")]
-    psi = sum(p.numel() for p in specs[0].make_model().parameters())
-    padded = -(-psi // bucket_multiple(world)) * bucket_multiple(world)  # one bucket
+    # the elements of the flat layout: each parameter's 128-element slot (256-byte aligned views), one bucket
+    psi = sum(aligned_numel(p.numel()) for p in specs[0].make_model().parameters())
+    padded = -(-psi // bucket_multiple(world)) * bucket_multiple(world)
     for spec, results in zip(specs, run_specs(specs, world)):
         mixed = spec.precision != "fp32"
         want = zkern.estimate_memory(psi, world, spec.stage, precision="mixed" if mixed else "fp32")

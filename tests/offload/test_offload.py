@@ -8,7 +8,7 @@ import torch
 
 import zkern
 import zkern.testing
-from zkern.core.partition import bucket_multiple
+from zkern.core.partition import aligned_numel, bucket_multiple
 from zkern.testing import TrainSpec, assert_params_close, engine_run, reference_run, spawn
 
 OPT = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}  # pin_memory is a no-op without CUDA
@@ -63,13 +63,15 @@ def test_offload_matches_the_same_engine_without_it_and_torch():
                 assert mem["host"]["offload_buffers"] > 0, name
             if "offload_param" in spec.zero:
                 assert mem["host"]["params"] > 0, name
-        # the host's bytes are the formula's (fp32: moments plus the host's own copy of the shard), to padding
-        trainable = sum(p.numel() for p in spec.make_model().parameters() if p.requires_grad)
+        # the host's bytes are the formula's (fp32: moments plus the host's own copy of the shard), per element of the
+        # layout (each parameter's 128-element slot: its views start 256-byte aligned), to the buckets' padding
+        trainable = sum(aligned_numel(p.numel()) for p in spec.make_model().parameters() if p.requires_grad)
         formula = zkern.estimate_memory(trainable, 2, spec.stage,
                                         offload_optimizer=True, offload_param="offload_param" in spec.zero,
                                         precision="fp32")
         host = per_rank[0][i]["memory"]["host"]
-        assert host["master"] + host["optimizer"] + host["params"] == pytest.approx(formula["host"], rel=0.02), name
+        # (a 3,000-element bucket ends with up to 255 padding elements at world 2: up to 4% of this tiny model)
+        assert host["master"] + host["optimizer"] + host["params"] == pytest.approx(formula["host"], rel=0.04), name
 
 
 @pytest.mark.dist

@@ -94,7 +94,9 @@ def test_lamb_norms_are_whole_parameter_norms_on_every_rank():
 
 def test_unknown_or_missing_optimizers_say_what_to_use():
     cfg = {"train_micro_batch_size_per_gpu": 1}
-    with pytest.raises(zkern.ConfigError, match="'OneBitAdam' is a DeepSpeed optimizer that zkern does not implement"):
+    with pytest.raises(zkern.ConfigError, match="'FusedLamb' is a DeepSpeed optimizer that zkern does not implement"):
+        zkern.Config.load({**cfg, "optimizer": {"type": "FusedLamb"}})
+    with pytest.raises(zkern.ConfigError, match="'OneBitAdam' asks for 1-bit Adam, removed from DeepSpeed"):
         zkern.Config.load({**cfg, "optimizer": {"type": "OneBitAdam"}})
     with pytest.raises(zkern.ConfigError, match="'Adamm' is unknown; did you mean"):
         zkern.Config.load({**cfg, "optimizer": {"type": "Adamm"}})

@@ -1,6 +1,6 @@
 """engine.config as DeepSpeed's engine shows it: the user's own sections, nested as written, with the values DeepSpeed
 fills itself (the batch trio, "auto" where the model or the world decided it) filled, and the sections zkern's
-resolved config implies (the stage, the precision's `enabled`, the offload devices) present. Frameworks read it as
+resolved config implies (the stage, fp16's and bf16's `enabled`, the offload devices) present. Frameworks read it as
 a dict (OpenRLHF: engine.config["zero_optimization"]["offload_optimizer"]["device"]); each read is a fresh copy, so
 a write changes nothing the engine does.
 
@@ -37,9 +37,8 @@ def deepspeed_dict(cfg) -> dict:
                             ("offload_param", resolved.offload_param_device)):
         if device != "none":
             _fill(zero.setdefault(section, {}), "device", device)
-    for name in ("fp16", "bf16"):
-        if getattr(cfg, name).enabled:
-            _fill(out.setdefault(name, {}), "enabled", True)
+    for name in ("fp16", "bf16"):  # present either way: frameworks read engine.config["bf16"]["enabled"]
+        _fill(out.setdefault(name, {}), "enabled", getattr(cfg, name).enabled)
     if cfg.optimizer is not None and isinstance(out.get("optimizer"), dict):
         params = out["optimizer"].setdefault("params", {})
         for key in ("lr", "betas", "eps", "weight_decay"):

@@ -70,6 +70,28 @@ def shard_slice(g: FlatGroup, i: int) -> slice:
     return slice(b.shard_offset, b.shard_offset + b.chunk)
 
 
+def write_modified(comm, store, index: dict, pinned: list, modifier_rank: int) -> None:
+    """A GatheredParameters context with a modifier rank ends: that rank's values reach every rank's copy, and the
+    elements it changed the fp32 masters. pinned: (parameter, its values when the context began); index: id(p) ->
+    (group, parameter index). Where nothing changed, nothing is written (a delayed update in flight stays so)."""
+    with torch.no_grad():
+        edits = []
+        for p, before in pinned:
+            comm.broadcast(p.data, f"GatheredParameters: a parameter modified on rank {modifier_rank}",
+                           src=modifier_rank)
+            new = p.detach().clone()  # a copy: a landing below refreshes p from the shards
+            edits.append((p, new, (new != before) & ~(new.isnan() & before.isnan())))
+        # every rank sees the same broadcast values, so every rank reaches the same answer without a collective
+        if not any(changed.any() for _, _, changed in edits):
+            return
+        store.land_update()  # its weights must not arrive over the write
+        for p, new, changed in edits:
+            p.data.copy_(torch.where(changed, new, p.detach()))
+            if id(p) in index:
+                g, i = index[id(p)]
+                write_master(g, i, changed)
+
+
 def write_master(g: FlatGroup, i: int, changed: torch.Tensor) -> None:
     """Parameter i's working values were written (GatheredParameters with a modifier rank; `changed`: which of its
     elements the context changed): those take the new value in this rank's fp32 master pieces."""

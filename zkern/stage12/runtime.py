@@ -274,26 +274,8 @@ class Stage12Runtime:
         the others keep their fp32 master value, which the 16-bit copy had only rounded). The optimizer's moments
         are kept. Without one, the parameters are the training copies as they are: a change made in the context
         on one rank is not written into the masters, and the next optimizer step writes over it."""
-        if modifier_rank is None:
-            return
-        comm = self.groups[0].comm
-        with torch.no_grad():
-            edits = []
-            for p, before in pinned:
-                comm.broadcast(p.data, f"GatheredParameters: a parameter modified on rank {modifier_rank}",
-                               src=modifier_rank)
-                new = p.detach().clone()  # a copy: a landing below refreshes p from the shards
-                changed = (new != before) & ~(new.isnan() & before.isnan())
-                edits.append((p, new, changed))
-            # every rank sees the same broadcast values, so every rank reaches the same answer without a collective
-            if not any(changed.any() for _, _, changed in edits):
-                return  # nothing written: the run goes on exactly as it was (a delayed update stays in flight)
-            self.groups[0].store.land_update()  # its weights must not arrive over the write
-            for p, new, changed in edits:
-                p.data.copy_(torch.where(changed, new, p.detach()))
-                if id(p) in self._index:
-                    g, i = self._index[id(p)]
-                    group_state.write_master(g, i, changed)
+        if modifier_rank is not None:
+            group_state.write_modified(self.groups[0].comm, self.groups[0].store, self._index, pinned, modifier_rank)
 
     def add_external_reader(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
         """`module` reads p in its forward (GatheredParameters' fwd_module): its forward now marks p as able to get

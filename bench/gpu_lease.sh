@@ -8,6 +8,11 @@
 #
 # Steps, cheap to dear (what each proves is in docs/gpu.md):
 #   bw        the machine's ceilings: device copy, host<->device, bf16 matmul, host memory (gpu_probe.py bw)
+#   lean      issue 57's first figures, after every view became 256-byte aligned: torch doing zkern's arithmetic
+#             (torch-mixed), DDP with fused AdamW and zkern stages 0-3 at 1b with 4K tokens a step, then torch-mixed,
+#             DDP-fused and zkern stages 0 and 3 at 16K: step time and each phase's, TFLOPS and MFU against the
+#             measured matmul (goals: stage 0 at or under torch-mixed and DDP-fused, its forward within 3% of
+#             torch-mixed's, MFU >= 42% at 4K and >= 48% at 16K)
 #   memory    zkern stages 0 and 3, FSDP2 and DDP (fused AdamW) at 1b: the allocator's figures by phase, the peak's
 #             sites from an allocator trace (gpu_probe.py variants --snapshot)
 #   kernels   the kernels suite with its gates (contraction off on every launch)
@@ -120,6 +125,10 @@ say "built"
 for step in "$@"; do
     case $step in
         bw) run bw 60 $P bw --json "$R/bw.json" ;;
+        lean) run lean 200 $P variants torch-mixed ddp-fused zkern0 zkern1 zkern2 zkern3 --model "$M" \
+                --bw-json "$R/bw.json" --json "$R/lean-4k.json"
+            run lean16k 150 $P variants torch-mixed ddp-fused zkern0 zkern3 --model "$M" --micro-batch 16 \
+                --bw-json "$R/bw.json" --json "$R/lean-16k.json" ;;
         memory) run memory 150 $P variants zkern0 zkern3 fsdp2-fused ddp-fused --model "$M" --snapshot \
             --bw-json "$R/bw.json" --json "$R/memory.json" ;;
         kernels) wait $CUDA_BUILD; run kernels 70 python3 bench/run.py --suite kernels --json "$R/kernels.json" \

@@ -50,6 +50,7 @@ from bench import (  # noqa: E402
     memory_suite,
     nvme_suite,
     offload_suite,
+    overhead_suite,
     paired_suite,
     peers,
     scale_suite,
@@ -58,7 +59,7 @@ from bench import (  # noqa: E402
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
           "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite, "gpu-static": gpu_static_suite,
           "gpu": gpu_suite, "bf16-state": bf16_state_suite, "paired": paired_suite, "memory": memory_suite,
-          "offload": offload_suite}
+          "offload": offload_suite, "overhead": overhead_suite}
 # --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name
 MEASURED = [name for name in SUITES
             if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state", "paired", "offload")]
@@ -163,6 +164,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             record = bf16_state_suite.run(args.model or "small", args.steps)
         elif suite == "gpu-static":
             record = gpu_static_suite.run()
+        elif suite == "overhead":
+            record = overhead_suite.run(args.stage if args.stage != [3] else [0, 1, 2, 3],
+                                        (args.world,) if args.world else overhead_suite.WORLDS,
+                                        progress=lambda line: print(line, file=sys.stderr, flush=True))
         elif suite == "memory":
             record = memory_suite.run(args.stage, args.world, args.model or "small", wanted,
                                       progress=lambda line: print(line, file=sys.stderr, flush=True))

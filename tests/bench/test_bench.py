@@ -554,3 +554,20 @@ def test_offload_suite_accounts_for_where_the_gradients_went_down():
                                             "speculative_unclipped_over_during_backward")}
     table = offload_suite.table(rec)
     assert "| 3 | during backward |" in table and "| 1 | delayed update |" in table
+
+
+def test_the_overhead_suite_times_zkern_beside_its_peer_and_its_ratios_are_gated():
+    """The suite's record and table on one stage at world 1 (the timings themselves are judged by make gate's
+    ratios, never by a test)."""
+    from bench import overhead_suite
+
+    rec = overhead_suite.run([0], worlds=(1,), progress=lambda line: None)
+    assert rec["suite"] == "overhead" and [(r["stage"], r["world"], r["peer"]) for r in rec["rows"]] == [(0, 1, "ddp")]
+    row = rec["rows"][0]
+    assert row["zkern_s"] > 0 and row["peer_s"] > 0
+    assert rec["ratios"]["stage0_world1_over_peer"] == row["zkern_s"] / row["peer_s"]
+    assert "ddp" in overhead_suite.table(rec)
+    committed = gates.load(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "bench",
+                                        "gates.toml"))
+    gated = {g.figure for g in committed if g.suite == "overhead"}
+    assert {"stage0_world1_over_peer", "stage3_world1_over_peer", "stage3_world2_over_peer"} <= gated

@@ -179,6 +179,26 @@ class TinyMoE(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class DeepMLP(nn.Module):
+    """Many tiny layers (an embedding, `depth` x Linear(width, width) + ReLU, a head): the arithmetic is negligible,
+    so a step's time is each framework's per-module bookkeeping (bench/overhead_suite.py). `blocks` holds the layers,
+    as TinyGPT's, so FSDP2 wraps each one."""
+
+    def __init__(self, depth: int = 96, width: int = 16, vocab: int = 67, seq: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx, tgt=None, **_):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits if tgt is None else F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                          tgt.reshape(-1))
+
+
 def hf_gpt2(vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16, checkpoint: str = ""):
     """Hugging Face's GPT2LMHeadModel at a tiny size, built from a config (no download), dropout off so that
     runs compare exactly; `checkpoint` turns on HF's gradient_checkpointing_enable() with torch's non-reentrant

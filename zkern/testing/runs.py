@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from zkern.testing.memory import peak_rss_bytes, reset_peak_rss
-from zkern.testing.models import TinyGPT, TinyMoE, global_batch, hf_gpt2, make_batches
+from zkern.testing.models import DeepMLP, TinyGPT, TinyMoE, global_batch, hf_gpt2, make_batches
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class TrainSpec:
     zero: dict = field(default_factory=dict)  # more zero_optimization keys
     fp16: dict = field(default_factory=dict)  # more fp16 keys
     device: str = "cpu"  # "cuda" for the gpu-marked tests
-    arch: str = "tiny"  # "tiny" (TinyGPT), "moe" (TinyMoE) or "hf_gpt2" (Hugging Face GPT-2); `model` holds kwargs
+    arch: str = "tiny"  # "tiny" (TinyGPT), "moe" (TinyMoE), "hf_gpt2" (Hugging Face GPT-2) or "deep" (DeepMLP); `model`
+    # holds its kwargs
     param_groups: bool = False  # a client AdamW with HF Trainer's groups: decay on matrices, none on biases/norms
     config_groups: bool = False  # the same two groups as model_parameters of the config's optimizer
     # moe: {step: [expert per rank]}: that step, every sequence of rank r goes to expert list[r] (the first token
@@ -80,6 +81,8 @@ class TrainSpec:
                 return TinyMoE(**self.model)
             case "hf_gpt2":
                 return hf_gpt2(**self.model)
+            case "deep":
+                return DeepMLP(**self.model)
             case other:
                 raise ValueError(f"unknown arch {other!r}")
 

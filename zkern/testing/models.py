@@ -64,6 +64,23 @@ def run_block(block: nn.Module, checkpoint: str, *args):
             raise ValueError(f"unknown checkpoint flavour {other!r}")
 
 
+class ViewTap(nn.Module):
+    """Hands its parameters out as views (TinyGPT(views=True)): a transposed view of its `scale` and an expand of its
+    `cls` token, and a slice of `cls` kept on itself for its parent to read: what a stage-3 unit's release must not
+    free under the views' holders (zkern/stage3/escapes.py). itself=True returns `scale` itself instead (which the
+    parent's read then makes stage 3 gather for the parent's whole forward)."""
+
+    def __init__(self, seq: int, dim: int, itself: bool = False):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim, seq))
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.itself, self.kept = itself, None
+
+    def forward(self, batch: int, t: int):
+        self.kept = self.cls[0, 0]
+        return self.scale if self.itself else self.scale.t(), self.cls.expand(batch, t, -1)
+
+
 class TinyGPT(nn.Module):
     """A GPT-2-shaped model small enough for CI: token embedding tied to the LM head (GPT-2's tied weight), a
     learned position embedding, pre-norm blocks, and an LM-head bias of `vocab` elements (odd by default, so the
@@ -74,19 +91,20 @@ class TinyGPT(nn.Module):
     called twice in one forward); `functional_head` computes the logits in this module's own forward from
     self.tok.weight (a parameter read outside its module's forward); forward(reverse_blocks=True) runs the
     blocks in reverse order (dynamic control flow); `checkpoint` runs each block under activation checkpointing
-    (run_block's flavours).
+    (run_block's flavours); `views` adds a ViewTap whose forward hands its parameters out as views.
     """
 
     def __init__(self, vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16,
                  tie: bool = True, extra_branch: bool = False, freeze_pos: bool = False,
                  reuse_first_block: bool = False, functional_head: bool = False, checkpoint: str = "",
-                 frozen: tuple[str, ...] = ()):
+                 frozen: tuple[str, ...] = (), views: bool = False):
         super().__init__()
         self.checkpoint = checkpoint  # activation checkpointing of each block (run_block's flavours)
         self.config = SimpleNamespace(hidden_size=dim, vocab_size=vocab, n_layer=n_layer, seq=seq)
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02, requires_grad=not freeze_pos)
         self.blocks = nn.ModuleList(Block(dim, n_head) for _ in range(n_layer))
+        self.taps = nn.ModuleList([ViewTap(seq, dim), ViewTap(seq, dim, itself=True)]) if views else None
         self.extra = nn.Linear(dim, dim) if extra_branch else None
         self.ln_f = nn.LayerNorm(dim)
         self.reuse_first_block = reuse_first_block
@@ -107,6 +125,9 @@ class TinyGPT(nn.Module):
                 reverse_blocks: bool = False):
         t = idx.shape[1]
         x = self.tok(idx) + self.pos[self.position_ids[:t]].to(self.tok.weight.dtype)
+        for tap in self.taps or ():
+            scale, cls = tap(idx.shape[0], t)
+            x = x * (scale.t() if tap.itself else scale)[:t] + cls + tap.kept
         for block in (reversed(self.blocks) if reverse_blocks else self.blocks):
             x = run_block(block, self.checkpoint, x)
         if self.reuse_first_block:

@@ -104,6 +104,12 @@ class Draw:
     # who drives the engine: "engine" (its own calls), "accelerator" (a script written for Accelerate+DeepSpeed, on
     # zkern.hf.Accelerator: loops.py) or "trainer" (zkern.hf.Trainer's loop: trainer_loop.py)
     frontend: str = "engine"
+    # a model whose module hands its parameters out as views (returned, expanded, kept on itself: TinyGPT's ViewTap)
+    views: bool = False
+    # after this step: a save (sync and async, of a scratch tag), full_state_dict, full_working_state_dict,
+    # stream_full_weights and GatheredParameters entered to write without writing; the same draw without them (its
+    # twin) must match bit for bit. -1: none
+    reads_at: int = -1
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property
@@ -172,7 +178,8 @@ class Draw:
             problems.append("block_units and max_live need stage 3 throughout")
         if not self.reduce_scatter and self.qgz:
             problems.append("qgZ needs reduce_scatter")
-        for name in ("write_at", "set_at", "overflow_at", "dropped_at", "eval_at", "short_at", "spare_forward_at"):
+        for name in ("write_at", "set_at", "overflow_at", "dropped_at", "eval_at", "short_at", "spare_forward_at",
+                     "reads_at"):
             if getattr(self, name) >= self.steps:
                 problems.append(f"{name} beyond the last step")
         if self.autocast and (self.autocast not in ("bf16", "fp16") or self.precision != "fp32" or self.qwz):
@@ -228,6 +235,10 @@ class Draw:
             # and steps a torch scheduler of its own
             problems.append("the trainer frontend draws decay/no-decay groups and no client scheduler, saves, "
                             "writes, evaluations, dropped batches, short accumulations or spare forwards")
+        if self.views and self.arch != "tiny":
+            problems.append("views is a variant of the tiny arch")
+        if self.reads_at >= 0 and self.frontend != "engine":
+            problems.append("reads_at needs the engine frontend (its calls between steps)")
         if self.checkpoint not in CHECKPOINT_FLAVOURS or self.arch not in ("tiny", "moe"):
             problems.append("unknown checkpoint flavour or arch")
         if problems:
@@ -284,6 +295,9 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
             values["short_at"] = rng.randrange(steps)
         if rng.random() < 0.15:
             values["spare_forward_at"] = rng.randrange(steps)
+        values["views"] = values["arch"] == "tiny" and rng.random() < 0.2
+        if rng.random() < 0.2:
+            values["reads_at"] = rng.randrange(steps)
         values["overlap"] = rng.random() < 0.8
         values["reduce_scatter"] = rng.random() < 0.85
         values["bucket"] = rng.choice((3000, 3000, 1000, 50_000))
@@ -313,11 +327,12 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
             values["load_flags"] = rng.choice(LOAD_FLAGS[1:])
         frontend = rng.random()
         if frontend < 0.15:  # the draw's loop as an Accelerate script, without what such a script cannot say
-            values.update(frontend="accelerator", async_save=False, dropped_at=-1, short_at=-1, set_at=-1)
+            values.update(frontend="accelerator", async_save=False, dropped_at=-1, short_at=-1, set_at=-1, reads_at=-1)
         elif frontend < 0.25:  # trained by zkern.hf.Trainer: its own loop, HF's decay/no-decay groups
             values.update(frontend="trainer", groups=True, save_at=-1, async_save=False, load_into="fresh",
                           load_flags="", world_after=0, stage_after=-1, write_at=-1, eval_at=-1,
-                          eval_generation=False, dropped_at=-1, short_at=-1, spare_forward_at=-1, set_at=-1)
+                          eval_generation=False, dropped_at=-1, short_at=-1, spare_forward_at=-1, set_at=-1,
+                          reads_at=-1)
             if values["frozen"] == "load":
                 values["frozen"] = "none"
         if values.get("frontend", "engine") != "engine" and values["scheduler"] == "client":

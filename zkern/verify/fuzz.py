@@ -28,7 +28,14 @@ import traceback
 from zkern.testing.ranks import spawn
 from zkern.verify.check import compare, compare_runs
 from zkern.verify.draws import WORLDS, Draw, random_draw
-from zkern.verify.harness import Outcome, compare_loco, loco_twin, twin_without_checkpoint, verify_draw
+from zkern.verify.harness import (
+    Outcome,
+    compare_loco,
+    loco_twin,
+    twin_without_checkpoint,
+    twin_without_reads,
+    verify_draw,
+)
 from zkern.verify.runner import run_phases
 from zkern.verify.single import reference, units_of
 
@@ -58,6 +65,8 @@ def _batch(draws: list[Draw], root: str, timeout: float) -> list[Outcome]:
             variants.append(("twin", twin))
         if loco_twin(draw) is not None:
             variants.append(("noloco", loco_twin(draw)))
+        if twin_without_reads(draw) is not None:
+            variants.append(("noreads", twin_without_reads(draw)))
         for name, d in variants:
             where = os.path.join(root, f"{i}-{name}")
             worlds = [w for w, _, _, _ in d.phases]
@@ -76,7 +85,7 @@ def _batch(draws: list[Draw], root: str, timeout: float) -> list[Outcome]:
     outcomes = []
     for i, draw in enumerate(draws):
         outcome = Outcome(draw)
-        for key in ((i, "run"), (i, "twin"), (i, "noloco")):
+        for key in ((i, "run"), (i, "twin"), (i, "noloco"), (i, "noreads")):
             for phase in runs.get(key, []):
                 errors = [r for r in phase if isinstance(r, str)]
                 if errors:
@@ -88,6 +97,9 @@ def _batch(draws: list[Draw], root: str, timeout: float) -> list[Outcome]:
                                                  "with vs without the save and load")
             if (i, "noloco") in runs:
                 outcome.failures += compare_loco(runs[(i, "run")], runs[(i, "noloco")])
+            if (i, "noreads") in runs:
+                outcome.failures += compare_runs(runs[(i, "run")], runs[(i, "noreads")],
+                                                 "with vs without the reads between steps")
         outcomes.append(outcome)
     seconds = (time.perf_counter() - start) / max(1, len(draws))
     for o in outcomes:

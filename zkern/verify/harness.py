@@ -57,6 +57,12 @@ def twin_without_checkpoint(draw: Draw) -> Draw | None:
     return dataclasses.replace(draw, save_at=-1, async_save=False, load_into="fresh", world_after=0, stage_after=-1)
 
 
+def twin_without_reads(draw: Draw) -> Draw | None:
+    """The same draw without its reads between steps (saves, exports, a GatheredParameters that writes nothing): a
+    read never changes a run, so the two must agree bit for bit."""
+    return dataclasses.replace(draw, reads_at=-1) if draw.reads_at >= 0 else None
+
+
 def loco_twin(draw: Draw) -> Draw | None:
     """A LoCo draw's twin without LoCo: qgZ's int4 noise keeps both within the bar, so the bar alone cannot tell a
     LoCo that does nothing; the two runs must differ (compare_loco). None where LoCo cannot change the result."""
@@ -106,6 +112,10 @@ def verify_draw(draw: Draw, root: str | None = None, timeout: float = 300.0) -> 
         if twin is not None:
             twin_runs = _engine_runs(twin, os.path.join(scratch, "twin"), timeout)
             outcome.failures += compare_runs(runs, twin_runs, "with vs without the save and load")
+        unread = twin_without_reads(draw)
+        if unread is not None:
+            outcome.failures += compare_runs(runs, _engine_runs(unread, os.path.join(scratch, "noreads"), timeout),
+                                             "with vs without the reads between steps")
         plain = loco_twin(draw)
         if plain is not None:
             outcome.failures += compare_loco(runs, _engine_runs(plain, os.path.join(scratch, "noloco"), timeout))

@@ -44,6 +44,8 @@ TARGETED = [
     '{"clip": 0.05, "offload_optimizer": "cpu", "seed": 30, "speculative": true, "stage": 2, "world": 2}',
     '{"offload_optimizer": "cpu", "offload_param": "cpu", "overflow_at": 1, "precision": "fp16", "seed": 31, '
     '"speculative": true, "stage": 3, "world": 2}',
+    '{"seed": 32, "stage": 3, "views": true, "world": 2}',
+    '{"delayed_update": true, "offload_optimizer": "cpu", "reads_at": 1, "seed": 33, "stage": 2, "world": 2}',
 ]
 
 
@@ -68,6 +70,10 @@ KILLERS = {
     "offload.upload_unwaited": 18,  # added 2026-11-27 with stage 3's uploads ahead of use (stage3/uploads.py)
     "offload.speculation_kept_when_clipped": 19,  # added 2026-11-27 with the speculative step (speculative.py)
     "offload.speculation_in_place": 20,  # added 2026-11-28 with the speculative step beside stage 3's offload_param
+    # added 2026-11-28 with issue 59's classes: views of a parameter a module hands out, exports and reads under the
+    # delayed update, a dropped engine (its first fresh load: the draw that saves and loads at stage 2)
+    "stage3.views_freed": 21, "offload.save_lands_update": 22, "offload.export_one_behind": 22,
+    "engine.hooks_hold_runtime": 4,
 }
 
 

@@ -22,9 +22,11 @@ import torch
 
 from zkern.verify.planted_offload import (
     delay_lands_at_once,
+    export_one_behind,
     nvme_last_tile_skipped,
     offload_not_uploaded,
     ring_reused_early,
+    save_lands_update,
     speculation_guess_in_place,
     speculation_kept_when_clipped,
     staging_takes_working_copies,
@@ -367,6 +369,25 @@ def _trainer_accumulation_unscaled(p: _Patches) -> None:
     p.wrap(Trainer, "_engine_backward", make)
 
 
+def _views_freed(p: _Patches) -> None:
+    """Stage 3 frees a unit's storage at rest even where a view of it left a module's call (escapes.py undone)."""
+    from zkern.stage3 import hooks
+
+    p.set(hooks, "alias_parameters", lambda output, units: output)
+    p.set(hooks, "mark_escaped", lambda output, module, units: [])
+
+
+def _hooks_hold_runtime(p: _Patches) -> None:
+    """The gradient hooks a runtime leaves on the parameters hold it strongly (a dropped engine is never freed)."""
+    from zkern.stage3 import runtime as stage3
+    from zkern.stage12 import runtime as stage12
+
+    def strong(method, *args):
+        return lambda param: method(*args, param)
+    p.set(stage12, "weak_grad_hook", strong)
+    p.set(stage3, "weak_grad_hook", strong)
+
+
 MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "adam.no_update": ("the optimizer never updates", lambda p: _adam(p, lambda kw: None)),
     "adam.lr_x1.5": ("the learning rate 1.5 times the scheduler's", lambda p: _adam(p, _scaled_lr(1.5))),
@@ -415,6 +436,11 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "offload.delay_lands_at_once": ("the delayed update's weights go up before the next forward", delay_lands_at_once),
     "offload.staging_overwritten": ("a weight set between backward and step() overwrites the host's gradient copies",
                                     staging_takes_working_copies),
+    "stage3.views_freed": ("stage 3 frees a unit under the views of it a module handed out", _views_freed),
+    "engine.hooks_hold_runtime": ("a dropped engine's runtime is kept alive by its gradient hooks",
+                                  _hooks_hold_runtime),
+    "offload.export_one_behind": ("the exports miss the delayed update in flight", export_one_behind),
+    "offload.save_lands_update": ("a save lands the delayed update early, changing the run", save_lands_update),
     "accelerate.boundary_ignored": ("zkern.hf.Accelerator's backward steps at every micro-step",
                                     _accelerate_boundary_ignored),
     "accelerate.load_flags_dropped": ("zkern.hf.Accelerator's load_state drops its load flags",

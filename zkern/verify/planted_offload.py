@@ -93,3 +93,22 @@ def speculation_guess_in_place(p) -> None:
                             h.out = d.out
         return init
     p.wrap(HostStep, "__init__", make)
+
+
+def export_one_behind(p) -> None:
+    """The exports read the forward's weights, which trail the trained model by the delayed update in flight."""
+    import contextlib
+
+    from zkern.offload.store import ShardStore
+
+    def landed_view(self):
+        self.settle()
+        return contextlib.nullcontext()
+    p.set(ShardStore, "landed_view", landed_view)
+
+
+def save_lands_update(p) -> None:
+    """A save (and every read that settles the host step) lands the delayed update in flight early."""
+    from zkern.offload.store import ShardStore
+
+    p.set(ShardStore, "settle", lambda self: self.land_update())

@@ -26,7 +26,7 @@ def make_model(draw: Draw, checkpoint: str = "") -> torch.nn.Module:
     torch.manual_seed(draw.seed)
     if draw.arch == "moe":
         return TinyMoE(vocab=VOCAB, dim=DIM, n_layer=2, n_head=2, seq=SEQ, n_experts=4, checkpoint=checkpoint)
-    return TinyGPT(vocab=VOCAB, dim=DIM, n_layer=2, n_head=2, seq=SEQ, checkpoint=checkpoint)
+    return TinyGPT(vocab=VOCAB, dim=DIM, n_layer=2, n_head=2, seq=SEQ, checkpoint=checkpoint, views=draw.views)
 
 
 def freeze(model: torch.nn.Module) -> None:
@@ -232,7 +232,10 @@ def _run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int],
             raise ValueError(f"phase {index} runs at world {phase_world}, not {world}")
         frozen = draw.frozen == "start" or (draw.frozen == "load" and index == 1)
         if loop is not None:
+            held = _held(loop) if draw.frontend == "engine" else {}
             loop.destroy()
+            loop = None
+            out["outlived"] = _alive(held)
         loop = build(draw, world, stage, root, frozen, device)
         if index == 1:
             loop.load(ckpt, load_flags(draw))
@@ -242,6 +245,8 @@ def _run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int],
             if step == draw.write_at:
                 write(loop.engine, draw, rank)
             train_step(loop, draw, step, batches[step], world, rank, out, dropped=batches[draw.steps])
+            if step == draw.reads_at:
+                reads(loop.engine, draw, rank, os.path.join(root, "reads"))
             if step == draw.save_at:
                 loop.save(ckpt, draw.async_save)
                 if draw.load_into == "live":
@@ -256,10 +261,50 @@ def _run_phases(rank: int, world: int, draw: Draw, root: str, phases: list[int],
     return _finished(loop.engine, out)
 
 
+def _held(loop) -> dict:
+    """Weak references to what a phase's engine holds (its runtime, its optimizer)."""
+    import weakref
+
+    engine = loop.engine
+    held = {"runtime": weakref.ref(engine.runtime)}
+    if engine.optimizer is not None:
+        held["optimizer"] = weakref.ref(engine.optimizer)
+    return held
+
+
+def _alive(held: dict) -> list[str]:
+    """What of a destroyed and dropped engine is still alive once Python has collected it (nothing may be)."""
+    import gc
+
+    gc.collect()
+    return sorted(name for name, ref in held.items() if ref() is not None)
+
+
+def reads(engine, draw: Draw, rank: int, path: str) -> None:
+    """Everything a run may do between steps that reads and must not change it (draw.reads_at)."""
+    import zkern
+
+    engine.save_checkpoint(path, tag="sync")
+    engine.save_checkpoint(path, tag="async", async_save=True)
+    engine.wait_checkpoint()
+    engine.full_state_dict(rank0_only=True)
+    engine.full_working_state_dict(rank0_only=True)
+    for _ in engine.stream_full_weights(rank0_only=True):
+        pass
+    param = dict(engine.module.named_parameters())[written_name(draw)]
+    with zkern.GatheredParameters(param, modifier_rank=0):  # entered to write; nothing written
+        pass
+
+
 def _finished(engine, out: dict) -> dict:
-    """out with the engine's counters and (rank 0) its final fp32 weights; the engine destroyed."""
+    """out with the engine's counters and (rank 0) its final fp32 weights and what its 16-bit export holds against
+    them (the trained model, an update in flight included: every export must hold it); the engine destroyed."""
     out.update(skipped=engine.skipped_steps, global_steps=engine.global_steps, loss_scale=engine.loss_scale)
+    exported = engine.full_working_state_dict(rank0_only=True)
     state = engine.full_state_dict(rank0_only=True)
+    if state is not None:
+        out["export_behind"] = sorted(k for k, v in exported.items() if k in state and v.is_floating_point()
+                                      and not torch.equal(v, state[k].to(v.dtype)))
     out["state"] = None if state is None else {k: v.detach().cpu() for k, v in state.items()}
     engine.destroy()
     return out

@@ -44,16 +44,15 @@ def aligned_empty(numel: int, dtype: torch.dtype, device: torch.device | str) ->
     """An uninitialised 1-D tensor whose first element is ALIGN_BYTES-aligned, at storage offset 0 (so offsets into
     its storage, which stochastic rounding and the optimizer's moment layout read, are offsets into the buffer)."""
     device = torch.device(device)
-    t = torch.empty(numel, dtype=dtype, device=device)
-    if t.data_ptr() % ALIGN_BYTES == 0:
-        return t
-    if device.type == "cpu" and _CAN_PLACE:
-        nbytes = t.nbytes
-        del t
+    if device.type == "cpu" and _CAN_PLACE:  # placed straight away: no trial allocation beside the block
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         block = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8).untyped_storage()
-        storage = torch._C._construct_storage_from_data_pointer(_placed(block, 0, nbytes), device, nbytes)
+        storage = torch._C._construct_storage_from_data_pointer(_placed(block, 0, max(nbytes, 1)), device, nbytes)
         _BLOCKS[storage] = block
         return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
+    t = torch.empty(numel, dtype=dtype, device=device)
+    if t.data_ptr() % ALIGN_BYTES == 0:  # CUDA's allocator starts every block at a multiple of 512 bytes
+        return t
     size = t.element_size()
     block = torch.empty(numel + ALIGN_BYTES // size, dtype=dtype, device=device)
     skip = ((-block.data_ptr()) % ALIGN_BYTES) // size  # the allocator's alignment is a multiple of the element size

@@ -208,6 +208,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate loss (scaled for fp16, divided by the accumulation steps); reduce gradients as the
         stage prescribes (at the boundary for stages 0/1, every micro-step for stage 2)."""
+        _trainable(self, "backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")

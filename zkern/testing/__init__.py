@@ -5,7 +5,8 @@ them are not.
 
     python -c "from zkern.testing import TinyGPT; print(sum(p.numel() for p in TinyGPT().parameters()))"
 
-  models    TinyGPT, TinyMoE (routed experts), Block, Expert, MoEBlock, hf_gpt2 (a small transformers GPT-2),
+  models    TinyGPT, TinyMoE (routed experts), DeepMLP (many tiny layers), Block, Expert, MoEBlock, hf_gpt2 (a small
+            transformers GPT-2),
             make_batches / global_batch (deterministic data, the same global batch for any world size), run_block,
             gpt2_load_peak (load a GPT-2 and measure the resident peak)
   ranks     spawn(fn, world, ...) runs fn on N processes over gloo on 127.0.0.1 with a free port (free_port), and
@@ -34,6 +35,7 @@ from zkern.testing.compare import (
 from zkern.testing.memory import AllocationPeak, allocation_peak, peak_rss_bytes, reset_peak_rss, rss_bytes
 from zkern.testing.models import (
     Block,
+    DeepMLP,
     Expert,
     MoEBlock,
     TinyGPT,
@@ -62,7 +64,8 @@ from zkern.testing.runs import (
 )
 
 __all__ = ["AllocationPeak", "allocation_peak", "rss_bytes",
-           "Block", "Expert", "MoEBlock", "TinyGPT", "TinyMoE", "TrainSpec", "adam_drift_bound", "assert_within",
+           "Block", "DeepMLP", "Expert", "MoEBlock", "TinyGPT", "TinyMoE", "TrainSpec", "adam_drift_bound",
+           "assert_within",
            "assert_f32_rounding",
            "assert_params_close", "compare_params", "ddp_run", "engine_run", "engine_training_loop", "fp32_sum_rtol",
            "free_port", "global_batch", "gpt2_load_peak", "hf_gpt2", "init_peer_group", "make_batches", "mean_losses",

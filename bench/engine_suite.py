@@ -115,7 +115,7 @@ def required_bytes_per_step(stage: int, numel: int, world: int, width: int, accu
     return int(passes * (world - 1) * numel * width / world)
 
 
-SENT_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "control")
+SENT_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "control", "muon")
 
 
 def sent_per_step(results: list[dict], kinds: tuple[str, ...], steps: int, where: str | None = None) -> float:

@@ -45,7 +45,7 @@ if dist.is_available():
 
 log = logging.getLogger("zkern")
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "control")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "control", "muon")
 
 # torch 2.13 renamed the tensor collectives; older torch has only the former names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)

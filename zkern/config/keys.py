@@ -242,7 +242,8 @@ ZERO = {
     "override_module_apply": Inert("zkern does not patch Module.apply"),
     "log_trace_cache_warnings": Inert("zkern says once when a pass departs from its recorded order"),
     "enable_sanity_checks": Inert("zkern checks its stage-3 invariants at the end of every pass, always"),
-    "save_muon_momentum_buffer_in_memory": Inert("zkern has no Muon optimizer"),
+    "save_muon_momentum_buffer_in_memory": Inert("Muon's momentum is per element and always in memory beside its "
+                                                  "shard"),
     "parameter_alignment": Inert("zkern pads every chunk to 64 elements (16-byte aligned) itself"),
     "legacy_stage1": DefaultOnly(False, "DeepSpeed's legacy stage 1"),
     "mics_shard_size": DefaultOnly(-1, f"MiCS, {REMOVED_UPSTREAM}"),
@@ -342,11 +343,20 @@ SGD_PARAMS = {**OPTIMIZER_PARAMS, "momentum": _float(0.0, 0.0), "dampening": _fl
               "nesterov": _bool(False), "maximize": _bool(False)}
 ADAGRAD_PARAMS = {**OPTIMIZER_PARAMS, "lr_decay": _float(0.0, 0.0), "eps": _float(1e-10, 0.0),
                   "initial_accumulator_value": _float(0.0, 0.0)}
+# DeepSpeed's MuonWithAuxAdam: lr for both halves unless muon_lr / adam_lr say otherwise (their defaults 0.02 and
+# 3e-4 where neither is given); momentum and ns_method for the Muon half, betas and eps for the AdamW half
+MUON_PARAMS = {"lr": Key("float_or_null", None, 0.0), "weight_decay": _float(0.0, 0.0),
+               "muon_lr": Key("float_or_null", None, 0.0), "adam_lr": Key("float_or_null", None, 0.0),
+               "momentum": _float(0.95, 0.0, 1.0), "ns_method": Key("str", "gram"),
+               "ns_steps": _int(5, 1, 99), "nesterov": _bool(True),
+               "betas": Key("betas", (0.9, 0.95)), "eps": _float(1e-10, 0.0),
+               "per_head_muon": DefaultOnly(False, "per-head Muon (zkern orthogonalizes each matrix whole)")}
+MUON_DEFAULT_LR, MUON_ADAM_DEFAULT_LR = 0.02, 3e-4
 OPTIMIZERS = {"adam": ADAM_PARAMS, "adamw": ADAM_PARAMS, "lamb": LAMB_PARAMS, "lion": LION_PARAMS,
-              "sgd": SGD_PARAMS, "adagrad": ADAGRAD_PARAMS}
+              "sgd": SGD_PARAMS, "adagrad": ADAGRAD_PARAMS, "muon": MUON_PARAMS}
 # DeepSpeed's own optimizers zkern does not have (DeepSpeed also takes any torch.optim class name: zkern does for
 # the element-wise ones above)
-MISSING_OPTIMIZERS = {"muadam", "muadamw", "musgd", "muon", "cpuadam", "fusedadam", "fusedlamb"}
+MISSING_OPTIMIZERS = {"muadam", "muadamw", "musgd", "cpuadam", "fusedadam", "fusedlamb"}
 REMOVED_OPTIMIZERS = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam", "onebitlamb": "1-bit LAMB"}
 
 _LAST = {"last_batch_iteration": _int(-1, -1)}

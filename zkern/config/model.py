@@ -166,6 +166,7 @@ def check_combinations(cfg: Config) -> None:
                           "from the host")
     _check_delayed_update(cfg)
     _check_speculative_step(cfg)
+    _check_muon(cfg)
     _check_zeropp(cfg)
     _check_bf16_state(cfg)
     _check_torch_autocast(cfg)
@@ -187,6 +188,20 @@ def _check_delayed_update(cfg: Config) -> None:
         raise ConfigError("'zero_optimization.offload_optimizer.delayed_update' runs zkern's own Adam/AdamW in the "
                           "background: give an 'optimizer' section of type Adam or AdamW (without torch_adam), not "
                           "a torch optimizer")
+
+
+def _check_muon(cfg: Config) -> None:
+    if cfg.optimizer is None or cfg.optimizer.type != "muon":
+        return
+    if cfg.zero_optimization.offload_optimizer_device == "nvme":
+        raise ConfigError("'optimizer.type' Muon with offload_optimizer device \"nvme\": zkern streams only its Adam's "
+                          "state from files; use offload_optimizer device \"cpu\" (Muon's momentum and AdamW's "
+                          "moments on the host, Newton-Schulz on the device)")
+    bf16 = cfg.bf16
+    keys = [k for k in ("bf16_optimizer_states", "bf16_master_weights_and_grads") if bf16.enabled and getattr(bf16, k)]
+    if keys:
+        raise ConfigError(f"'bf16.{keys[0]}' keeps zkern's fused Adam's state in bf16; Muon keeps its momentum and "
+                          f"AdamW's moments in fp32: remove '{keys[0]}'")
 
 
 def _check_speculative_step(cfg: Config) -> None:

@@ -235,7 +235,7 @@ def _optimizer(raw: Any, notes: Notes) -> OptimizerConfig | None:
                           "not implement; remove it")
     kind = raw.get("type")
     if not isinstance(kind, str):
-        raise ConfigError(f"'optimizer.type' must name an optimizer (Adam, AdamW, Lamb, Lion, SGD, Adagrad), got "
+        raise ConfigError(f"'optimizer.type' must name an optimizer (Adam, AdamW, Lamb, Lion, SGD, Adagrad, Muon), got "
                           f"{kind!r}")
     name = kind.lower()
     if name in keys.REMOVED_OPTIMIZERS:
@@ -244,7 +244,7 @@ def _optimizer(raw: Any, notes: Notes) -> OptimizerConfig | None:
                           f"compressed communication has no counterpart here)")
     if name in keys.MISSING_OPTIMIZERS:
         raise ConfigError(f"'optimizer.type' {kind!r} is a DeepSpeed optimizer that zkern does not implement; use "
-                          f"Adam, AdamW, Lamb, Lion, SGD or Adagrad, or pass a torch optimizer as "
+                          f"Adam, AdamW, Lamb, Lion, SGD, Adagrad or Muon, or pass a torch optimizer as "
                           f"zkern.Engine(model, cfg, optimizer=...)")
     if name not in keys.OPTIMIZERS:
         raise ConfigError(f"'optimizer.type' {kind!r} is unknown{did_you_mean(name, list(keys.OPTIMIZERS), '')}")
@@ -252,12 +252,26 @@ def _optimizer(raw: Any, notes: Notes) -> OptimizerConfig | None:
     table = keys.OPTIMIZERS[name]
     full = {k: params.get(k, spec.default) for k, spec in table.items() if isinstance(spec, Key)}
     full.update(params)
+    if name == "muon":
+        _muon_rates(full)
     return OptimizerConfig(
         type=name, lr=full["lr"], betas=tuple(full.get("betas", (0.9, 0.999))), eps=full.get("eps", 1e-8),
         weight_decay=full["weight_decay"],
         # DeepSpeed: AdamW always decouples; Adam decouples unless adam_w_mode is false.
         adamw=name == "adamw" or (name == "adam" and full.get("adam_w_mode", True)),
         torch_adam=full.get("torch_adam", False), params=full)
+
+
+def _muon_rates(full: dict) -> None:
+    """Muon's two learning rates as DeepSpeed resolves them: muon_lr, else lr, else 0.02 for the Muon half; adam_lr,
+    else lr, else 3e-4 for the AdamW half. full["lr"] becomes the Muon half's (what a scheduler's base reads)."""
+    if full["ns_method"] not in ("gram", "standard"):
+        raise ConfigError(f"'optimizer.params.ns_method' must be \"gram\" (DeepSpeed's default: Newton-Schulz on the "
+                          f"Gram matrix) or \"standard\" (torch.optim.Muon's iteration), got {full['ns_method']!r}")
+    lr = full["lr"]
+    full["muon_lr"] = next(v for v in (full["muon_lr"], lr, keys.MUON_DEFAULT_LR) if v is not None)
+    full["adam_lr"] = next(v for v in (full["adam_lr"], lr, keys.MUON_ADAM_DEFAULT_LR) if v is not None)
+    full["lr"] = full["muon_lr"]
 
 
 def _scheduler(raw: Any, notes: Notes) -> SchedulerConfig | None:

@@ -19,11 +19,13 @@ from zkern.config import Config, ConfigError
 from zkern.core.runtime import Runtime
 from zkern.core.shard_groups import ShardGroup
 from zkern.core.spec import RuntimeSpec
+from zkern.engine import muon_groups
 from zkern.offload import nvme
 from zkern.offload.nvme import NvmeAdam
 from zkern.offload.store import ShardStore
 from zkern.optim.lamb_lion import Lamb, Lion
 from zkern.optim.lr_schedules import build_scheduler
+from zkern.optim.muon import ShardMuon
 from zkern.optim.shard_adam import ShardAdam
 from zkern.stage3.runtime import Stage3Runtime
 from zkern.stage3.sharded_init import is_sharded
@@ -201,7 +203,7 @@ def optimizer_side(cfg: Config, spec: RuntimeSpec, runtime: Runtime, comm: Comm,
     shard_groups, host_step = runtime.shard_groups, None
     if spec.offloaded:
         # the ring of staging buffers needs zkern's own Adam (build_optimizer's ShardAdam), stepping chunk by chunk
-        per_chunk = (client is None and cfg.optimizer is not None and cfg.optimizer.type not in _OTHERS
+        per_chunk = (client is None and cfg.optimizer is not None and cfg.optimizer.type in ("adam", "adamw")
                      and not cfg.optimizer.torch_adam and nvme_shard is None)
         host_step = HostStep(shard_groups, pin=spec.pin_optimizer, out_on_host=zero.offload_param_device != "none",
                              store=store, during_backward=zero.offload_optimizer_copy_grads_during_backward,
@@ -221,7 +223,7 @@ def optimizer_side(cfg: Config, spec: RuntimeSpec, runtime: Runtime, comm: Comm,
     optimizer = build_optimizer(cfg, client, shard_groups, requested, nvme=nvme_shard, rank=comm.rank, spec=spec)
     if host_step is not None and host_step.speculative and isinstance(optimizer, ShardAdam):
         optimizer.keep_saves()  # the speculative step's rollback, allocated (and counted) from the start
-    attach_layout(optimizer, runtime, comm, zero.stage)
+    attach_layout(optimizer, runtime, comm, zero.stage, store.device)
     return host_step, optimizer, build_scheduler_for(cfg, lr_scheduler, optimizer)
 
 
@@ -244,6 +246,10 @@ def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_gro
     if client is None and cfg.optimizer is None:
         raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. {\"type\": \"AdamW\", "
                           "\"params\": {\"lr\": 1e-4}}) or pass Engine(model, cfg, optimizer=torch_optimizer)")
+    if client is None and cfg.optimizer.type == "muon":
+        if requested is None or any("use_muon" not in r for r in requested):
+            raise ValueError("Muon's optimizer groups are made by muon_groups.split (each half tagged use_muon)")
+        return ShardMuon(muon_groups.optimizer_groups(cfg, [g.pieces for g in shard_groups], requested))
     if client is None and cfg.optimizer.type in _OTHERS:
         if nvme is not None:
             raise ConfigError(f"zero_optimization.offload_optimizer.device \"nvme\" streams Adam's states from disk; "
@@ -302,9 +308,26 @@ def _check_bf16_state_optimizer(cfg: Config, client) -> None:
                           f"remove '{keys[0]}'")
 
 
-def attach_layout(optimizer: torch.optim.Optimizer, runtime, comm: Comm, stage: int) -> None:
-    """Lamb's norms are per parameter: tell it which parameter each shard piece belongs to, and how to sum the norms
-    over the ranks that hold the other pieces (none at stage 0: every rank holds every piece)."""
+def attach_layout(optimizer: torch.optim.Optimizer, runtime, comm: Comm, stage: int, device: torch.device) -> None:
+    """Lamb's norms and Muon's Newton-Schulz are per parameter: tell the optimizer which parameter each shard piece
+    belongs to (and where in it), and how to sum over the ranks that hold the other pieces (none at stage 0: every
+    rank holds every piece). Muon orthogonalizes on `device`, the training device."""
+    if isinstance(optimizer, ShardMuon):
+        def total(t: torch.Tensor) -> None:
+            comm.all_reduce(t, "Muon's matrices that span ranks, assembled", kind="muon")
+
+        smap = runtime.shard_map()
+        muon = {j for j, p in enumerate(runtime.params) if p.use_muon}  # every rank's, not only this rank's pieces
+        optimizer.device = device
+        optimizer.set_layout([[(index, start) for index, start, _ in g] for g in smap.pieces], smap.shapes, muon,
+                             total if stage > 0 and comm.world > 1 else None)
+        if comm.rank == 0:
+            names = runtime.names
+            log.info("zkern: Muon on %d matrices (%d elements; %d of them in matrices that span ranks, assembled by an "
+                     "all-reduce each step), AdamW on the other %d parameters: %s",
+                     len(muon), sum(smap.shapes[j].numel() for j in muon), optimizer.spanning_numel(),
+                     len(names) - len(muon), ", ".join(n for j, n in enumerate(names) if j not in muon) or "none")
+        return
     if optimizer is None or not isinstance(optimizer, Lamb):
         return
     owner = [[index for index, _, _ in group] for group in runtime.shard_map().pieces]
@@ -348,13 +371,18 @@ def _inference_groups(model: torch.nn.Module, lr_scheduler, model_parameters, sp
 
 
 def checked_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, model_parameters,
-                   spec: RuntimeSpec, *, lr_scheduler=None, inference: bool = False,
+                   spec: RuntimeSpec, *, lr_scheduler=None, inference: bool = False, muon: bool = False,
                    ) -> tuple[list[list[torch.nn.Parameter]], list[dict] | None]:
     """The trainable parameters per optimizer group (the client optimizer's groups, the requested model_parameters
     groups, or one group), and the requested groups; ValueError for what cannot train as asked. inference: no
-    optimizer anywhere (every parameter frozen, one empty group)."""
+    optimizer anywhere (every parameter frozen, one empty group). muon: the config's Muon, each group split into its
+    Muon and AdamW halves."""
     if inference:
         return _inference_groups(model, lr_scheduler, model_parameters, spec), None
+    if optimizer is not None and type(optimizer).__name__ in ("Muon", "MuonWithAuxAdam"):
+        raise ConfigError(f"{type(optimizer).__name__} was passed as the optimizer: zkern steps flat shard pieces, and "
+                          f"Muon needs whole matrices; put \"optimizer\": {{\"type\": \"Muon\", \"params\": {{...}}}} "
+                          f"in the config instead (zkern's Muon assembles each matrix across ranks)")
     if model_parameters is not None and optimizer is not None:  # DeepSpeed ignores them beside a client optimizer
         log.warning("zkern: model_parameters are the config optimizer's groups; beside an optimizer= they choose "
                     "nothing (the optimizer's own groups decide, as under DeepSpeed)")
@@ -371,6 +399,8 @@ def checked_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     if spec.stage != 3 and any(is_sharded(p) for p in model.parameters()):
         raise ValueError("the model was built under zkern.init_sharded, which partitions it for ZeRO stage 3; "
                          f"the config says stage {spec.stage}: use stage 3, or build the model without it")
+    if muon:
+        return muon_groups.split(model, groups, requested)
     return groups, requested
 
 

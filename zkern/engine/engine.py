@@ -26,7 +26,7 @@ from zkern.config import Config
 from zkern.config.model import node_size
 from zkern.core.runtime import Runtime
 from zkern.core.spec import RuntimeSpec
-from zkern.engine import build, param_views, precision, reporting, saving, stepping, streaming, weights
+from zkern.engine import build, muon_groups, param_views, precision, reporting, saving, stepping, streaming, weights
 from zkern.engine.counters import Count, Counters
 from zkern.engine.ds_surface import DeepSpeedSurface
 from zkern.engine.engine_state import build_registry
@@ -88,7 +88,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         # parameters are frozen; at stage 3 they stay partitioned and are gathered per forward, below it whole.
         self.inference = inference = optimizer is None and cfg.optimizer is None
         groups, requested = build.checked_groups(model, optimizer, model_parameters, spec, lr_scheduler=lr_scheduler,
-                                                 inference=inference)
+                                                 inference=inference, muon=muon_groups.wanted(cfg))
         self.offload = spec.offloaded and not inference
         # ZeRO-Infinity: the fp32 master and moments in files of this rank's own (offload/nvme.py), made before the
         # runtime, which writes the initial masters into them as it partitions.

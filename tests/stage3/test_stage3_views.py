@@ -178,3 +178,36 @@ def test_a_view_kept_past_release_keeps_its_values_and_its_memory_goes_with_it()
     engine.module.head(torch.randn(2, D))  # hands out no view of its own: its unit's bytes are freed at rest
     assert head.slot.untyped_storage().nbytes() == 0
     engine.destroy()
+
+
+def test_a_model_keeping_a_view_of_its_parameter_is_freed_with_its_engine():
+    """A module that keeps a view of its parameter on itself (ViewTap's `kept`): the view's gradient hook is held from
+    C++, where the collector cannot see it; it held the module (so the model, whose hooks hold the runtime) and the
+    runtime, and a dropped engine and model were never freed (the fuzzer's dropped-engine check, 2026-11-28)."""
+    import gc
+    import weakref
+
+    from zkern.testing.models import ViewTap
+
+    class Keeper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tap, self.lin = ViewTap(16, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            scale, cls = self.tap(2, 16)
+            return (self.lin(x) * scale + cls).sum()
+
+    model = Keeper()
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3,
+                                                                      "stage3_param_persistence_threshold": 0},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine = zkern.Engine(model, cfg)
+    engine.backward(engine(torch.ones(2, 16, 8)))
+    engine.step()
+    engine(torch.ones(2, 16, 8))  # a forward whose kept view is still on the module when both are dropped
+    assert model.tap.kept is not None
+    runtime, module = weakref.ref(engine.runtime), weakref.ref(model)
+    del engine, model
+    gc.collect()
+    assert module() is None and runtime() is None

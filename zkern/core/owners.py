@@ -40,3 +40,20 @@ def weak_grad_hook(method, *args):
         if bound is not None:
             bound(*args, p)
     return hook
+
+
+def weak_tensor_hook(method, *args):
+    """A tensor hook (Tensor.register_hook) that returns method(*args, grad) while method's object and args live, and
+    leaves the gradient as it is after. An output or a view a module keeps can outlive its engine (the user's model
+    holds it), and a hook on it is held from C++, out of the collector's sight: holding the runtime, or the module
+    the view came from (which holds the view), would keep the module, the model and the engine alive for good. So
+    both are held weakly (args must take weak references: modules do)."""
+    ref = weakref.WeakMethod(method)
+    arg_refs = [weakref.ref(a) for a in args]
+
+    def hook(grad: torch.Tensor):
+        bound, live = ref(), [r() for r in arg_refs]
+        if bound is None or any(a is None for a in live):
+            return None
+        return bound(*live, grad)
+    return hook

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
+from zkern.core.owners import weak_tensor_hook
+
 
 class UserBackward:
     """The output hooks' shared state: whether engine.backward runs the pass, whether a user's pass is open."""
@@ -44,7 +46,7 @@ class UserBackward:
             return
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self.reached)
+                t.register_hook(weak_tensor_hook(self.reached))  # a kept output must not keep the engine
 
     def reached(self, grad: torch.Tensor) -> torch.Tensor | None:
         if self.engine_backward:

@@ -31,6 +31,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from zkern.comm.divergence import TagKind, path_under
+from zkern.core.owners import weak_tensor_hook
 from zkern.errors import InvariantError
 from zkern.stage3.agreement import Agreement
 from zkern.stage3.escapes import alias_parameters, mark_escaped
@@ -211,7 +212,7 @@ class Stage3Hooks:
 
     def _hook_output(self, t, module: torch.nn.Module):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(lambda grad: self._pre_backward(module, grad))
+            t.register_hook(weak_tensor_hook(self._pre_backward, module))  # kept views outlive engines
         return t
 
     def _depart(self, u: Unit) -> None:

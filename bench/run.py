@@ -16,6 +16,7 @@
     python bench/run.py --suite bf16-state           # where training ends with bf16 optimizer state, small GPT
     python bench/run.py --suite paired --stage 0,1   # stage 0/1 and DDP/ZeroRedundancyOptimizer stepping in turn
     python bench/run.py --suite offload --stage 2,3  # the offloaded step's time, grads copied in backward vs at step
+    python bench/run.py --suite muon                 # Muon against zkern's Adam at stages 0-3, worlds 1 and 2
 
 Suites: engine (zkern vs DDP, ZeroRedundancyOptimizer, FSDP2 and, when installed, DeepSpeed); adam (zkern's
 fused CPU Adam vs the stock offload pipeline, torch's fused AdamW and the memory roofline; bench/adam_suite.py).
@@ -48,6 +49,7 @@ from bench import (  # noqa: E402
     hf_suite,
     kernels_suite,
     memory_suite,
+    muon_suite,
     nvme_suite,
     offload_suite,
     overhead_suite,
@@ -59,10 +61,10 @@ from bench import (  # noqa: E402
 SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, "checkpoint": checkpoint_suite,
           "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite, "gpu-static": gpu_static_suite,
           "gpu": gpu_suite, "bf16-state": bf16_state_suite, "paired": paired_suite, "memory": memory_suite,
-          "offload": offload_suite, "overhead": overhead_suite}
+          "offload": offload_suite, "overhead": overhead_suite, "muon": muon_suite}
 # --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name
 MEASURED = [name for name in SUITES
-            if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state", "paired", "offload")]
+            if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state", "paired", "offload", "muon")]
 
 
 def _stages(text: str) -> list[int]:
@@ -168,6 +170,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             record = overhead_suite.run(args.stage if args.stage != [3] else [0, 1, 2, 3],
                                         (args.world,) if args.world else overhead_suite.WORLDS,
                                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+        elif suite == "muon":
+            record = muon_suite.run(args.stage if args.stage != [3] else [0, 1, 2, 3],
+                                    (args.world,) if args.world else muon_suite.WORLDS,
+                                    progress=lambda line: print(line, file=sys.stderr, flush=True))
         elif suite == "memory":
             record = memory_suite.run(args.stage, args.world, args.model or "small", wanted,
                                       progress=lambda line: print(line, file=sys.stderr, flush=True))

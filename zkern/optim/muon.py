@@ -232,15 +232,19 @@ class ShardMuon(torch.optim.Optimizer):
         fn = newton_schulz if g["ns_method"] == "standard" else gram_newton_schulz
         return fn(whole.view(m.shape), g["ns_steps"]).reshape(-1)
 
+    @staticmethod
+    def lr_factor(shape: tuple[int, int]) -> float:
+        """sqrt(max(1, rows / cols)): the update's RMS the same for every shape (torch's adjust_lr_fn "original")."""
+        rows, cols = shape
+        return math.sqrt(max(1.0, rows / cols))
+
     def _apply(self, m: _Matrix, ortho: torch.Tensor) -> None:
-        """w <- w (1 - lr wd) - lr sqrt(max(1, rows / cols)) O on each of this rank's pieces of m."""
-        rows, cols = m.shape
+        """w <- w (1 - lr wd) - lr lr_factor O on each of this rank's pieces of m."""
         for gi, k, start, numel in m.pieces:
             g = self.param_groups[gi]
             p = g["params"][k]
             p.mul_(1 - g["lr"] * g["weight_decay"])
-            p.add_(ortho[start:start + numel].to(p.device).view(p.shape),
-                   alpha=-g["lr"] * math.sqrt(max(1.0, rows / cols)))
+            p.add_(ortho[start:start + numel].to(p.device).view(p.shape), alpha=-g["lr"] * self.lr_factor(m.shape))
 
     def _adamw(self, g: dict) -> None:
         """torch.optim.AdamW's single-tensor arithmetic on each piece with a gradient (step counted as a tensor,

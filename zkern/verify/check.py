@@ -94,6 +94,18 @@ def arithmetic(draw: Draw) -> str:
     return draw.autocast or draw.precision
 
 
+# Muon: Newton-Schulz's quintic map takes [0, 1] into [0, 1.2024] (its maximum, reached again after each of the five
+# iterations), so every singular value of O, and so every element, is at most that; the fuzzer's models' widest
+# rows-to-columns ratio is 4 (the MLP's 4d x d matrix), sqrt of it the lr's factor.
+MUON_SINGULAR, MUON_ASPECT = 1.2025, 2.0
+# An exact Muon draw's rounding allowance, in lr per step (Adam's is 1e-3, set by its eps): the map's slope is at most
+# a^5 = 3.4445^5 = 487 (at singular values near 0), so the float32 rounding of the gradient sums the engine and the
+# reference add in other orders (1e-6 to 2e-5 of the sum, testing.compare.fp32_sum_rtol at these sizes) moves O by
+# up to about 1e-2 where the momentum is ill-conditioned (a view's gradient, seed 905851: 3.4e-3). A matrix never
+# assembled across ranks, or a step without sqrt(rows / cols), is off by 0.1 to 1 of an update.
+MUON_LR_UNITS = 1e-2
+
+
 def update_reach(draw: Draw, applied: int, weight: float, grad_norm: float) -> float:
     """How far two runs of `applied` steps of the draw's optimizer can drift apart per element: twice the most one
     run can move an element (weight: the largest |w| of the tensor, for weight decay; grad_norm: a bound on the
@@ -101,8 +113,8 @@ def update_reach(draw: Draw, applied: int, weight: float, grad_norm: float) -> f
     draw's schedule stays at or below.
     Adam (any flavour): a step moves an element by at most lr sqrt(t) (|m_hat| <= sqrt(t v_hat), Cauchy-Schwarz)
     plus lr wd |w|. Lamb: the same direction and decay, times the trust ratio's max_coeff. Lion: lr (sign) plus lr wd
-    |w|. Adagrad: lr |g| / sqrt(acc) <= lr, the accumulator holding g^2 (weight decay is inside g). SGD with
-    momentum mu: lr (|g| + mu |buf|) with |buf| <= |g| / (1 - mu), |g| <= grad_norm + wd |w|."""
+    |w|. Muon: see MUON_SINGULAR. Adagrad: lr |g| / sqrt(acc) <= lr, the accumulator holding g^2 (weight decay is
+    inside g). SGD with momentum mu: lr (|g| + mu |buf|) with |buf| <= |g| / (1 - mu), |g| <= grad_norm + wd |w|."""
     lr, wd = recipes.base_lr(draw), recipes.WEIGHT_DECAY
     params = recipes.optimizer_params(draw)
     if draw.optimizer in ADAM_FAMILY or draw.optimizer == "Lamb":
@@ -110,6 +122,9 @@ def update_reach(draw: Draw, applied: int, weight: float, grad_norm: float) -> f
         return 2 * one * (params["max_coeff"] if draw.optimizer == "Lamb" else 1.0)
     if draw.optimizer == "Lion":
         return 2 * applied * lr * (1 + wd * weight)
+    if draw.optimizer == "Muon":  # its AdamW half as Adam; a Muon step: lr sqrt(rows / cols) |O_ij| + lr wd |w|
+        one = sum(lr * (max(math.sqrt(t), MUON_ASPECT * MUON_SINGULAR) + wd * weight) for t in range(1, applied + 1))
+        return 2 * one
     if draw.optimizer == "Adagrad":
         return 2 * applied * lr
     if draw.optimizer == "SGD":
@@ -194,7 +209,8 @@ def compare(draw: Draw, phases: list[list[dict]], ref: dict) -> list[str]:
         if draw.optimizer == "Lion":
             trained, flip_failures = _lion_flips(draw, trained, reference_trained, applied)
             failures += flip_failures
-        failures += compare_params(trained, reference_trained, lr=recipes.base_lr(draw), steps=max(applied, 1))
+        failures += compare_params(trained, reference_trained, lr=recipes.base_lr(draw), steps=max(applied, 1),
+                                   lr_units=MUON_LR_UNITS if draw.optimizer == "Muon" else 1e-3)
     else:
         ratio, bound = toward_reference(draw, trained, reference_trained), toward_bound(draw)
         if ratio is not None and ratio > bound:

@@ -46,6 +46,7 @@ TARGETED = [
     '"speculative": true, "stage": 3, "world": 2}',
     '{"seed": 32, "stage": 3, "views": true, "world": 2}',
     '{"delayed_update": true, "offload_optimizer": "cpu", "reads_at": 1, "seed": 33, "stage": 2, "world": 2}',
+    '{"optimizer": "Muon", "seed": 34, "stage": 3, "world": 2}',
 ]
 
 
@@ -74,6 +75,7 @@ KILLERS = {
     # delayed update, a dropped engine (its first fresh load: the draw that saves and loads at stage 2)
     "stage3.views_freed": 21, "offload.save_lands_update": 22, "offload.export_one_behind": 22,
     "engine.hooks_hold_runtime": 4,
+    "muon.spans_not_assembled": 23, "muon.aspect_scale_dropped": 23,  # added 2026-11-28 with Muon (optim/muon.py)
 }
 
 

@@ -284,6 +284,25 @@ def _lamb_norms_local(p: _Patches) -> None:
     p.wrap(Lamb, "set_layout", make)
 
 
+def _muon_spans_not_assembled(p: _Patches) -> None:
+    """Muon orthogonalizes each rank's own part of a matrix that spans ranks (the assembly's all-reduce skipped)."""
+    from zkern.optim.muon import ShardMuon
+
+    def make(original):
+        def set_layout(self, pieces, shapes, muon, reduce):
+            original(self, pieces, shapes, muon, reduce)
+            self.reduce = lambda t: None
+        return set_layout
+    p.wrap(ShardMuon, "set_layout", make)
+
+
+def _muon_aspect_scale_dropped(p: _Patches) -> None:
+    """Muon's step without its sqrt(max(1, rows / cols)) factor."""
+    from zkern.optim.muon import ShardMuon
+
+    p.set(ShardMuon, "lr_factor", staticmethod(lambda shape: 1.0))
+
+
 # -- ZeRO++ ----------------------------------------------------------------------------------------------------------
 def _loco_no_feedback(p: _Patches) -> None:
     """LoCo keeps its errors but never adds them back."""
@@ -419,6 +438,9 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "torch_optimizer.grad_scale_dropped": ("a torch optimizer's gradients miss the unscale/clip/average factor",
                                            _torch_grad_scale_dropped),
     "lamb.norms_local": ("Lamb's trust ratio from each rank's own pieces", _lamb_norms_local),
+    "muon.spans_not_assembled": ("Muon orthogonalizes each rank's part of a matrix that spans ranks",
+                                 _muon_spans_not_assembled),
+    "muon.aspect_scale_dropped": ("Muon's step without sqrt(rows / cols)", _muon_aspect_scale_dropped),
     "loco.no_feedback": ("LoCo never adds its error back", _loco_no_feedback),
     "qgz.hop_drops_ranks": ("qgZ's hop sums only the rank's own section", _qgz_one_hop_dropped),
     "qwz.scales_dropped": ("qwZ dequantizes with scale 1", _qwz_scales_dropped),

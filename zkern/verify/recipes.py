@@ -25,7 +25,7 @@ WARMUP = 3  # WarmupLR's steps: lr goes from lr / 4 to lr over the first applied
 ADAM_EPS = 1e-5
 WEIGHT_DECAY = 0.01
 CONFIG_TYPE = {"AdamW": "AdamW", "Adam": "Adam", "Adam_l2": "Adam", "torch_adam": "AdamW", "Lamb": "Lamb",
-               "Lion": "Lion", "SGD": "SGD", "Adagrad": "Adagrad"}
+               "Lion": "Lion", "SGD": "SGD", "Adagrad": "Adagrad", "Muon": "Muon"}
 
 
 def base_lr(draw: Draw) -> float:
@@ -47,7 +47,11 @@ def optimizer_params(draw: Draw) -> dict:
             "Lion": {"lr": lr, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.99]},
             "SGD": {"lr": lr, "weight_decay": WEIGHT_DECAY, "momentum": 0.9, "nesterov": True},
             "Adagrad": {"lr": lr, "weight_decay": WEIGHT_DECAY, "eps": 1e-10, "lr_decay": 0.1,
-                        "initial_accumulator_value": 0.1}}[name]
+                        "initial_accumulator_value": 0.1},
+            # one lr for both halves; "gram" iterates in fp32 on a CPU, 1e-6 of the exact iteration (bf16's
+            # "standard" would put a bf16 unit of noise in every exact draw)
+            "Muon": {"lr": lr, "weight_decay": WEIGHT_DECAY, "momentum": 0.9, "ns_method": "gram",
+                     "betas": [0.9, 0.999], "eps": ADAM_EPS}}[name]
 
 
 def optimizer_section(draw: Draw) -> dict | None:

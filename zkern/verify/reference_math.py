@@ -1,6 +1,6 @@
 """The reference's optimizers and learning-rate schedules, written out here from DeepSpeed's and the papers' formulas:
 none of zkern's optimizer or scheduler code runs in the reference. torch's own AdamW, Adam, SGD and Adagrad step it
-where DeepSpeed's config names them; Lion and Lamb, which torch lacks, are below.
+where DeepSpeed's config names them; Lion, Lamb and Muon (with its AdamW half) are below.
 
     python -m pytest tests/verify/test_verify.py -q -k schedule      # these schedules against DeepSpeed's own classes
 """
@@ -66,6 +66,57 @@ class RefLamb(torch.optim.Optimizer):
                 p.sub_(group["lr"] * math.sqrt(1 - b2 ** t) / (1 - b1 ** t) * ratio * u)
 
 
+class RefMuon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024, as torch.optim.Muon and DeepSpeed's MuonWithAuxAdam) on every parameter of two or more
+    dimensions, AdamW on the rest (the fuzzer's models name no "embed" or "lm_head", so that is DeepSpeed's rule):
+    buf <- momentum buf + (1 - momentum) g; u = momentum buf + (1 - momentum) g (Nesterov); O = the quintic
+    Newton-Schulz map of u / ||u|| five times, in float64, on the matrix (rows, numel / rows);
+    w <- w (1 - lr wd) - lr sqrt(max(1, rows / cols)) O. AdamW: torch's formulas, written out."""
+
+    def __init__(self, params, lr: float, weight_decay: float, momentum: float, betas: tuple[float, float],
+                 eps: float):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum,
+                                  "adam_betas": tuple(betas), "eps": eps})
+
+    @staticmethod
+    def orthogonalized(u: torch.Tensor) -> torch.Tensor:
+        x = u.double().reshape(u.shape[0], -1)
+        tall = x.shape[0] > x.shape[1]
+        x = x.T if tall else x
+        x = x / max(float(x.norm()), 1e-7)
+        for _ in range(5):
+            gram = x @ x.T
+            x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+        return (x.T if tall else x).reshape(u.shape).float()
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if p.dim() >= 2:
+                    buf = state.setdefault("buf", torch.zeros_like(p))
+                    mu = group["momentum"]
+                    buf.copy_(mu * buf + (1 - mu) * p.grad)
+                    rows = p.shape[0]
+                    scale = math.sqrt(max(1.0, rows / (p.numel() // rows)))
+                    update = self.orthogonalized(mu * buf + (1 - mu) * p.grad)
+                    p.copy_(p * (1 - lr * wd) - lr * scale * update)
+                    continue
+                b1, b2 = group["adam_betas"]
+                if not state:
+                    state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                state["t"] += 1
+                t, m, v = state["t"], state["m"], state["v"]
+                m.copy_(b1 * m + (1 - b1) * p.grad)
+                v.copy_(b2 * v + (1 - b2) * p.grad * p.grad)
+                denom = (v / (1 - b2 ** t)).sqrt() + group["eps"]
+                p.copy_(p * (1 - lr * wd) - lr * (m / (1 - b1 ** t)) / denom)
+
+
 def make_optimizer(draw: Draw, groups: list[dict]) -> torch.optim.Optimizer:
     """The reference's optimizer of the draw over these param groups (each may set its own weight_decay)."""
     p = recipes.optimizer_params(draw)
@@ -83,6 +134,9 @@ def make_optimizer(draw: Draw, groups: list[dict]) -> torch.optim.Optimizer:
                                        initial_accumulator_value=p["initial_accumulator_value"])
         case "Lion":
             return RefLion(groups, lr=p["lr"], betas=p["betas"], weight_decay=p["weight_decay"])
+        case "Muon":
+            return RefMuon(groups, lr=p["lr"], weight_decay=p["weight_decay"], momentum=p["momentum"],
+                           betas=p["betas"], eps=p["eps"])
         case "Lamb":
             return RefLamb(groups, lr=p["lr"], eps=p["eps"], weight_decay=p["weight_decay"],
                            max_coeff=p["max_coeff"], min_coeff=p["min_coeff"])

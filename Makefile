@@ -40,7 +40,8 @@ test: setup
 bench: setup
 	$(PY) bench/run.py --stage 3 $(BENCH_ARGS)
 
-# CI's quick regression gate: ratios measured in one run, checked against bench/gates.toml (about a minute). The
+# CI's quick regression gate: ratios measured in one run, checked against bench/gates.toml (about a minute), then
+# each rank's memory at world 4 (the memory suite, about two minutes). The
 # stock peers only: DeepSpeed (installed for the tests) is measured by `make bench` and by hand. Then the GPU half
 # without a GPU: every Triton kernel compiled for sm_80/sm_90 at the launchers' specialisations, no spill, 128-bit
 # access on aligned launches (bench/gpu_static_suite.py, about a minute).
@@ -53,6 +54,7 @@ GATE_TRITON ?= 3.7.1
 GATE_TRITON_DIR := .gate/triton-$(GATE_TRITON)
 gate: setup
 	$(PY) bench/run.py --suite all --stage 0,1,2,3 --model small --steps 8 --gate bench/gates.toml --peers zero1,fsdp2
+	$(PY) bench/run.py --suite memory --world 4 --stage 0,1,2,3 --model small --gate bench/gates.toml --peers zero1,fsdp2
 	$(PY) bench/run.py --suite gpu-static --json bench/out/gpu-static.json
 	@test -d $(GATE_TRITON_DIR)/triton || $(PY) -m pip install -q --no-deps --target $(GATE_TRITON_DIR) \
 	  triton==$(GATE_TRITON)

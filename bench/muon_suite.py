@@ -69,7 +69,8 @@ def run(stages: list[int], worlds: tuple[int, ...] = WORLDS, progress=print) -> 
     for world in worlds:
         for stage in stages:
             got = {name: measure(stage, world, name) for name in OPTIMIZERS}
-            rows.append({"stage": stage, "world": world, **{f"{n}_{k}": v for n, m in got.items() for k, v in m.items()}})
+            flat = {f"{n}_{k}": v for n, m in got.items() for k, v in m.items()}
+            rows.append({"stage": stage, "world": world, **flat})
             for name in ("muon", "muon-standard"):
                 ratios[f"stage{stage}_world{world}_{name}_over_adamw"] = got[name]["step_s"] / got["adamw"]["step_s"]
             progress(f"[muon] stage {stage} world {world}: AdamW {got['adamw']['step_s'] * 1e3:.0f} ms, Muon (gram) "

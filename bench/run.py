@@ -62,9 +62,20 @@ SUITES = {"engine": engine_suite, "adam": adam_suite, "kernels": kernels_suite, 
           "hf": hf_suite, "scale": scale_suite, "nvme": nvme_suite, "gpu-static": gpu_static_suite,
           "gpu": gpu_suite, "bf16-state": bf16_state_suite, "paired": paired_suite, "memory": memory_suite,
           "offload": offload_suite, "overhead": overhead_suite, "muon": muon_suite}
-# --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name
+# --suite all: the scale suite is a model, and the nvme suite moves gigabytes through the disk: both run by name; the
+# memory suite too (CI gates it at world 4, `make gate`)
 MEASURED = [name for name in SUITES
-            if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state", "paired", "offload", "muon")]
+            if name not in ("scale", "nvme", "gpu-static", "gpu", "bf16-state", "paired", "offload", "muon", "memory")]
+
+
+def _worlds(text: str) -> list[int]:
+    try:
+        worlds = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--world takes ranks or a list like 2,4,8, got {text!r}") from None
+    if not worlds or any(w < 1 for w in worlds):
+        raise argparse.ArgumentTypeError(f"--world takes ranks >= 1, got {text!r}")
+    return worlds
 
 
 def _stages(text: str) -> list[int]:
@@ -87,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="zkern against stock PyTorch on the same model and data")
     parser.add_argument("--stage", type=_stages, default=[3], help="ZeRO stage(s): 0-3 or a list (default 3)")
     parser.add_argument("--suite", default="engine", choices=[*SUITES, "all"])
-    parser.add_argument("--world", type=int, default=None,
-                        help="ranks: default 2 over gloo on a CPU, one per GPU over nccl on a GPU machine")
+    parser.add_argument("--world", type=_worlds, default=None,
+                        help="ranks: default 2 over gloo on a CPU, one per GPU over nccl on a GPU machine; the "
+                             "memory suite takes a list (2,4,8)")
     parser.add_argument("--model", default=None, choices=sorted(engine_suite.MODELS),
                         help="model preset (default 25m on a CPU, 1b on a GPU)")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
@@ -131,9 +143,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         suites.remove("kernels")
         print("bench/run.py: --suite all on a machine without a GPU runs engine and adam (the kernels suite times "
               "Triton kernels on CUDA)", file=sys.stderr)
-    if (args.world is not None and args.world < 1) or (args.steps is not None and args.steps < 2) \
-            or args.adam_numel < 1:
-        parser.error("--world and --adam-numel must be >= 1 and --steps >= 2")
+    if (args.steps is not None and args.steps < 2) or args.adam_numel < 1:
+        parser.error("--adam-numel must be >= 1 and --steps >= 2")
+    worlds, args.world = args.world, None
+    if worlds is not None and len(worlds) > 1 and suites != ["memory"]:
+        parser.error("--world takes a list for --suite memory only; the other suites run one world")
+    if worlds is not None and len(worlds) == 1:
+        args.world = worlds[0]
     wanted = args.peers.split(",") if args.peers else None
     unknown = sorted(set(wanted or ()) - set(peers.NAMES) - {"dcp"})
     if unknown:
@@ -175,7 +191,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                     (args.world,) if args.world else muon_suite.WORLDS,
                                     progress=lambda line: print(line, file=sys.stderr, flush=True))
         elif suite == "memory":
-            record = memory_suite.run(args.stage, args.world, args.model or "small", wanted,
+            record = memory_suite.run(args.stage, worlds, args.model or "small", wanted,
                                       progress=lambda line: print(line, file=sys.stderr, flush=True))
         elif suite == "gpu":
             record = gpu_suite.run(dry_run=args.dry_run)

@@ -224,15 +224,13 @@ class FlatGroup:
             self._zero_unfilled(buf, b)
             data = buf[:b.padded]
             mine = data[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
-
             shard = self.grad_shard[b.shard_offset:b.shard_offset + b.chunk]
 
             def fold(buf=buf, mine=mine, shard=shard) -> None:  # this micro-step's reduced chunk into the shard
                 fold_reduced(shard, mine, self._micro_since_step == 0)
                 self._free_buffers.append(buf)
 
-            # qgZ has reduce-scatter's contract (refused without reduce_scatter); reduce_scatter=false all-reduces the
-            # bucket and keeps this rank's chunk of it
+            # qgZ has reduce-scatter's contract; reduce_scatter=false all-reduces the bucket and keeps this rank's chunk
             self.reducer.launch(data, purpose, out=mine if self.reduce_scatter else None, async_op=self.overlap,
                                 key=(self.quantized_key, b.index), then=_in_order(fold, self._final(shard)), holds=buf)
         else:
@@ -323,12 +321,11 @@ class FlatGroup:
                 self.grad_flat.zero_()
         else:
             self.free_grads()
+        self._buffer_count -= len(self._free_buffers)  # stage 2's buckets: reduction memory, none kept to the next
+        self._free_buffers.clear()  # step (at DeepSpeed's default bucket size one is the whole 16-bit gradient)
         self._micro_since_step = 0  # stage 2: the next reduced chunk overwrites the shard
         self.used = [False] * len(self.params)
 
-    # -- state (core/state.py) ------------------------------------------------------------------------------
-
-    # -- accounting -------------------------------------------------------------------------------------------
 
 
 def _write_bucket(b: Bucket, params: list[torch.nn.Parameter], param_flat: torch.Tensor, master: torch.Tensor | None,

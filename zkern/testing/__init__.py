@@ -19,7 +19,7 @@ them are not.
             bound), assert_f32_rounding (to float32 rounding), adam_drift_bound, fp32_sum_rtol (tolerances derived
             from the arithmetic, never from one machine's output), same_bits_or_nan
   memory    allocation_peak (every allocation through torch's allocators during a call, replayed: its peak, an
-            AllocationPeak),
+            AllocationPeak), live_tensor_bytes (every live tensor's memory, walked by the garbage collector),
             rss_bytes / peak_rss_bytes / reset_peak_rss / peaks / reset_peaks, model_state_bytes
 """
 
@@ -32,7 +32,14 @@ from zkern.testing.compare import (
     fp32_sum_rtol,
     same_bits_or_nan,
 )
-from zkern.testing.memory import AllocationPeak, allocation_peak, peak_rss_bytes, reset_peak_rss, rss_bytes
+from zkern.testing.memory import (
+    AllocationPeak,
+    allocation_peak,
+    live_tensor_bytes,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+)
 from zkern.testing.models import (
     Block,
     DeepMLP,
@@ -63,7 +70,7 @@ from zkern.testing.runs import (
     torch_training_loop,
 )
 
-__all__ = ["AllocationPeak", "allocation_peak", "rss_bytes",
+__all__ = ["AllocationPeak", "allocation_peak", "live_tensor_bytes", "rss_bytes",
            "Block", "DeepMLP", "Expert", "MoEBlock", "TinyGPT", "TinyMoE", "TrainSpec", "adam_drift_bound",
            "assert_within",
            "assert_f32_rounding",

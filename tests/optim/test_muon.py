@@ -122,13 +122,15 @@ def test_muon_on_sharded_states_equals_one_process(world):
 
 def test_muon_assembles_only_matrices_that_span_ranks():
     """Stage 0 holds every matrix whole (no traffic for Muon); stage 3 splits units over ranks, and what Muon adds to a
-    step is one all-reduce of exactly the spanning matrices' elements."""
+    step is one all-gather of the spanning matrices' elements, each rank sending its own pieces: about half the
+    matrices at world 2 (an all-reduce of the zero-padded matrices would send all of them)."""
     per_rank = spawn(_spanning, 2, timeout=300)
     stage0, stage3 = per_rank[0]
     assert stage0 == (0, 0, 0)
     spanning, calls, nbytes = stage3
     assert spanning > 0 and calls == 1  # one bucket a step (the tiny model's spanning matrices fit one)
-    assert nbytes == 2 * (2 - 1) * 4 * spanning // 2  # the ring all-reduce's bytes of spanning fp32 elements
+    # (W - 1) / W of W shares of fp32: one share, the larger rank's part of the spanning matrices
+    assert 4 * spanning // 2 <= nbytes <= 4 * spanning * 0.6
 
 
 def _spanning(rank: int, world: int) -> list[tuple[int, int, int]]:

@@ -25,7 +25,7 @@ from zkern.offload.nvme import NvmeAdam
 from zkern.offload.store import ShardStore
 from zkern.optim.lamb_lion import Lamb, Lion
 from zkern.optim.lr_schedules import build_scheduler
-from zkern.optim.muon import ShardMuon
+from zkern.optim.muon import Ranks, ShardMuon
 from zkern.optim.shard_adam import ShardAdam
 from zkern.stage3.runtime import Stage3Runtime
 from zkern.stage3.sharded_init import is_sharded
@@ -313,18 +313,19 @@ def attach_layout(optimizer: torch.optim.Optimizer, runtime, comm: Comm, stage: 
     belongs to (and where in it), and how to sum over the ranks that hold the other pieces (none at stage 0: every
     rank holds every piece). Muon orthogonalizes on `device`, the training device."""
     if isinstance(optimizer, ShardMuon):
-        def total(t: torch.Tensor) -> None:
-            comm.all_reduce(t, "Muon's matrices that span ranks, assembled", kind="muon")
-
+        ranks = Ranks(comm.rank, comm.world,
+                      total=lambda t: comm.all_reduce(t, "where Muon's pieces lie", kind="control"),
+                      gather=lambda out, inp: comm.all_gather(out, inp, "Muon's matrices that span ranks",
+                                                              kind="muon"))
         smap = runtime.shard_map()
         muon = {j for j, p in enumerate(runtime.params) if p.use_muon}  # every rank's, not only this rank's pieces
         optimizer.device = device
         optimizer.set_layout([[(index, start) for index, start, _ in g] for g in smap.pieces], smap.shapes, muon,
-                             total if stage > 0 and comm.world > 1 else None)
+                             ranks if stage > 0 and comm.world > 1 else None)
         if comm.rank == 0:
             names = runtime.names
-            log.info("zkern: Muon on %d matrices (%d elements; %d of them in matrices that span ranks, assembled by an "
-                     "all-reduce each step), AdamW on the other %d parameters: %s",
+            log.info("zkern: Muon on %d matrices (%d elements; %d of them in matrices that span ranks, assembled by "
+                     "all-gathers each step), AdamW on the other %d parameters: %s",
                      len(muon), sum(smap.shapes[j].numel() for j in muon), optimizer.spanning_numel(),
                      len(names) - len(muon), ", ".join(n for j, n in enumerate(names) if j not in muon) or "none")
         return

@@ -7,13 +7,15 @@ A Muon group's momentum is element-wise, so each rank keeps it for its own piece
 is not: it needs each matrix whole. A flat shard holds most matrices whole on one rank (stages 1-2 cut a flat
 group only at the ranks' boundaries; stage 3 cuts every unit into world-many chunks, so there a matrix spans the
 few ranks whose chunks cover it). So ownership follows the shard: the ranks that hold a piece of a matrix are its
-owners. A matrix one rank holds whole is orthogonalized there with no communication; one that spans ranks is
-assembled on each of its holders by one all-reduce per bucket of such matrices (each rank adds its pieces into a
-zeroed bucket: the sum over disjoint pieces is exact), and each holder orthogonalizes it and applies its own
-slice (the same input on each holder, so the same output). A rank never orthogonalizes a matrix it holds none of:
-at stage 3 the Newton-Schulz work is spread over the ranks, at stage 0 (every rank holds every piece) each rank
-repeats all of it, as torch's Muon under DDP does. Which matrices span ranks is agreed once, at set_layout (one
-all-reduce), so every rank issues the same collectives in the same order each step.
+owners. A matrix one rank holds whole is orthogonalized there with no communication. The matrices that span ranks
+are assembled in buckets, one all-gather each: every rank sends its pieces of the bucket's matrices packed end to
+end (padded to the longest rank's share), and each holder places every rank's pieces where they belong, then
+orthogonalizes the matrix and applies its own slice (the same input on each holder, so the same output). That is
+(N - 1) / N of the bucket per rank, half of what an all-reduce of zero-padded matrices sends. A rank never
+orthogonalizes a matrix it holds none of: at stages 1-3 the Newton-Schulz work is spread over the ranks, at stage 0
+(every rank holds every piece) each rank repeats all of it, as torch's Muon under DDP does. Where every rank's
+pieces lie is exchanged once, at set_layout (one all-reduce of counts, one all-gather of ranges), so every rank
+issues the same collectives in the same order each step.
 
 The update is torch.optim.Muon's: buf <- lerp(buf, g, 1 - momentum); u = lerp(g, buf, momentum) (Nesterov) or buf;
 O = NS(u); w <- w (1 - lr wd) - lr sqrt(max(1, rows / cols)) O. A parameter of more than two dimensions is the
@@ -27,13 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_METHODS = ("gram", "standard")
-ASSEMBLY_BUCKET = 1 << 24  # elements of the spanning matrices assembled per all-reduce (a larger matrix goes alone)
+ASSEMBLY_BUCKET = 1 << 24  # elements of the spanning matrices assembled per all-gather (a larger matrix goes alone)
 
 
 def matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -91,6 +93,27 @@ def gram_newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> to
     return (x.T @ q.T) if tall else (q @ x)
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """How an optimizer reaches the other ranks: total(t) sums t over them in place; gather(out, inp) puts every rank's
+    inp (equal sizes) into out in rank order."""
+
+    rank: int
+    world: int
+    total: Callable[[torch.Tensor], None]
+    gather: Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class _Bucket:
+    """Spanning matrices assembled by one all-gather: `share` elements from each rank; segments[r]: where rank r's
+    pieces go, (matrix index, first element, numel, offset in r's share)."""
+
+    matrices: list[int]
+    share: int
+    segments: list[list[tuple[int, int, int, int]]] = field(default_factory=list)
+
+
 @dataclass
 class _Matrix:
     """One Muon parameter: its matrix shape and this rank's pieces of it (group, piece index, first element, numel)."""
@@ -98,7 +121,7 @@ class _Matrix:
     index: int  # the trainable parameter's index (the same on every rank)
     shape: tuple[int, int]
     pieces: list[tuple[int, int, int, int]]
-    spans_ranks: bool = False  # some rank holds only part of it: assembled by the all-reduce
+    spans_ranks: bool = False  # no rank holds all of it: assembled by an all-gather
 
     @property
     def numel(self) -> int:
@@ -117,8 +140,9 @@ class ShardMuon(torch.optim.Optimizer):
                 raise ValueError(f"Muon's ns_method must be one of {NS_METHODS}, got {g.get('ns_method')!r}")
         super().__init__(groups, {})
         self.device = device
-        self.reduce: Callable[[torch.Tensor], None] | None = None
+        self.ranks: Ranks | None = None
         self._matrices: dict[int, _Matrix] | None = None  # until set_layout: each param is its own whole matrix
+        self._buckets: list[_Bucket] = []
 
     def _whole_params_layout(self) -> None:
         """Without set_layout (the optimizer over whole parameters, one process): each param is its own matrix."""
@@ -133,16 +157,16 @@ class ShardMuon(torch.optim.Optimizer):
         self.set_layout(pieces, shapes, muon, None)
 
     def set_layout(self, pieces: list[list[tuple[int, int]]], shapes: list[torch.Size], muon: set[int],
-                   reduce: Callable[[torch.Tensor], None] | None) -> None:
+                   ranks: Ranks | None) -> None:
         """pieces[group][k]: (trainable parameter index, first element of it the piece holds); shapes: every trainable
-        parameter's full shape; muon: the indices of the Muon parameters (the same on every rank); reduce: sums a
-        tensor over the ranks in place (None where every rank holds every piece whole). A collective when reduce is
-        given: the ranks agree which matrices span ranks."""
+        parameter's full shape; muon: the indices of the Muon parameters (the same on every rank); ranks: the other
+        ranks (None where every rank holds every piece whole). A collective when ranks is given: every rank learns
+        where the others' pieces of each matrix lie."""
         for j in muon:
             if len(shapes[j]) < 2:
                 raise ValueError(f"Muon orthogonalizes matrices; trainable parameter {j} has shape "
                                  f"{tuple(shapes[j])}: train it in an AdamW group (use_muon False)")
-        self.reduce = reduce
+        self.ranks, self._buckets = ranks, []
         self._matrices = {j: _Matrix(j, matrix_shape(shapes[j]), []) for j in sorted(muon)}
         for gi, g in enumerate(self.param_groups):
             for k, (j, start) in enumerate(pieces[gi]):
@@ -150,13 +174,53 @@ class ShardMuon(torch.optim.Optimizer):
                     if not g.get("use_muon"):
                         raise ValueError(f"trainable parameter {j} is a Muon parameter in an AdamW group")
                     self._matrices[j].pieces.append((gi, k, start, g["params"][k].numel()))
-        if reduce is None or not self._matrices:
-            return
-        partial = torch.tensor([float(0 < sum(p[3] for p in m.pieces) < m.numel) for m in self._matrices.values()],
-                               dtype=torch.float32, device=self.device)
-        reduce(partial)
-        for m, flag in zip(self._matrices.values(), partial.tolist()):
-            m.spans_ranks = flag > 0
+        if ranks is not None and self._matrices:
+            self._plan_assembly(self._exchange_ranges(ranks))
+
+    def _exchange_ranges(self, ranks: Ranks) -> list[list[tuple[int, int, int]]]:
+        """Every rank's pieces of the Muon matrices, [rank] -> [(matrix index, first element, numel)]."""
+        mine = [(m.index, start, numel) for m in self._matrices.values() for _, _, start, numel in m.pieces if numel]
+        counts = torch.zeros(ranks.world, dtype=torch.int64, device=self.device)
+        counts[ranks.rank] = len(mine)
+        ranks.total(counts)
+        longest = max(int(counts.max()), 1)
+        table = torch.full((longest, 3), -1, dtype=torch.int64, device=self.device)
+        if mine:
+            table[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        every = torch.empty(ranks.world * longest * 3, dtype=torch.int64, device=self.device)
+        ranks.gather(every, table.view(-1))
+        rows = every.view(ranks.world, longest, 3).tolist()
+        return [[tuple(row) for row in rows[r][:int(counts[r])]] for r in range(ranks.world)]
+
+    def _plan_assembly(self, held: list[list[tuple[int, int, int]]]) -> None:
+        """Which matrices span ranks (no rank holds all of one), and their buckets: the same plan on every rank."""
+        by_matrix: dict[int, list[list[tuple[int, int]]]] = {j: [[] for _ in held] for j in self._matrices}
+        for r, rows in enumerate(held):
+            for j, start, numel in rows:
+                by_matrix[j][r].append((start, numel))
+        bucket: _Bucket | None = None
+        size = 0
+        for j, m in self._matrices.items():
+            per_rank = [sum(n for _, n in ranges) for ranges in by_matrix[j]]
+            if max(per_rank) != m.numel and sum(per_rank) != m.numel:
+                raise ValueError(f"Muon: the ranks' pieces of trainable parameter {j} cover {sum(per_rank)} of its "
+                                 f"{m.numel} elements")
+            m.spans_ranks = max(per_rank) < m.numel
+            if not m.spans_ranks:
+                continue
+            if bucket is None or size + m.numel > ASSEMBLY_BUCKET:
+                bucket, size = _Bucket([], 0, [[] for _ in held]), 0
+                self._buckets.append(bucket)
+            bucket.matrices.append(j)
+            size += m.numel
+        for b in self._buckets:
+            for r in range(len(held)):
+                at = 0
+                for j in b.matrices:
+                    for start, numel in sorted(by_matrix[j][r]):
+                        b.segments[r].append((j, start, numel, at))
+                        at += numel
+                b.share = max(b.share, at)
 
     def spanning_numel(self) -> int:
         """Elements of the matrices assembled across ranks each step (what Muon adds to the step's traffic)."""
@@ -182,41 +246,38 @@ class ShardMuon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - g["momentum"])
                 updates[(gi, k)] = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
-        spanning: list[_Matrix] = []
         for m in self._matrices.values():
-            if m.spans_ranks:
-                spanning.append(m)
-            elif m.pieces and all((gi, k) in updates for gi, k, _, _ in m.pieces):
+            if not m.spans_ranks and m.pieces and all((gi, k) in updates for gi, k, _, _ in m.pieces):
                 whole = torch.zeros(m.numel, dtype=torch.float32, device=self.device)
                 self._add_pieces(m, updates, whole)
                 self._apply(m, self._orthogonalized(m, whole))
-        for bucket in self._buckets(spanning):
-            flat = torch.zeros(sum(m.numel for m in bucket), dtype=torch.float32, device=self.device)
-            at = 0
-            for m in bucket:
-                self._add_pieces(m, updates, flat[at:at + m.numel])
-                at += m.numel
-            self.reduce(flat)  # each holder now has every matrix of the bucket whole
-            at = 0
-            for m in bucket:
-                if m.pieces and all((gi, k) in updates for gi, k, _, _ in m.pieces):
-                    self._apply(m, self._orthogonalized(m, flat[at:at + m.numel]))
-                at += m.numel
+        for b in self._buckets:
+            self._assemble(b, updates)
         return None
 
-    @staticmethod
-    def _buckets(spanning: list[_Matrix]) -> list[list[_Matrix]]:
-        """The spanning matrices, in index order, in buckets of at most ASSEMBLY_BUCKET elements (a larger one
-        alone): the same on every rank."""
-        out: list[list[_Matrix]] = []
-        size = 0
-        for m in spanning:
-            if not out or size + m.numel > ASSEMBLY_BUCKET:
-                out.append([])
-                size = 0
-            out[-1].append(m)
-            size += m.numel
-        return out
+    def _assemble(self, b: _Bucket, updates: dict) -> None:
+        """One all-gather of every rank's pieces of b's matrices; each holder orthogonalizes the matrices it holds a
+        piece of (with a gradient: a parameter without one on any rank has none on all) and applies its slice."""
+        ranks = self.ranks
+        share = torch.zeros(b.share, dtype=torch.float32, device=self.device)
+        mine = {(m.index, start): (gi, k) for m in (self._matrices[j] for j in b.matrices)
+                for gi, k, start, _ in m.pieces}
+        for j, start, numel, at in b.segments[ranks.rank]:
+            u = updates.get(mine[(j, start)])
+            if u is not None:
+                share[at:at + numel].copy_(u.reshape(-1))
+        every = torch.empty(ranks.world * b.share, dtype=torch.float32, device=self.device)
+        ranks.gather(every, share)
+        shares = every.view(ranks.world, b.share)
+        wanted = [j for j in b.matrices if self._matrices[j].pieces and all(
+            (gi, k) in updates for gi, k, _, _ in self._matrices[j].pieces)]
+        wholes = {j: torch.empty(self._matrices[j].numel, dtype=torch.float32, device=self.device) for j in wanted}
+        for r in range(ranks.world):
+            for j, start, numel, at in b.segments[r]:
+                if j in wholes:
+                    wholes[j][start:start + numel].copy_(shares[r, at:at + numel])
+        for j, whole in wholes.items():
+            self._apply(self._matrices[j], self._orthogonalized(self._matrices[j], whole))
 
     @staticmethod
     def _add_pieces(m: _Matrix, updates: dict, whole: torch.Tensor) -> None:

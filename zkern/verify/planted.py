@@ -15,6 +15,7 @@ the process as it found it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -289,9 +290,11 @@ def _muon_spans_not_assembled(p: _Patches) -> None:
     from zkern.optim.muon import ShardMuon
 
     def make(original):
-        def set_layout(self, pieces, shapes, muon, reduce):
-            original(self, pieces, shapes, muon, reduce)
-            self.reduce = lambda t: None
+        def set_layout(self, pieces, shapes, muon, ranks):
+            original(self, pieces, shapes, muon, ranks)
+            if ranks is not None:  # every other rank's share arrives as zeros
+                self.ranks = dataclasses.replace(ranks, gather=lambda out, inp: out.zero_().view(
+                    ranks.world, -1)[ranks.rank].copy_(inp))
         return set_layout
     p.wrap(ShardMuon, "set_layout", make)
 

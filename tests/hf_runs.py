@@ -118,4 +118,5 @@ def config_worker(rank: int, world: int, out: str, path: str, overrides: dict) -
             "prefetch": zero.stage3_prefetch_bucket_size, "persistence": zero.stage3_param_persistence_threshold,
             "lr_max": None if cfg.scheduler is None else cfg.scheduler.warmup_max_lr,
             "optimizer_lr": None if cfg.optimizer is None else cfg.optimizer.lr,
-            "group_decay": [g["weight_decay"] for g in trainer.engine.optimizer.param_groups]}
+            "group_decay": [g["weight_decay"] for g in trainer.engine.optimizer.param_groups],
+            "group_muon": [g.get("use_muon") for g in trainer.engine.optimizer.param_groups]}

@@ -128,6 +128,26 @@ def test_the_auto_configs_hf_users_have_train(tmp_path, name, precision):
     assert last < 0.8 * first and last < math.log(67), losses
 
 
+@pytest.mark.dist
+def test_a_muon_config_trains_through_the_trainer_with_hf_decay_groups_split(tmp_path):
+    """DeepSpeed's Muon section as an HF user writes it ("auto" lr for AdamW, Muon's own, "auto" weight decay), stage 3
+    at world 2: the Trainer's decay group holds GPT-2's matrices (Muon's), its no-decay group the biases and norms
+    (AdamW's); the counting task is learned."""
+    import json
+
+    path = tmp_path / "muon.json"
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                              "stage3_param_persistence_threshold": "auto"},
+        "optimizer": {"type": "Muon", "params": {"lr": "auto", "muon_lr": 0.02, "weight_decay": "auto"}}}))
+    result = spawn(config_worker, 2, str(tmp_path), str(path), {}, timeout=600)[0]
+    assert result["group_muon"] == [True, False] and result["group_decay"] == [0.01, 0.0]
+    losses = [e["loss"] for e in result["logs"]]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert all(math.isfinite(x) for x in losses) and last < 0.8 * first, losses
+
+
 def test_a_value_that_contradicts_the_training_arguments_names_both(tmp_path):
     args = training_args(str(tmp_path), per_device_train_batch_size=2, max_grad_norm=1.0, learning_rate=1e-3)
     config = {**AUTO_BATCH, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5,

@@ -72,7 +72,7 @@ def _run_system(rank: int, world: int, name: str, spec: TrainSpec) -> dict:
         before = live_tensor_bytes()
         system, measured = allocation_peak(build_and_train)
         # between steps: every live tensor's bytes (the replay's end can miss a free made on a gloo thread)
-        peak, between = measured.peak["cpu"], _total(live_tensor_bytes()) - _total(before)
+        peak, between = measured.peak["cpu"], live_tensor_bytes() - before
     times = []
     for s in range(MEASURED_STEPS, MEASURED_STEPS + TIMED_STEPS):
         start = time.perf_counter()
@@ -82,10 +82,6 @@ def _run_system(rank: int, world: int, name: str, spec: TrainSpec) -> dict:
         times.append(time.perf_counter() - start)
     system.close()
     return {"peak_bytes": peak, "between_bytes": between, "step_s": statistics.median(times)}
-
-
-def _total(ranges: list[tuple[int, int]]) -> int:
-    return sum(hi - lo for lo, hi in ranges)
 
 
 def activation_bytes(spec: TrainSpec) -> int:

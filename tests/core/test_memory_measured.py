@@ -249,7 +249,7 @@ def _between_steps(rank, world, stage):
         idx, tgt = batches[step][0][rank]
         engine.backward(engine(idx, tgt))
         engine.step()
-    held = sum(hi - lo for lo, hi in live_tensor_bytes()) - sum(hi - lo for lo, hi in before)
+    held = live_tensor_bytes() - before
     engine.destroy()
     return {"held": held, "params": spec.num_params()}
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zkern.reference import adam_step_
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_METHODS = ("gram", "standard")
 ASSEMBLY_BUCKET = 1 << 24  # elements of the spanning matrices assembled per all-gather (a larger matrix goes alone)
@@ -248,9 +250,7 @@ class ShardMuon(torch.optim.Optimizer):
                 updates[(gi, k)] = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
         for m in self._matrices.values():
             if not m.spans_ranks and m.pieces and all((gi, k) in updates for gi, k, _, _ in m.pieces):
-                whole = torch.zeros(m.numel, dtype=torch.float32, device=self.device)
-                self._add_pieces(m, updates, whole)
-                self._apply(m, self._orthogonalized(m, whole))
+                self._apply(m, self._orthogonalized(m, self._whole_here(m, updates)))
         for b in self._buckets:
             self._assemble(b, updates)
         return None
@@ -278,6 +278,16 @@ class ShardMuon(torch.optim.Optimizer):
                     wholes[j][start:start + numel].copy_(shares[r, at:at + numel])
         for j, whole in wholes.items():
             self._apply(self._matrices[j], self._orthogonalized(self._matrices[j], whole))
+
+    def _whole_here(self, m: _Matrix, updates: dict) -> torch.Tensor:
+        """The NS input of a matrix this rank holds whole, flat on `device`: the one piece's own update where a
+        single piece is the matrix (no copy on the same device), else the pieces put together."""
+        if len(m.pieces) == 1:
+            gi, k, _, _ = m.pieces[0]
+            return updates[(gi, k)].reshape(-1).to(self.device)
+        whole = torch.zeros(m.numel, dtype=torch.float32, device=self.device)
+        self._add_pieces(m, updates, whole)
+        return whole
 
     @staticmethod
     def _add_pieces(m: _Matrix, updates: dict, whole: torch.Tensor) -> None:
@@ -308,9 +318,8 @@ class ShardMuon(torch.optim.Optimizer):
             p.add_(ortho[start:start + numel].to(p.device).view(p.shape), alpha=-g["lr"] * self.lr_factor(m.shape))
 
     def _adamw(self, g: dict) -> None:
-        """torch.optim.AdamW's single-tensor arithmetic on each piece with a gradient (step counted as a tensor,
-        as torch counts it, so checkpoints carry over between the two)."""
-        b1, b2 = g["betas"]
+        """torch.optim.AdamW's single-tensor arithmetic (zkern.reference.adam_step_) on each piece with a gradient;
+        the step counted as a tensor, as torch counts it, so checkpoints carry over between the two."""
         for p in g["params"]:
             if p.grad is None:
                 continue
@@ -320,10 +329,5 @@ class ShardMuon(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
             state["step"] += 1
-            step = state["step"].item()
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            p.mul_(1 - g["lr"] * g["weight_decay"])
-            m.lerp_(p.grad, 1 - b1)
-            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-            denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(g["eps"])
-            p.addcdiv_(m, denom, value=-g["lr"] / (1 - b1 ** step))
+            adam_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"]), lr=g["lr"],
+                       betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"], adamw=True)

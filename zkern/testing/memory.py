@@ -14,10 +14,10 @@ from zkern.core.measure import AllocationPeak, allocation_peak, peak_rss_bytes, 
 __all__ = ["AllocationPeak", "allocation_peak", "live_tensor_bytes", "peak_rss_bytes", "reset_peak_rss", "rss_bytes"]
 
 
-def live_tensor_bytes(device: str = "cpu") -> list[tuple[int, int]]:
-    """The memory every live tensor on `device` reaches, found by the garbage collector (not by zkern's books): each
-    storage's byte range [start, end), merged where ranges overlap (a buffer placed inside a larger block, views
-    of one storage, count once). Sum the lengths, or subtract a walk taken before. It sees what Python reaches;
+def live_tensor_bytes(device: str = "cpu") -> int:
+    """The bytes every live tensor on `device` reaches, found by the garbage collector (not by zkern's books): each
+    storage's byte range, merged where ranges overlap (a buffer placed inside a larger block, views of one storage,
+    count once). Subtract a walk taken before to see what a call left. It sees what Python reaches;
     allocation_peak's replay sees every allocation, but misses a free made on a thread the profiler does not watch
     (gloo's, now and then), which the walk does not depend on."""
     ranges = []
@@ -34,10 +34,8 @@ def live_tensor_bytes(device: str = "cpu") -> list[tuple[int, int]]:
             continue
         if size:
             ranges.append((start, start + size))
-    merged: list[list[int]] = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    return [(lo, hi) for lo, hi in merged]
+    total, end = 0, 0
+    for lo, hi in sorted(ranges):  # the union's length: a range counts past the furthest end seen so far
+        total += max(0, hi - max(lo, end))
+        end = max(end, hi)
+    return total

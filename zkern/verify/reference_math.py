@@ -35,6 +35,17 @@ class RefLion(torch.optim.Optimizer):
                 m.copy_(b2 * m + (1 - b2) * p.grad)
 
 
+def _moments(state: dict, grad: torch.Tensor, b1: float, b2: float) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Adam's moments, written out: t += 1; m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2 (state starts empty)."""
+    if not state:
+        state.update(t=0, m=torch.zeros_like(grad), v=torch.zeros_like(grad))
+    state["t"] += 1
+    m, v = state["m"], state["v"]
+    m.copy_(b1 * m + (1 - b1) * grad)
+    v.copy_(b2 * v + (1 - b2) * grad * grad)
+    return state["t"], m, v
+
+
 class RefLamb(torch.optim.Optimizer):
     """LAMB as DeepSpeed's FusedLamb (csrc/lamb): Adam's moments m, v; u = m / (sqrt(v) + eps) + wd w; trust ratio
     r = ||w|| / ||u|| clamped to [min_coeff, max_coeff], 1 where a norm is 0; w <- w - lr sqrt(1 - b2^t) / (1 - b1^t)
@@ -52,13 +63,7 @@ class RefLamb(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
-                state["t"] += 1
-                t, m, v = state["t"], state["m"], state["v"]
-                m.copy_(b1 * m + (1 - b1) * p.grad)
-                v.copy_(b2 * v + (1 - b2) * p.grad * p.grad)
+                t, m, v = _moments(self.state[p], p.grad, b1, b2)
                 u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
                 w_norm, u_norm = float(p.double().norm()), float(u.double().norm())
                 ratio = 1.0 if w_norm == 0 or u_norm == 0 else min(max(w_norm / u_norm, group["min_coeff"]),
@@ -106,13 +111,8 @@ class RefMuon(torch.optim.Optimizer):
                     update = self.orthogonalized(mu * buf + (1 - mu) * p.grad)
                     p.copy_(p * (1 - lr * wd) - lr * scale * update)
                     continue
+                t, m, v = _moments(state, p.grad, *group["adam_betas"])
                 b1, b2 = group["adam_betas"]
-                if not state:
-                    state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
-                state["t"] += 1
-                t, m, v = state["t"], state["m"], state["v"]
-                m.copy_(b1 * m + (1 - b1) * p.grad)
-                v.copy_(b2 * v + (1 - b2) * p.grad * p.grad)
                 denom = (v / (1 - b2 ** t)).sqrt() + group["eps"]
                 p.copy_(p * (1 - lr * wd) - lr * (m / (1 - b1 ** t)) / denom)
 

@@ -81,6 +81,28 @@ class ViewTap(nn.Module):
         return self.scale if self.itself else self.scale.t(), self.cls.expand(batch, t, -1)
 
 
+# The sentinel (TinyGPT/TinyMoE(sentinel=True), the fuzzer's models): a (4, dim) parameter whose first half of rows
+# gets the gradient SENTINEL_GRAD in every element and whose second half gets exactly 0, whatever the data, the ranks
+# or the rounding, while the loss keeps its value (the term is x - x.detach(), 0). So its trajectory is a function of
+# the optimizer alone, the same in the engine and any reference: the rows without a gradient move by weight decay
+# only (lr wd |w| a step), the constant rows by Adam's normalized step (about lr a step, whatever the gradient's
+# scale or quantization). A 16-bit or int4 run drifts from its reference everywhere else by far more than a dropped
+# weight decay, a 1.5x lr or a stuck bias correction changes (zkern/verify/check.py, sentinel_failures). Each half
+# is 2 * dim = 64 elements in the fuzzer: one whole int4 group of qgZ (zkern/comm/zeropp.py GRAD_GROUP), so no
+# other parameter's gradient sets the constant half's quantization scale.
+SENTINEL_GRAD = 2.0 ** -8
+
+
+def make_sentinel(dim: int) -> nn.Parameter:
+    return nn.Parameter(torch.randn(4, dim))
+
+
+def sentinel_term(sentinel: torch.Tensor) -> torch.Tensor:
+    """0 in value; its gradient SENTINEL_GRAD on the sentinel's first two rows and 0 on the rest."""
+    half = sentinel[: sentinel.shape[0] // 2]
+    return SENTINEL_GRAD * (half - half.detach()).float().sum()
+
+
 class TinyGPT(nn.Module):
     """A GPT-2-shaped model small enough for CI: token embedding tied to the LM head (GPT-2's tied weight), a
     learned position embedding, pre-norm blocks, and an LM-head bias of `vocab` elements (odd by default, so the
@@ -91,13 +113,14 @@ class TinyGPT(nn.Module):
     called twice in one forward); `functional_head` computes the logits in this module's own forward from
     self.tok.weight (a parameter read outside its module's forward); forward(reverse_blocks=True) runs the
     blocks in reverse order (dynamic control flow); `checkpoint` runs each block under activation checkpointing
-    (run_block's flavours); `views` adds a ViewTap whose forward hands its parameters out as views.
+    (run_block's flavours); `views` adds a ViewTap whose forward hands its parameters out as views; `sentinel` adds
+    the fuzzer's sentinel parameter (make_sentinel, created last so the other parameters' values do not change).
     """
 
     def __init__(self, vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16,
                  tie: bool = True, extra_branch: bool = False, freeze_pos: bool = False,
                  reuse_first_block: bool = False, functional_head: bool = False, checkpoint: str = "",
-                 frozen: tuple[str, ...] = (), views: bool = False):
+                 frozen: tuple[str, ...] = (), views: bool = False, sentinel: bool = False):
         super().__init__()
         self.checkpoint = checkpoint  # activation checkpointing of each block (run_block's flavours)
         self.config = SimpleNamespace(hidden_size=dim, vocab_size=vocab, n_layer=n_layer, seq=seq)
@@ -120,6 +143,7 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             for name in frozen:
                 getattr(block, name).requires_grad_(False)
+        self.sentinel = make_sentinel(dim) if sentinel else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, use_extra: bool = False,
                 reverse_blocks: bool = False):
@@ -142,7 +166,8 @@ class TinyGPT(nn.Module):
             logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss if self.sentinel is None else loss + sentinel_term(self.sentinel)
 
 
 class Expert(nn.Module):
@@ -179,7 +204,7 @@ class TinyMoE(nn.Module):
     holding different data run different experts in the same step (the case stage 3 must not get wrong)."""
 
     def __init__(self, vocab: int = 67, dim: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16,
-                 n_experts: int = 4, checkpoint: str = ""):
+                 n_experts: int = 4, checkpoint: str = "", sentinel: bool = False):
         super().__init__()
         self.config = SimpleNamespace(hidden_size=dim, vocab_size=vocab, n_layer=n_layer, seq=seq)
         self.n_experts, self.checkpoint = n_experts, checkpoint
@@ -188,6 +213,7 @@ class TinyMoE(nn.Module):
         self.blocks = nn.ModuleList(MoEBlock(dim, n_head, n_experts) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
+        self.sentinel = make_sentinel(dim) if sentinel else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         route = idx[:, 0] % self.n_experts
@@ -197,7 +223,8 @@ class TinyMoE(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss if self.sentinel is None else loss + sentinel_term(self.sentinel)
 
 
 class DeepMLP(nn.Module):

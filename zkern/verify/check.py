@@ -15,7 +15,8 @@ held to what the optimizer can move in the applied steps (update_reach: for Adam
 |m_hat| <= sqrt(t * v_hat) by Cauchy-Schwarz over the t gradients), twice that between two runs, plus one rounding of
 the weight: a rounding that flips a near-zero gradient's sign moves an element a whole step, so no tighter
 element-wise bar holds. Frozen parameters and buffers match
-to the working dtype's rounding whatever the draw: nothing may train them.
+to the working dtype's rounding whatever the draw: nothing may train them. The sentinel parameter, whose gradient is
+exact in every draw, is held far tighter in every draw (sentinel_failures): what the optimizer alone does to it.
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ def compare(draw: Draw, phases: list[list[dict]], ref: dict) -> list[str]:
             failures.append(f"{name}: differs")
     trained = {k: v for k, v in state.items() if k not in exact_names}
     reference_trained = {k: v for k, v in expected.items() if k not in exact_names}
+    failures += sentinel_failures(draw, trained, reference_trained)
     if draw.exact:
         if draw.optimizer == "Lion":
             trained, flip_failures = _lion_flips(draw, trained, reference_trained, applied)
@@ -229,6 +231,44 @@ def compare(draw: Draw, phases: list[list[dict]], ref: dict) -> list[str]:
             if not torch.all(torch.isfinite(a)) or not torch.all((a - e).abs() <= bound):
                 failures.append(f"{name}: differs by {float((a - e).abs().max()):.3e}, beyond what {applied} "
                                 f"{draw.optimizer} steps of lr {recipes.base_lr(draw):g} can explain ({reach:.3e})")
+    return failures
+
+
+# The sentinel (zkern.testing.models.sentinel_term): its rows see a gradient of exactly 0 or exactly SENTINEL_GRAD in
+# every draw, so its trajectory depends on the optimizer's arithmetic alone, and the engine and the reference compute
+# it from the same inputs, whatever the draw's dtype, quantization or order of sums. Float32 rounding then separates
+# them by a few units in the last place of the weight a step (at most about 1e-6 of it over a draw's 8 steps), and a
+# clipping coefficient known to the draw's norm bar (5% at most) moves the constant rows' Adam step by at most 5% of
+# eps / (g + eps), under 0.3% of it at the smallest clipped gradient (2e-4). SENTINEL_TOWARD bounds RMS(engine -
+# reference) / RMS(initial - reference) in each half: a dropped weight decay leaves the rows without a gradient
+# where they started (1.0), a 1.5x lr ends them or the constant rows half their movement away (0.5), a bias
+# correction stuck at step 1 moves the constant rows 1.34x, 1.57x, ... of the true step from the second step on
+# (0.17 after two applied steps, 0.30 after three). A half that moved less than SENTINEL_FLOOR of its own size (a
+# draw whose steps were all skipped or ran at lr 0, an optimizer without weight decay) is not held: its movement
+# would be near its rounding. A bf16 master cannot hold a decay of lr wd = 1e-4 of a weight (half its spacing is
+# 2e-3), so draws keeping one are not held either.
+SENTINEL_TOWARD = 0.15
+SENTINEL_FLOOR = 2e-5
+
+
+def sentinel_failures(draw: Draw, trained: dict, expected: dict) -> list[str]:
+    from zkern.verify.runner import make_model
+
+    if "sentinel" not in expected or draw.bf16_state.startswith("master"):
+        return []
+    initial = make_model(draw).sentinel.detach().double()
+    rows = initial.shape[0] // 2
+    failures = []
+    for half, what in ((slice(None, rows), "the rows with a constant gradient"),
+                       (slice(rows, None), "the rows without a gradient (weight decay only)")):
+        a, e, i = trained["sentinel"][half].double(), expected["sentinel"][half].double(), initial[half]
+        moved = float((i - e).pow(2).mean().sqrt())
+        if moved <= SENTINEL_FLOOR * float(e.pow(2).mean().sqrt()):
+            continue
+        ratio = float((a - e).pow(2).mean().sqrt()) / moved
+        if ratio > SENTINEL_TOWARD:
+            failures.append(f"sentinel, {what}: {ratio:.3f} of its movement from the reference (at most "
+                            f"{SENTINEL_TOWARD}: its gradient is exact, only the optimizer's arithmetic moves it)")
     return failures
 
 

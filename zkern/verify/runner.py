@@ -25,8 +25,10 @@ def make_model(draw: Draw, checkpoint: str = "") -> torch.nn.Module:
     """The draw's model, initialised from its seed (the same on every rank and in the reference)."""
     torch.manual_seed(draw.seed)
     if draw.arch == "moe":
-        return TinyMoE(vocab=VOCAB, dim=DIM, n_layer=2, n_head=2, seq=SEQ, n_experts=4, checkpoint=checkpoint)
-    return TinyGPT(vocab=VOCAB, dim=DIM, n_layer=2, n_head=2, seq=SEQ, checkpoint=checkpoint, views=draw.views)
+        return TinyMoE(vocab=VOCAB, dim=DIM, n_layer=2, n_head=2, seq=SEQ, n_experts=4, checkpoint=checkpoint,
+                       sentinel=True)
+    return TinyGPT(vocab=VOCAB, dim=DIM, n_layer=2, n_head=2, seq=SEQ, checkpoint=checkpoint, views=draw.views,
+                   sentinel=True)
 
 
 def freeze(model: torch.nn.Module) -> None:

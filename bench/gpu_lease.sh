@@ -34,6 +34,8 @@
 #   ratio     the 1.3x goal where both fit one H100: the 1b model at 16K tokens a step (16 x 1024), every block
 #             recomputed, without offload, then offloaded with bf16 state: with the delayed update, with the
 #             speculative step, and with neither
+#   partial   partial offload at 1b (8K tokens a step): stage 2 without offload, with offload_optimizer.ratio 0.25,
+#             0.5 and 0.75, and with full offload: what each share on the device buys in step time
 #   speculative  the headline's model and batch, zkern's offload with bf16 state and the speculative step (the host
 #             Adam inside backward, kept where the step is unclipped; the probe does not clip): the exact route to
 #             the 300 TFLOPS goal (14 host bytes a parameter, 92 GB at 7B)
@@ -169,6 +171,9 @@ for step in "$@"; do
         ratio) run ratio 240 $P variants zkern2 zkern2-offload-bf16-dpu zkern2-offload-bf16-spec zkern2-offload-bf16 \
             --model "$M" --micro-batch 16 --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 90 \
             --bw-json "$R/bw.json" --json "$R/ratio.json" ;;
+        partial) run partial 240 $P variants zkern2 zkern2-offload-r25 zkern2-offload-r50 zkern2-offload-r75 \
+            zkern2-offload --model "$M" --micro-batch 8 --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 90 \
+            --bw-json "$R/bw.json" --json "$R/partial.json" ;;
         speculative) run speculative 150 $P variants zkern2-offload-bf16-spec --model "$H" --micro-batch 8 \
             --checkpoint non_reentrant --warmup 1 --steps 3 --timeout 140 --bw-json "$R/bw.json" \
             --json "$R/speculative.json" ;;

@@ -6,7 +6,8 @@ the default stages through a ring of four chunk buffers where a rank has more ch
 speculative step (offload_optimizer.speculative_step: each chunk's host Adam runs in backward as the chunk lands,
 kept where the step comes out unclipped; the record says in how many of the timed steps the guess stood), once with
 the gradient clipping every mode has (1.0, where a fresh model's guesses are undone: the Adam runs twice) and once
-without clipping (where they stand).
+without clipping (where they stand), and with a partial offload (offload_optimizer.ratio 0.5: half the shard
+stepped on the device, in place; the row says the share the split gave and the device part's host time in step()).
 
     python bench/run.py --suite offload --stage 2,3           # the small GPT, world 2, CPU
     python bench/run.py --suite offload --stage 3 --model 25m --steps 10 --json out.json
@@ -40,17 +41,20 @@ from zkern.testing import TinyGPT, spawn
 
 # gradients down during backward (staged through the ring where it applies, the default), the same with a buffer per
 # chunk (staging_chunks 0), at step(), the delayed update
-MODES = ("backward", "whole", "step", "delayed", "speculative", "speculative-unclipped")
+MODES = ("backward", "whole", "step", "delayed", "speculative", "speculative-unclipped", "partial")
 MODE_NAMES = {"backward": "during backward", "whole": "during backward, whole-shard staging", "step": "at step()",
               "delayed": "delayed update", "speculative": "speculative step",
-              "speculative-unclipped": "speculative step, no clipping"}
+              "speculative-unclipped": "speculative step, no clipping",
+              "partial": f"partial offload, ratio {0.5:g}"}
+PARTIAL_RATIO = 0.5  # the partial mode's offload_optimizer.ratio: that share on the host, the rest on the device
 
 
 def _config(stage: int, mode: str, preset: dict, precision: str) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": preset["bucket"],
             "offload_optimizer": {"device": "cpu", "copy_grads_during_backward": mode != "step",
                                   "delayed_update": mode == "delayed", "staging_chunks": 0 if mode == "whole" else 4,
-                                  "speculative_step": mode.startswith("speculative")}}
+                                  "speculative_step": mode.startswith("speculative"),
+                                  "ratio": PARTIAL_RATIO if mode == "partial" else 1.0}}
     if stage == 3:
         zero["stage3_fetch_units"] = ["Block"]
     cfg = {"train_micro_batch_size_per_gpu": preset["micro_batch"], "steps_per_print": 0,
@@ -83,7 +87,9 @@ def _worker(rank: int, world: int, runs: list[dict], model: str, steps: int, war
                                                         for p in engine.module.parameters()),
                     "host_staging_bytes": allocated_bytes(engine.host_step.staging_tensors()),
                     "staging_ring": len(engine.host_step.ring or ()),
-                    "host_bytes": engine.memory_report()["host"].get("total", 0)})
+                    "host_bytes": engine.memory_report()["host"].get("total", 0),
+                    "device_share": engine.host_step.device_numel / max(
+                        1, engine.host_step.device_numel + engine.host_step.host_numel)})
         engine.destroy()
     return out
 
@@ -142,7 +148,10 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
                      "staging_ring": results[0][i]["staging_ring"],
                      "host_bytes": results[0][i]["host_bytes"],
                      "host_adam_hidden": None if not adam else max(0.0, 1 - waited / adam),
-                     "speculation_kept_steps": kept})
+                     "speculation_kept_steps": kept,
+                     # partial offload: the device part's share of the shard and its chunks' host time in step()
+                     "device_share": results[0][i]["device_share"],
+                     "device_step_s": _median(per, "device_step_s") if "device_step_s" in per[0] else 0.0})
         progress(f"stage {run['stage']}, {MODE_NAMES[run['mode']]}: step {rows[-1]['step_s'] * 1e3:.1f} ms")
     ratios = {}
     for s in stages:
@@ -150,6 +159,7 @@ def run(stages: list[int], world: int | None, model: str, steps: int | None = No
         ratios[f"stage{s}_step_during_backward_over_at_step"] = mode["backward"]["step_s"] / mode["step"]["step_s"]
         ratios[f"stage{s}_step_delayed_over_during_backward"] = mode["delayed"]["step_s"] / mode["backward"]["step_s"]
         ratios[f"stage{s}_step_ring_over_whole_shard"] = mode["backward"]["step_s"] / mode["whole"]["step_s"]
+        ratios[f"stage{s}_step_partial_over_during_backward"] = mode["partial"]["step_s"] / mode["backward"]["step_s"]
         for name in ("speculative", "speculative-unclipped"):
             ratios[f"stage{s}_step_{name.replace('-', '_')}_over_during_backward"] = \
                 mode[name]["step_s"] / mode["backward"]["step_s"]
@@ -165,14 +175,19 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
 
+def _device_part(row: dict) -> str:
+    share = row.get("device_share") or 0.0
+    return "-" if not share else f"{share * 100:.0f}%, {row.get('device_step_s', 0.0) * 1e3:.1f} ms"
+
+
 def table(record: dict) -> str:
     out = [f"offload suite: {record['model']} GPT ({record['params']:,} parameters), world {record['world']}, "
            f"{record['precision']}, optimizer on the host, medians of {record['steps'] - record['warmup']} steps "
            f"(slowest rank), {record['device']}", "",
            "| stage | mode | step | fwd+bwd | of it copying grads | offloaded step | of it waiting for grads "
            "| grad bytes on host before step() | host Adam (delayed, speculative) | of it hidden | guesses kept "
-           "| host staging (rank 0) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| host staging (rank 0) | on the device (partial offload): share, its step |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         adam = "-" if r.get("host_adam_s") is None else f"{r['host_adam_s'] * 1e3:.1f} ms"
         if r.get("host_adam_threads") is not None:
@@ -185,6 +200,6 @@ def table(record: dict) -> str:
                    f"{r['backward_copy_s'] * 1e3:.1f} ms | {r['offloaded_step_s'] * 1e3:.1f} ms | "
                    f"{r['grad_wait_s'] * 1e3:.1f} ms | {r['share_on_host_before_step'] * 100:.0f}% of "
                    f"{r['grad_bytes'] / 2**20:.1f} MiB | {adam} | {hidden} | {kept} | "
-                   f"{_mib(r.get('host_staging_bytes'))} |")
+                   f"{_mib(r.get('host_staging_bytes'))} | {_device_part(r)} |")
     out.append("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in record["ratios"].items()))
     return "\n".join(out)

@@ -15,6 +15,8 @@ zkern2-offload-bf16-dpu  both: bf16 state and the delayed update (10 host bytes 
 zkern2-offload-bf16-spec  bf16 state and the speculative step (offload_optimizer.speculative_step: each chunk's Adam
                      in backward, kept where the step comes out unclipped; 14 host bytes a parameter with its saves
                      and a staging buffer per chunk)
+zkern2-offload-r25, -r50, -r75  partial offload (offload_optimizer.ratio 0.25, 0.5, 0.75): that share of the
+                     optimizer shard on the host, the rest stepped on the device
 zkern3-offload       stage 3 with offload_optimizer and offload_param cpu
 zkern3-offload-bf16-spec  the same with bf16 state and the speculative step: DeepSpeed's SuperOffload configuration
                      (stage 3, both offloads, super_offload); the guessed parameters staged on the host
@@ -62,7 +64,9 @@ OFFLOAD = {"zkern2-offload": (2, {"offload_optimizer": HOST_ADAM}, {}),
            "zkern3-offload-bf16-spec": (3, {"offload_optimizer": {**HOST_ADAM, "speculative_step": True},
                                             "offload_param": HOST_ADAM},
                                         {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
-           "zkern3-offload-inline": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {})}
+           "zkern3-offload-inline": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {}),
+           **{f"zkern2-offload-r{int(r * 100)}": (2, {"offload_optimizer": {**HOST_ADAM, "ratio": r}}, {})
+              for r in (0.25, 0.5, 0.75)}}
 NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *OFFLOAD, "ddp", "ddp-fused", "zero1", "fsdp2", "fsdp2-fused",
          "fsdp2-zero2", "fsdp2-offload", "torch-mixed", "torch-mixed-offload", "deepspeed0", "deepspeed1", "deepspeed2",
          "deepspeed3", "deepspeed2-offload")

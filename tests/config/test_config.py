@@ -91,8 +91,6 @@ def test_deepspeed_keys_are_accepted_when_they_ask_for_nothing_else_and_refused_
                  "bf16.immediate_grad_update", "compile", "tensor_parallel"):
         assert path in inert, path  # said in the start-up block
     cases = [
-        (dict(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
-         "'zero_optimization.offload_optimizer.ratio' = 0.5 asks for partial optimizer offload"),
         (dict(fp16={"fp16_master_weights_and_grads": True}),
          "'fp16.fp16_master_weights_and_grads' = true asks for fp16 master weights"),
         (dict(optimizer={"type": "Adam", "params": {"amsgrad": True}}), "'optimizer.params.amsgrad' = true"),

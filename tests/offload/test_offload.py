@@ -89,7 +89,7 @@ def test_offload_in_bf16_matches_bf16_without_it():
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs ZeRO stage 1, 2 or 3"),
     ({"stage": 3, "offload_optimizer": {"device": "gpu"}}, "must be \"none\", \"cpu\" or \"nvme\""),
     ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, "needs 'offload_optimizer'"),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "ratio"),
+    ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "ratio": 0.5}}, "ratio"),
 ])
 def test_offload_config_errors_say_what_to_do(zero, match):
     with pytest.raises(zkern.ConfigError, match=match):

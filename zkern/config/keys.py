@@ -260,7 +260,9 @@ OFFLOAD = {
         # DeepSpeed's (SuperOffload's): the share of the CPU Adam's threads the host Adam takes where it runs beside
         # the training thread (the speculative step, the delayed update); the step's own Adam takes them all
         "cpuadam_cores_perc": _float(0.8, 0.0, 1.0),
-        "ratio": DefaultOnly(1.0, "partial optimizer offload"),
+        # DeepSpeed's partial offload (Twin-Flow): the share of each rank's optimizer shard on the host, the rest
+        # stepped on the device (offload/store.py SplitShard)
+        "ratio": _float(1.0, 0.0, 1.0),
         # SuperOffload's speculative CPU step: zkern's speculative_step (below), which it turns on
         "super_offload": _bool(False),
         # zkern's own: each gradient chunk is copied to the host as its reduction lands in the boundary's backward

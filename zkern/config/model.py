@@ -166,6 +166,7 @@ def check_combinations(cfg: Config) -> None:
                           "from the host")
     _check_delayed_update(cfg)
     _check_speculative_step(cfg)
+    _check_partial_offload(cfg)
     _check_muon(cfg)
     _check_zeropp(cfg)
     _check_bf16_state(cfg)
@@ -188,6 +189,28 @@ def _check_delayed_update(cfg: Config) -> None:
         raise ConfigError("'zero_optimization.offload_optimizer.delayed_update' runs zkern's own Adam/AdamW in the "
                           "background: give an 'optimizer' section of type Adam or AdamW (without torch_adam), not "
                           "a torch optimizer")
+
+
+def _check_partial_offload(cfg: Config) -> None:
+    """offload_optimizer.ratio < 1: the host and the device each step their part of the shard in step()."""
+    zero = cfg.zero_optimization
+    if zero.offload_optimizer_ratio >= 1.0:
+        return
+    name = f"'zero_optimization.offload_optimizer.ratio' {zero.offload_optimizer_ratio:g}"
+    if zero.offload_optimizer_device != "cpu":
+        raise ConfigError(f"{name} splits the optimizer between the device and the host; it needs offload_optimizer "
+                          f"device \"cpu\" (got \"{zero.offload_optimizer_device}\")")
+    clashes = [(zero.offload_optimizer_delayed_update, "'delayed_update'", "the host part would run a step behind the "
+                "device part"),
+               (zero.offload_optimizer_speculative_step or zero.offload_optimizer_super_offload,
+                "'speculative_step' (or 'super_offload')", "its guessed step and rollback cover the whole shard"),
+               (zero.offload_param_device != "none", "offload_param", "the device part of the optimizer would write "
+                "parameters that rest on the host"),
+               (cfg.optimizer is not None and cfg.optimizer.type == "muon", "Muon",
+                "its matrices are assembled from one optimizer home")]
+    for on, what, why in clashes:
+        if on:
+            raise ConfigError(f"{name} with {what} is not supported: {why}; set ratio to 1 or drop {what}")
 
 
 def _check_muon(cfg: Config) -> None:

@@ -25,6 +25,8 @@ def summary(cfg: Config) -> list[str]:
              f"accumulation {cfg.gradient_accumulation_steps} x world {cfg.world_size}",
              f"ZeRO stage {zero.stage}, {cfg.precision}, gradient_clipping {cfg.gradient_clipping:g}"]
     offload = [f"optimizer -> {zero.offload_optimizer_device}" for _ in [0] if zero.offload_optimizer_device != "none"]
+    if zero.offload_optimizer_device == "cpu" and zero.offload_optimizer_ratio < 1.0:
+        offload[0] += f" (ratio {zero.offload_optimizer_ratio:g}: that share on the host, the rest on the device)"
     offload += [f"parameters -> {zero.offload_param_device}" for _ in [0] if zero.offload_param_device != "none"]
     if offload:
         lines.append("offload: " + ", ".join(offload))

@@ -127,6 +127,9 @@ class ZeroConfig:
     offload_optimizer_cpuadam_cores_perc: float = _default(K.OFFLOAD["offload_optimizer"], "cpuadam_cores_perc")
     # zkern's own: the host staging is a ring of this many chunk buffers (offload/host.py); 0: the whole shard
     offload_optimizer_staging_chunks: int = _default(K.OFFLOAD["offload_optimizer"], "staging_chunks")
+    # DeepSpeed's partial offload: this share of each rank's optimizer shard (fp32 master, moments, their step) on the
+    # host, the rest on the device, split where a parameter's piece ends (offload/store.py SplitShard)
+    offload_optimizer_ratio: float = _default(K.OFFLOAD["offload_optimizer"], "ratio")
     offload_param_device: str = _default(K.OFFLOAD["offload_param"], "device")
     offload_param_pin_memory: bool = _default(K.OFFLOAD["offload_param"], "pin_memory")
     # offload_optimizer.device "nvme" (ZeRO-Infinity, offload/nvme.py): fp32 master and moments in files under

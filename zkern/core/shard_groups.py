@@ -20,6 +20,9 @@ class Chunk:
     grad: torch.Tensor  # working dtype, (chunk,)
     out: torch.Tensor | None  # working-dtype parameter chunk to refresh (mixed precision), else None
     pieces: list[tuple[int, int, int]]  # (piece index within its group, start within chunk, numel)
+    # partial offload (offload/partial.py): the chunk's master and moments stay on the device and it steps there, in
+    # place; the host step stages only the others
+    on_device: bool = False
 
 
 def shares_staging(chunk: Chunk) -> bool:

@@ -59,6 +59,7 @@ class RuntimeSpec:
     overlap: bool  # overlap_comm: reductions run while backward continues
     reduce_scatter: bool  # stages 1-3: reduce-scatter (else all-reduce and keep this rank's chunk)
     offload_optimizer: str  # "none", "cpu" or "nvme": where the fp32 master and moments live
+    offload_ratio: float  # offload_optimizer.ratio: the share of the shard on the host (1: all; partial below)
     offload_param: str  # "none", "cpu" or "nvme": where stage 3's working shard rests
     pin_optimizer: bool  # page-locked host copies of the optimizer's shard (only with a GPU to copy to)
     pin_params: bool  # page-locked host copies of stage 3's working shard (only with a GPU)
@@ -80,8 +81,15 @@ class RuntimeSpec:
                            comm_dtype=comm_dtype, accum_dtype=accum_dtype, bucket_numel=bucket,
                            overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
                            offload_optimizer=zero.offload_optimizer_device, offload_param=zero.offload_param_device,
+                           offload_ratio=(zero.offload_optimizer_ratio if zero.offload_optimizer_device == "cpu"
+                                          else 1.0),
                            pin_optimizer=cuda and zero.offload_optimizer_pin_memory,
                            pin_params=cuda and zero.offload_param_pin_memory, zero=zero)
+
+    @property
+    def partial(self) -> bool:
+        """Partial offload: part of the optimizer's shard on the device, the rest on the host (SplitShard)."""
+        return self.offload_optimizer == "cpu" and self.offload_ratio < 1.0
 
     @property
     def offloaded(self) -> bool:

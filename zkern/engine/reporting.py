@@ -156,6 +156,12 @@ def log_offload(parts: EngineParts) -> None:
         log.info("zkern NVMe: stage-3 parameter shard in %s (%.1f MB per rank), read ahead by up to %d reads / "
                  "%d elements, up to %d elements cached in host memory", store.directory, store.nbytes / 1e6,
                  store.buffer_count, store.buffer_size, store.max_in_cpu)
+    step = parts.host_step
+    if step is not None and zero.offload_optimizer_ratio < 1.0:
+        total = max(1, step.device_numel + step.host_numel)
+        log.info("zkern partial offload: %.1f%% of rank 0's optimizer shard on the host (%d of %d elements; ratio %g, "
+                 "split where a parameter's piece ends), the rest stepped on the device", 100 * step.host_numel / total,
+                 step.host_numel, total, zero.offload_optimizer_ratio)
     if zero.offload_param_device != "nvme" and zero.offload_param_nvme_path is not None:
         log.warning("zkern: zero_optimization.offload_param.nvme_path is set but the device is %r: the "
                     "parameter shards are not on NVMe (set device \"nvme\" for that)", zero.offload_param_device)
@@ -186,6 +192,7 @@ def memory_report(parts: EngineParts) -> dict[str, dict[str, int]]:
     held = parts.runtime.memory()
     on_host = held.pop("host_params")
     params_on_disk = held.pop("disk_params", 0)
+    master_on_device = held.pop("master_on_device", 0)  # partial offload's device part
     for key, value in held.items():  # ZeRO++ adds hpz_secondary, loco_error and frozen_int8 where they are on
         if key.startswith("host_"):  # resting on the host (offload_param)
             host[key[len("host_"):]] = host.get(key[len("host_"):], 0) + value
@@ -201,8 +208,12 @@ def memory_report(parts: EngineParts) -> dict[str, dict[str, int]]:
                             if id(p) not in trainable)
     optimizer = optimizer_state_bytes(parts.optimizer)
     if parts.offload:
-        host["master"], device["master"] = device["master"], 0
+        host["master"], device["master"] = device["master"], master_on_device
         host["optimizer"] = optimizer
+        if master_on_device:  # partial offload: the moments of the device part's chunks are on the device
+            device["optimizer"] = optimizer * parts.host_step.device_numel // max(
+                1, parts.host_step.device_numel + parts.host_step.host_numel)
+            host["optimizer"] = optimizer - device["optimizer"]
         host["offload_buffers"] = parts.host_step.staging_bytes
         saves = getattr(parts.optimizer, "saves", [])  # the speculative step's rollback (ShardAdam.keep_saves)
         if saves:

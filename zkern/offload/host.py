@@ -49,6 +49,7 @@ from zkern.core.buffers import aligned_zeros, allocated_bytes
 from zkern.core.pinned import pinned_zeros
 from zkern.core.shard_groups import Chunk, ShardGroup, shares_staging
 from zkern.offload.delayed import DelayedUpdate
+from zkern.offload.partial import host_share
 from zkern.offload.speculative import SpeculativeStep
 from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 
@@ -92,45 +93,25 @@ class HostStep(DelayedUpdate, SpeculativeStep):
         self._active: list[list[bool]] | None = None
         cuda = any(c.grad.is_cuda for g in device_groups for c in g.chunks)
         self.stream = torch.cuda.Stream() if cuda else None
-        self.host_groups: list[ShardGroup] = []
-
-        def on_device(c: Chunk) -> bool:  # the chunk's working parameters live on the device
-            return c.out is not None and not out_on_host and not store.in_files(c.out)
-
-        def both_ways(c: Chunk) -> bool:  # the chunk's parameters may stage in its gradient's buffer
-            return on_device(c) and not delayed and (c.out.dtype, c.out.numel()) == (c.grad.dtype, c.grad.numel())
-
-        device_chunks = [c for g in device_groups for c in g.chunks]
-        self.ring: list[torch.Tensor] | None = None  # the staging buffers, when a ring (else one per chunk)
-        if (staging_chunks and per_chunk and not speculative and len(device_chunks) > staging_chunks
-                and all(map(both_ways, device_chunks))
-                and len({c.grad.dtype for c in device_chunks}) == 1):
-            numel = max(c.grad.numel() for c in device_chunks)
-            self.ring = [host_tensor(numel, device_chunks[0].grad.dtype, pin=pin) for _ in range(staging_chunks)]
-        for g in device_groups:
-            chunks = []
-            for c in g.chunks:
-                if self.ring is not None:  # placed in a buffer of the ring before each use (_place)
-                    grad = self.ring[0][:c.grad.numel()]
-                else:
-                    grad = host_tensor(c.grad.numel(), c.grad.dtype, pin=pin)
-                out = c.out
-                if both_ways(c):
-                    out = grad  # the gradient's staging takes the chunk's new values once the Adam has read it
-                elif c.out is not None and (on_device(c) or delayed or speculative or store.in_files(c.out)):
-                    out = host_tensor(c.out.numel(), c.out.dtype, pin=pin)
-                    out.copy_(store.read(c.out))
-                chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))
-            self.host_groups.append(ShardGroup(pieces=g.pieces, chunks=chunks))
+        # the host copies of the shard groups, and the ring of staging buffers they share (else None)
+        self.host_groups, self.ring = _staged_groups(device_groups, store, pin=pin, out_on_host=out_on_host,
+                                                     delayed=delayed, staging_chunks=staging_chunks,
+                                                     per_chunk=per_chunk, speculative=speculative)
         self._position: dict[tuple[int, int], int] = {}  # ring: each chunk's place in this step's order
-        self.grad_bytes = sum(c.grad.nbytes for g in self.host_groups for c in g.chunks)  # the shard, once a step
+        # the host part of the shard, once a step (all of it but partial offload's device part)
+        self.grad_bytes = sum(c.grad.nbytes for g in self.host_groups for c in g.chunks if not c.on_device)
+        # partial offload: the chunks stepped on the device, first in each step (their kernels run while the host
+        # steps the rest), and the elements of each part
+        self.device_keys = [(gi, ci) for gi, g in enumerate(self.host_groups) for ci, c in enumerate(g.chunks)
+                            if c.on_device]
+        self.device_numel, self.host_numel = host_share([c for g in self.host_groups for c in g.chunks])
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self.during_backward = during_backward
         self._sent: set[tuple[int, int]] | None = None  # chunks copied down in this boundary backward (None: none)
         self._spans: list[tuple[int, int, tuple[int, int]]] | None = None  # device gradient byte ranges, sorted
         self._missing: dict[tuple[int, int], int] = {}  # bytes of each chunk's gradient not yet landed
         self._backward_copy_s = 0.0  # host time copying (on CUDA: issuing copies of) gradients during backward
-        self._wait_s = 0.0
+        self._wait_s = self._device_s = self._chunk_began = 0.0
         self.last_step: dict = {}  # the last applied step's accounting (see step())
         self.delayed = delayed
         self._flight: threading.Thread | None = None  # the delayed update's host Adam, while it runs
@@ -158,6 +139,8 @@ class HostStep(DelayedUpdate, SpeculativeStep):
         out = []
         for host, device in zip(self.host_groups, self.device_groups):
             for h, d in zip(host.chunks, device.chunks):
+                if h.on_device:
+                    continue
                 out.append(h.grad)
                 if h.out is not None and h.out is not d.out and not shares_staging(h):
                     out.append(h.out)
@@ -167,6 +150,8 @@ class HostStep(DelayedUpdate, SpeculativeStep):
     def _down(self, gi: int, ci: int) -> None:
         """Device gradient chunk -> host staging (async on CUDA; the event marks its arrival)."""
         src, dst = self.device_groups[gi].chunks[ci].grad, self.host_groups[gi].chunks[ci].grad
+        if src is dst:  # partial offload's device part: nothing to copy
+            return
         if self.stream is None:
             dst.copy_(src)
             return
@@ -207,27 +192,28 @@ class HostStep(DelayedUpdate, SpeculativeStep):
     def _up_and_next(self, gi: int, ci: int) -> None:
         """Ring: this chunk's parameters go up, then the chunk that takes its buffer next comes down behind them
         (on the same stream, so the copy engine has read the buffer before the Adam writes it again)."""
+        if (gi, ci) not in self._position:  # partial offload's device part: stepped in place, outside the ring
+            return
         self._up(gi, ci)
         later = self._position[(gi, ci)] + len(self.ring)
         if later < len(self._order):
             self._timed_down(self._order[later])
 
     def _stepped(self, gi: int, ci: int) -> list[tuple[int, int]]:
-        """Element ranges of chunk ci of group gi that this step updated: the whole chunk (padding included)
-        when every piece stepped, else the runs of adjacent pieces that did."""
-        chunk = self.host_groups[gi].chunks[ci]
-        on = self._active[gi]
-        if all(on[i] for i, _, _ in chunk.pieces):
-            return [(0, chunk.out.numel())]
-        runs: list[list[int]] = []
-        for index, start, numel in chunk.pieces:
-            if not on[index]:
-                continue
-            if runs and runs[-1][1] == start:
-                runs[-1][1] = start + numel
-            else:
-                runs.append([start, start + numel])
-        return [tuple(r) for r in runs]
+        return stepped_ranges(self.host_groups[gi].chunks[ci], self._active[gi])
+
+    def _before_chunk(self, gi: int, ci: int) -> None:
+        self._chunk_began = time.perf_counter()
+        self._wait_down(gi, ci)
+
+    def _after_chunk(self, then):
+        """then(gi, ci) after a chunk's Adam, which adds a device chunk's host time (on a GPU: its launches) to the
+        step's device_step_s (partial offload's device part)."""
+        def after(gi: int, ci: int) -> None:
+            if self.host_groups[gi].chunks[ci].on_device:
+                self._device_s += time.perf_counter() - self._chunk_began
+            then(gi, ci)
+        return after
 
     def _wait_down(self, gi: int, ci: int) -> None:
         event = self._events.pop((gi, ci), None)
@@ -264,6 +250,8 @@ class HostStep(DelayedUpdate, SpeculativeStep):
             self._missing = {}
             for gi, g in enumerate(self.device_groups):
                 for ci, c in enumerate(g.chunks):
+                    if c.on_device:
+                        continue
                     lo = c.grad.data_ptr()
                     size = c.grad.numel() * c.grad.element_size()
                     if size:
@@ -304,7 +292,7 @@ class HostStep(DelayedUpdate, SpeculativeStep):
         (their Adam's host time), "speculation_wait_s" (step()'s wait for the last of them).
         "background_adam_threads": the threads of an Adam run beside the training thread (None: all)."""
         start = time.perf_counter()
-        self._wait_s = 0.0
+        self._wait_s = self._device_s = 0.0
         if self.delayed:
             self.land()  # the engine's step() landed it already (a skipped step lands it too): then a no-op
         if self.stream is not None:
@@ -313,8 +301,11 @@ class HostStep(DelayedUpdate, SpeculativeStep):
         began = time.perf_counter()
         kept, fate = self.verdict(grad_scale, active, optimizer)  # a withdrawn guess's chunks come down again
         verdict_s = time.perf_counter() - began
-        order = [(gi, ci) for gi, g in enumerate(self.host_groups) for ci in range(len(g.chunks))]
+        device = set(self.device_keys)
+        order = [(gi, ci) for gi, g in enumerate(self.host_groups) for ci in range(len(g.chunks))
+                 if (gi, ci) not in device]
         sent = self._sent or set()
+        self._position = {}
         if self.ring is not None:  # those down already first, in the order they came; then backward's order
             order = [k for k in self._landed if k in sent] + [k for k in reversed(order) if k not in sent]
             for p, key in enumerate(order):
@@ -325,10 +316,12 @@ class HostStep(DelayedUpdate, SpeculativeStep):
                 self._timed_down(key)
         moved = sum(self.host_groups[gi].chunks[ci].grad.nbytes for gi, ci in sent)
         self.last_step = {"grad_chunks_in_backward": len(sent), "grad_chunks_at_step": len(order) - len(sent),
+                          "device_chunks": len(self.device_keys), "device_numel": self.device_numel,
                           "grad_bytes_in_backward": moved, "grad_bytes_at_step": self.grad_bytes - moved,
                           "backward_copy_s": self._backward_copy_s if sent else 0.0, "speculation": fate,
                           "speculated_chunks": len(kept), "speculative_adam_s": self._spec_adam_s if kept else 0.0,
                           "speculation_wait_s": verdict_s, "background_adam_threads": self.background_threads}
+        order = self.device_keys + order  # partial offload: the device part steps first, in place
         self._sent, self._backward_copy_s = None, 0.0
         if self.delayed:
             if self.stream is not None:  # the device gradients may be zeroed once the copies have read them
@@ -342,11 +335,12 @@ class HostStep(DelayedUpdate, SpeculativeStep):
             if type(optimizer) is not ShardAdam:
                 raise RuntimeError(f"zkern: offload's staging ring steps chunk by chunk, and the optimizer is "
                                    f"{type(optimizer).__name__}; set offload_optimizer.staging_chunks to 0")
-            optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down,
-                           after_chunk=self._up_and_next, order=order)
+            optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._before_chunk,
+                           after_chunk=self._after_chunk(self._up_and_next), order=order)
         elif isinstance(optimizer, ShardAdam):
-            optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._wait_down, after_chunk=self._up,
-                           **self._send_kept(kept, order))
+            optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._before_chunk,
+                           after_chunk=self._after_chunk(self._up),
+                           **({"order": order} if self.device_keys else {}) | self._send_kept(kept, order))
         else:  # a torch optimizer steps every piece at once
             for gi, ci in order:
                 self._wait_down(gi, ci)
@@ -357,4 +351,61 @@ class HostStep(DelayedUpdate, SpeculativeStep):
             # The next forward reads the parameters on the compute stream: it waits for the uploads. The host
             # buffers are not rewritten before the next step's control all-reduce synchronises the host.
             torch.cuda.current_stream().wait_stream(self.stream)
-        self.last_step.update(step_s=time.perf_counter() - start, grad_wait_s=self._wait_s)
+        self.last_step.update(step_s=time.perf_counter() - start, grad_wait_s=self._wait_s,
+                              device_step_s=self._device_s)
+
+
+def _staged_groups(device_groups: list[ShardGroup], store, *, pin: bool, out_on_host: bool, delayed: bool,
+                   staging_chunks: int, per_chunk: bool, speculative: bool
+                   ) -> tuple[list[ShardGroup], list[torch.Tensor] | None]:
+    """HostStep's host copies of the shard groups (its docstring says which staging each chunk gets) and the ring
+    of staging buffers, when there is one. Partial offload's device chunks (on_device) pass through unstaged."""
+
+    def on_device(c: Chunk) -> bool:  # the chunk's working parameters live on the device
+        return c.out is not None and not out_on_host and not store.in_files(c.out)
+
+    def both_ways(c: Chunk) -> bool:  # the chunk's parameters may stage in its gradient's buffer
+        return on_device(c) and not delayed and (c.out.dtype, c.out.numel()) == (c.grad.dtype, c.grad.numel())
+
+    staged = [c for g in device_groups for c in g.chunks if not c.on_device]
+    ring = None
+    if (staging_chunks and per_chunk and not speculative and len(staged) > staging_chunks
+            and all(map(both_ways, staged)) and len({c.grad.dtype for c in staged}) == 1):
+        numel = max(c.grad.numel() for c in staged)
+        ring = [host_tensor(numel, staged[0].grad.dtype, pin=pin) for _ in range(staging_chunks)]
+    host_groups = []
+    for g in device_groups:
+        chunks = []
+        for c in g.chunks:
+            if c.on_device:  # partial offload's device part: stepped where it lies, never staged
+                chunks.append(c)
+                continue
+            if ring is not None:  # placed in a buffer of the ring before each use (HostStep._place)
+                grad = ring[0][:c.grad.numel()]
+            else:
+                grad = host_tensor(c.grad.numel(), c.grad.dtype, pin=pin)
+            out = c.out
+            if both_ways(c):
+                out = grad  # the gradient's staging takes the chunk's new values once the Adam has read it
+            elif c.out is not None and (on_device(c) or delayed or speculative or store.in_files(c.out)):
+                out = host_tensor(c.out.numel(), c.out.dtype, pin=pin)
+                out.copy_(store.read(c.out))
+            chunks.append(Chunk(param=c.param, grad=grad, out=out, pieces=c.pieces))
+        host_groups.append(ShardGroup(pieces=g.pieces, chunks=chunks))
+    return host_groups, ring
+
+
+def stepped_ranges(chunk: Chunk, on: list[bool]) -> list[tuple[int, int]]:
+    """Element ranges of the chunk that a step updated (on: its group's active pieces): the whole chunk (padding
+    included) when every piece stepped, else the runs of adjacent pieces that did."""
+    if all(on[i] for i, _, _ in chunk.pieces):
+        return [(0, chunk.out.numel())]
+    runs: list[list[int]] = []
+    for index, start, numel in chunk.pieces:
+        if not on[index]:
+            continue
+        if runs and runs[-1][1] == start:
+            runs[-1][1] = start + numel
+        else:
+            runs.append([start, start + numel])
+    return [tuple(r) for r in runs]

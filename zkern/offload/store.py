@@ -11,6 +11,10 @@ A shard (the fp32 master, the working copy, the gradient shard, an optimizer mom
              offsets of ranges of the file but no data, so a read by code that does not know about files fails
              loudly instead of returning stale memory. nvme.NvmeShard holds the master and moments of every runtime,
              nvme_params.NvmeParams stage 3's working shard.
+  split      partial offload (offload_optimizer.ratio < 1): the fp32 master's first elements on the device and the
+             rest on the host (SplitShard); the runtimes hold a meta stand-in as for a file, read() and write() go to
+             whichever part holds a range, and resident() gives the real slice of a range one part holds (the
+             optimizer's pieces and chunks, which never straddle the split)
   int8       stage 3's units with nothing to train under zero_quantized_nontrainable_weights: their resting chunks
              are codes and scales (comm/zeropp.FrozenStore, kept here as `int8`), reached per unit: in_int8(unit),
              read_unit(unit, ...); their dense slices do not exist
@@ -32,7 +36,59 @@ from zkern.offload.host import HostStep, host_tensor
 from zkern.offload.nvme import NvmeShard
 from zkern.offload.nvme_params import NvmeParams
 
-HOMES = ("device", "host", "nvme")  # what allocate() places; int8 chunks are made by keep_int8
+HOMES = ("device", "host", "nvme")  # what allocate() places; int8 chunks are made by keep_int8; split by allocate_split
+
+
+class SplitShard:
+    """A shard whose elements [0, split) rest on the device and [split, numel) on the host (partial offload), behind
+    one meta stand-in whose slices name ranges of it."""
+
+    def __init__(self, numel: int, split: int, dtype: torch.dtype, device: torch.device, *, pin: bool):
+        if not 0 <= split <= numel:
+            raise ValueError(f"SplitShard: split {split} outside [0, {numel}]")
+        self.split = split
+        self.device_part = aligned_zeros(split, dtype, device)
+        self.host_part = host_tensor(numel - split, dtype, pin=pin)
+        self.stand_in = torch.empty(numel, dtype=dtype, device="meta")
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.is_meta and (t._base if t._base is not None else t) is self.stand_in
+
+    def _range(self, t: torch.Tensor) -> tuple[int, int]:
+        if not t.is_contiguous():
+            raise ValueError("SplitShard: a range of the shard must be contiguous")
+        lo = t.storage_offset()
+        return lo, lo + t.numel()
+
+    def resident(self, t: torch.Tensor) -> torch.Tensor:
+        """The real slice t stands for; it must lie in one part."""
+        lo, hi = self._range(t)
+        if hi <= self.split:
+            return self.device_part[lo:hi].view(t.shape)
+        if lo >= self.split:
+            return self.host_part[lo - self.split:hi - self.split].view(t.shape)
+        raise ValueError(f"SplitShard: elements [{lo}, {hi}) straddle the device/host split at {self.split}")
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        lo, hi = self._range(t)
+        if hi <= self.split or lo >= self.split:
+            return self.resident(t)
+        device = self.device_part[lo:]
+        return torch.cat([device, self.host_part[:hi - self.split].to(device.device)]).view(t.shape)
+
+    def write(self, t: torch.Tensor, values: torch.Tensor) -> None:
+        lo, hi = self._range(t)
+        flat = values.reshape(-1)
+        cut = min(max(self.split - lo, 0), hi - lo)
+        if cut:
+            self.device_part[lo:lo + cut].copy_(flat[:cut])
+        if cut < hi - lo:
+            self.host_part[max(lo - self.split, 0):hi - self.split].copy_(flat[cut:])
+
+    def nbytes(self) -> tuple[int, int]:
+        """(device bytes, host bytes)."""
+        return (self.device_part.numel() * self.device_part.element_size(),
+                self.host_part.numel() * self.host_part.element_size())
 
 
 class ShardStore:
@@ -48,6 +104,7 @@ class ShardStore:
         # the background; a read waits for it, a write lands it first (host.py). The speculative step's host step
         # too: a read or write withdraws its guess first (speculative.py)
         self.delayed: HostStep | None = None
+        self.splits: list[SplitShard] = []  # partial offload's masters (allocate_split)
 
     # -- where ------------------------------------------------------------------------------------------------
     def allocate(self, numel: int, dtype: torch.dtype, home: str, *, pin: bool = False) -> torch.Tensor:
@@ -67,6 +124,39 @@ class ShardStore:
             case _:
                 raise ValueError(f"ShardStore: home must be one of {HOMES}, got {home!r}")
 
+    def allocate_split(self, numel: int, split: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+        """A zeroed shard of numel elements whose first `split` rest on the device and the rest on the host (partial
+        offload); returns its stand-in. The runtime chooses split where no piece of a parameter straddles it."""
+        shard = SplitShard(numel, split, dtype, self.device, pin=pin)
+        self.splits.append(shard)
+        return shard.stand_in
+
+    def resident(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor holding t's values in memory: t itself, or the part of a split shard holding the range t
+        names (the optimizer's pieces and chunks step those in place). A range in a file stays its stand-in."""
+        split = self._split_of(t)
+        return t if split is None else split.resident(t)
+
+    def split_parts(self, t: torch.Tensor | None) -> list[torch.Tensor]:
+        """The device and host parts behind a split shard's stand-in (what the state registry counts and moves); []
+        for anything else."""
+        split = None if t is None else self._split_of(t)
+        return [] if split is None else [split.device_part, split.host_part]
+
+    def split_bytes(self, t: torch.Tensor | None) -> tuple[int, int]:
+        """(device bytes, host bytes) of a split shard's stand-in; (0, 0) for anything else."""
+        split = None if t is None else self._split_of(t)
+        return (0, 0) if split is None else split.nbytes()
+
+    def split_of(self, t: torch.Tensor) -> SplitShard | None:
+        """The split shard t is a range of (partial offload), else None."""
+        return self._split_of(t)
+
+    def _split_of(self, t: torch.Tensor) -> SplitShard | None:
+        if not t.is_meta:
+            return None
+        return next((s for s in self.splits if s.owns(t)), None)
+
     def attach_param_file(self, params: NvmeParams) -> torch.Tensor:
         """Stage 3's working shard moves to a file: returns the stand-in the runtime holds instead."""
         self.params = params
@@ -82,7 +172,8 @@ class ShardStore:
 
     @staticmethod
     def in_files(t: torch.Tensor) -> bool:
-        """t (or the shard it is a slice of) rests in a file, not in memory."""
+        """t (or the shard it is a slice of) is a stand-in: it rests in a file, or in the two parts of a split shard;
+        either way its values are reached through read() and write(), not through t."""
         return t.is_meta
 
     @staticmethod
@@ -128,6 +219,9 @@ class ShardStore:
             return t
         if self._in_param_file(t):
             return self.params.read(t)
+        split = self._split_of(t)
+        if split is not None:
+            return split.read(t)
         return self._optimizer_files().read(state, t)
 
     def write(self, t: torch.Tensor, values: torch.Tensor, state: str = "master") -> None:
@@ -138,6 +232,8 @@ class ShardStore:
             t.copy_(values)
         elif self._in_param_file(t):
             self.params.write(t, values)
+        elif (split := self._split_of(t)) is not None:
+            split.write(t, values)
         else:
             self._optimizer_files().write(state, t, values)
 

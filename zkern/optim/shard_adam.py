@@ -52,6 +52,9 @@ class ShardAdam(torch.optim.Optimizer):
         """Allocate per group a master and two moments laid out like the moments, which a step(save=True) fills with
         the values before it (offload/speculative.py's rollback). 12 host bytes an element with fp32 state, 6 with
         bf16 master and moments."""
+        if any(len(b) > 1 for b in self._buffers):
+            raise ValueError("ShardAdam.keep_saves: the speculative step's saves need each group's moments in one "
+                             "place (partial offload refuses it)")
         self.saves = [(torch.zeros(m.numel(), dtype=g.chunks[0].param.dtype if g.chunks else torch.float32),
                        torch.zeros_like(m), torch.zeros_like(v))
                       for g, m, v in zip(self.shard_groups, self.exp_avg, self.exp_avg_sq)]
@@ -69,19 +72,39 @@ class ShardAdam(torch.optim.Optimizer):
     def _allocate_moments(self, groups: list[ShardGroup]) -> None:
         # Each group's moments cover its own chunks only, back to back: at stage 3 every group's chunks lie in
         # one shard shared with the other groups and the frozen parameters, and a shard-sized buffer per group
-        # would cost 8 bytes per element of the whole shard for every group.
-        self._start = [_compact_starts(g) for g in groups]  # per group, per chunk: its first moment element
-        sizes = [starts[-1] + g.chunks[-1].param.numel() if g.chunks else 0 for starts, g in zip(self._start, groups)]
-        self.exp_avg = [aligned_zeros(n, self.state_dtype, _device(g)) for n, g in zip(sizes, groups)]
-        self.exp_avg_sq = [aligned_zeros(n, self.state_dtype, _device(g)) for n, g in zip(sizes, groups)]
+        # would cost 8 bytes per element of the whole shard for every group. Chunks on other devices (partial
+        # offload: some on the device, the rest on the host) get buffers on their own device, each back to back.
+        self._start = []  # per group, per chunk: its first moment element in its device's buffers
+        self._buffers: list[dict[torch.device, tuple[torch.Tensor, torch.Tensor]]] = []  # per group, per device
+        self._chunk_buffers: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per group, per chunk
+        for g in groups:
+            by_device: dict[torch.device, list[int]] = {}
+            for ci, chunk in enumerate(g.chunks):
+                by_device.setdefault(chunk.param.device, []).append(ci)
+            starts, buffers = [0] * len(g.chunks), {}
+            for device, indices in (by_device or {torch.device("cpu"): []}).items():
+                sub = _compact_starts([g.chunks[i] for i in indices])
+                size = sub[-1] + g.chunks[indices[-1]].param.numel() if indices else 0
+                buffers[device] = (aligned_zeros(size, self.state_dtype, device),
+                                   aligned_zeros(size, self.state_dtype, device))
+                for ci, start in zip(indices, sub):
+                    starts[ci] = start
+            self._start.append(starts)
+            self._buffers.append(buffers)
+            self._chunk_buffers.append([buffers[chunk.param.device] for chunk in g.chunks])
+        # the group's buffers on its first chunk's device (its only ones but under partial offload)
+        self.exp_avg = [b[_device(g)][0] if _device(g) in b else next(iter(b.values()))[0]
+                        for b, g in zip(self._buffers, groups)]
+        self.exp_avg_sq = [b[_device(g)][1] if _device(g) in b else next(iter(b.values()))[1]
+                           for b, g in zip(self._buffers, groups)]
         # Per-piece state as views into the flat buffers, shaped like the piece (as torch's AdamW keeps it).
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for gi, g in enumerate(groups):
             for ci, chunk in enumerate(g.chunks):
+                exp_avg, exp_avg_sq = self._chunk_buffers[gi][ci]
                 for index, start, numel in chunk.pieces:
                     lo, piece = self._start[gi][ci] + start, g.pieces[index]
-                    views = (self.exp_avg[gi][lo:lo + numel].view(piece.shape),
-                             self.exp_avg_sq[gi][lo:lo + numel].view(piece.shape))
+                    views = (exp_avg[lo:lo + numel].view(piece.shape), exp_avg_sq[lo:lo + numel].view(piece.shape))
                     self._views[id(piece)] = views
                     self.state[piece] = {"exp_avg": views[0], "exp_avg_sq": views[1]}
 
@@ -112,8 +135,9 @@ class ShardAdam(torch.optim.Optimizer):
         """Every piece as if it never stepped: zero moments, step counts 0."""
         for gi, g in enumerate(self.shard_groups):
             if self.exp_avg:  # the flat buffers at once (NvmeAdam keeps them on disk: piece by piece there)
-                self.exp_avg[gi].zero_()
-                self.exp_avg_sq[gi].zero_()
+                for exp_avg, exp_avg_sq in self._buffers[gi].values():
+                    exp_avg.zero_()
+                    exp_avg_sq.zero_()
                 self.steps[gi] = [0] * len(g.pieces)
             else:
                 for i in range(len(g.pieces)):
@@ -127,7 +151,7 @@ class ShardAdam(torch.optim.Optimizer):
         return {"sr_seed": call_seed(self.rounding_seed, group, step), "sr_offset": offset}
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.exp_avg, *self.exp_avg_sq))
+        return sum(t.numel() * t.element_size() for b in self._buffers for pair in b.values() for t in pair)
 
     def state_dict(self) -> dict:
         """torch's format: per piece 'step', 'exp_avg', 'exp_avg_sq' (this rank's shard pieces)."""
@@ -194,8 +218,9 @@ class ShardAdam(torch.optim.Optimizer):
                 # host): written on the master's device, then copied over
                 away = out is not None and out.device != chunk.param.device
                 saved = tuple(t[s + lo:s + hi] for t in self.saves[gi]) if save else None
-                ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], self.exp_avg[gi][s + lo:s + hi],
-                               self.exp_avg_sq[gi][s + lo:s + hi], step=step + 1,
+                exp_avg, exp_avg_sq = self._chunk_buffers[gi][ci]
+                ops.adam_step_(chunk.param[lo:hi], chunk.grad[lo:hi], exp_avg[s + lo:s + hi],
+                               exp_avg_sq[s + lo:s + hi], step=step + 1,
                                param_out=None if away else out, **hyper[gi],
                                **self.rounding(gi, step + 1, chunk.param.storage_offset() + lo), save=saved,
                                threads=threads)
@@ -215,14 +240,14 @@ class ShardAdam(torch.optim.Optimizer):
         return None
 
 
-def _compact_starts(group: ShardGroup) -> list[int]:
+def _compact_starts(chunks: list[Chunk]) -> list[int]:
     """Each chunk's first element in the group's moment buffers: back to back, except that a chunk's moments start
     at the same offset modulo ALIGN as its master does in the shard (a stage-3 group's chunk may start inside a
     unit), so the master, gradient, copy and moments of one step call share their phase of 16 bytes and a GPU
     kernel moves all of them with 128-bit accesses after one short head. Stage 1-2 chunks are whole aligned
     chunks: there the moments mirror the shard exactly."""
     starts, total = [], 0
-    for chunk in group.chunks:
+    for chunk in chunks:
         total += (chunk.param.storage_offset() - total) % ALIGN
         starts.append(total)
         total += chunk.param.numel()

@@ -22,6 +22,7 @@ from zkern.core.buffers import aligned_empty, aligned_zeros, release, restore
 from zkern.core.partition import ALIGN, Bucket, Layout, plan_layout
 from zkern.core.shard_groups import Chunk, ShardGroup
 from zkern.core.spec import RuntimeSpec
+from zkern.offload.partial import place_chunks, split_point
 from zkern.offload.store import ShardStore
 
 
@@ -55,13 +56,7 @@ class FlatGroup:
         # beside the model. torch.empty commits pages only as they are written.
         self.param_flat = aligned_empty(layout.total, dtype, device)
         self.store = store
-        self.master = None
-        if spec.offload_optimizer == "nvme":
-            self.master = store.allocate(layout.shard_numel, spec.master_dtype, "nvme")
-        elif spec.offloaded:
-            self.master = store.allocate(layout.shard_numel, spec.master_dtype, "host", pin=spec.pin_optimizer)
-        elif mixed:
-            self.master = aligned_empty(layout.shard_numel, spec.master_dtype, device)
+        self.master = _allocate_master(spec, store, layout, self.shard_rank)
         for b in layout.buckets:
             _write_bucket(b, params, self.param_flat, self.master, layout.chunk_range(b, self.shard_rank), store)
             for i in range(b.first, b.last):
@@ -173,6 +168,9 @@ class FlatGroup:
             param = own if base is None else base[b.shard_offset:b.shard_offset + b.chunk]
             chunks.append(Chunk(param=param, grad=self.grad_chunk(b), out=own if base is not None else None,
                                 pieces=by_bucket[b.index]))
+        if base is not None and self.store.split_of(base) is not None:  # partial offload: real slices of each part
+            pieces = [self.store.resident(t) for t in pieces]
+            chunks = place_chunks(chunks, self.store)
         return ShardGroup(pieces=pieces, chunks=chunks)
 
     def active_pieces(self, used: list[bool]) -> list[bool]:
@@ -326,6 +324,24 @@ class FlatGroup:
         self._micro_since_step = 0  # stage 2: the next reduced chunk overwrites the shard
         self.used = [False] * len(self.params)
 
+
+
+def _allocate_master(spec: RuntimeSpec, store: ShardStore, layout: Layout, rank: int) -> torch.Tensor | None:
+    """The fp32 master shard in its home: the optimizer's files, split between the device and the host (partial
+    offload, offload/partial.py: where a piece ends), the host, or the device in mixed precision; None in fp32
+    without offload (the flat parameter buffer is the master)."""
+    numel = layout.shard_numel
+    if spec.offload_optimizer == "nvme":
+        return store.allocate(numel, spec.master_dtype, "nvme")
+    if spec.partial:
+        pieces = [(q.shard_start, q.shard_start + q.numel) for q in layout.pieces(rank)]
+        return store.allocate_split(numel, split_point(numel, spec.offload_ratio, pieces), spec.master_dtype,
+                                    pin=spec.pin_optimizer)
+    if spec.offloaded:
+        return store.allocate(numel, spec.master_dtype, "host", pin=spec.pin_optimizer)
+    if spec.mixed:
+        return aligned_empty(numel, spec.master_dtype, spec.device)
+    return None
 
 
 def _write_bucket(b: Bucket, params: list[torch.nn.Parameter], param_flat: torch.Tensor, master: torch.Tensor | None,

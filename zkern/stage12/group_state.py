@@ -127,7 +127,7 @@ def grad_values(g: FlatGroup) -> dict:
 
 
 def weight_tensors(g: FlatGroup) -> list[torch.Tensor]:
-    return [t for t in (g.param_flat, g.master) if t is not None] + list(g.params)
+    return [t for t in (g.param_flat, g.master) if t is not None] + g.store.split_parts(g.master) + list(g.params)
 
 
 def grad_tensors(g: FlatGroup) -> list[torch.Tensor]:
@@ -144,5 +144,6 @@ def memory(g: FlatGroup) -> dict[str, int]:
     nbytes = ShardStore.resident_bytes
     grads = nbytes(g.grad_flat) + nbytes(g.grad_shard)
     buffers = g._buffer_count * g._bucket_capacity * g.comm_dtype.itemsize
-    return {"params": nbytes(g.param_flat), "grads": grads, "master": nbytes(g.master),
-            "comm_buffers": buffers}
+    on_device, on_host = g.store.split_bytes(g.master)  # partial offload's two parts
+    return {"params": nbytes(g.param_flat), "grads": grads, "master": nbytes(g.master) + on_host,
+            "master_on_device": on_device, "comm_buffers": buffers}

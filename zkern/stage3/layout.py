@@ -18,6 +18,7 @@ from zkern.core.partition import ALIGN, plan_unit_layout
 from zkern.core.runtime import ShardMap
 from zkern.core.shard_groups import Chunk, ShardGroup
 from zkern.core.spec import RuntimeSpec
+from zkern.offload.partial import place_chunks, split_point
 from zkern.offload.store import ShardStore
 from zkern.stage3.ds_attributes import mark
 from zkern.stage3.lifecycle import Unit
@@ -88,6 +89,11 @@ def allocate(s: Shards, spec: RuntimeSpec, store: ShardStore, param_files) -> No
     s.master = None
     if spec.offload_optimizer == "nvme":  # the master is a region of the optimizer's files
         s.master = store.allocate(shard, spec.master_dtype, "nvme")
+    elif spec.partial:  # the shard's start on the device, the rest on the host (offload/partial.py)
+        trained = [(q.shard_start, q.shard_start + q.numel) for q in s.layout.pieces(s.comm.rank)
+                   if q.shard_start < shard and s.all_params[q.param].requires_grad]
+        s.master = store.allocate_split(shard, split_point(shard, spec.offload_ratio, trained), spec.master_dtype,
+                                        pin=spec.pin_optimizer)
     elif spec.offload_optimizer == "cpu":
         s.master = store.allocate(shard, spec.master_dtype, "host", pin=spec.pin_optimizer)
     elif spec.mixed or s.params_on_host:
@@ -169,6 +175,9 @@ def make_shard_groups(s: Shards, groups: list[list[torch.nn.Parameter]]) -> list
             chunks.append(Chunk(param=base[lo:hi], grad=s.grad_shard[lo:hi],
                                 out=None if out_base is None else out_base[lo:hi],
                                 pieces=[(index, start - lo, numel) for index, start, numel in span]))
+        if s.master is not None and s.store.split_of(s.master) is not None:  # partial offload: real part slices
+            pieces[gi] = [s.store.resident(t) for t in pieces[gi]]
+            chunks = place_chunks(chunks, s.store)
         result.append(ShardGroup(pieces=pieces[gi], chunks=chunks))
     return result
 

@@ -47,7 +47,7 @@ def state_components(s: Shards, reducer: GradReducer, quantized: QuantizedReduce
         Component("stage3.weights", "weights", snapshot=weights,
                   tensors=lambda: [t for t in (s.param_shard, s.master, s.empty,
                                                s.store.int8.store if s.store.int8 is not None else None)
-                                   if t is not None] + list(s.all_params)),
+                                   if t is not None] + s.store.split_parts(s.master) + list(s.all_params)),
         Component("stage3.gradients", "transient", reset=zero_grad, snapshot=gradients,
                   tensors=lambda: [s.grad_shard,
                                    *(g.buffer for g in reducer.groups if g.buffer is not None),
@@ -75,8 +75,10 @@ def memory(s: Shards, reducer: GradReducer, quantized: QuantizedReduce | None) -
     shard, disk = nbytes(s.param_shard), {}
     if s.param_store is not None:  # the file, and the chunks cached in host memory
         shard, disk = s.param_store.cache_bytes(), {"disk_params": s.param_store.nbytes}
+    on_device, on_host = s.store.split_bytes(s.master)  # partial offload's two parts
     return {"params": shard + persistent, "grads": nbytes(s.grad_shard),
-            "master": nbytes(s.master), "comm_buffers": live + reducer.buffer_bytes(),
+            "master": nbytes(s.master) + on_host, "master_on_device": on_device,
+            "comm_buffers": live + reducer.buffer_bytes(),
             "host_params": shard if s.params_on_host else 0, **disk,
             **frozen, **(s.secondary.memory() if s.secondary is not None else {}),
             **(quantized.memory() if quantized is not None else {})}

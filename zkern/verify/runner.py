@@ -79,6 +79,7 @@ def config(draw: Draw, world: int, stage: int, root: str, device: str) -> dict:
     if draw.offload_optimizer != "none" and stage > 0:
         zero["offload_optimizer"] = {"device": draw.offload_optimizer, "nvme_path": nvme, "buffer_count": 3,
                                      "delayed_update": draw.delayed_update, "staging_chunks": draw.staging_chunks,
+                                     "ratio": draw.offload_ratio,
                                      "speculative_step": draw.speculative}
     if draw.offload_param != "none" and stage == 3:
         zero["offload_param"] = {"device": draw.offload_param, "nvme_path": nvme, "max_in_cpu": 1000}

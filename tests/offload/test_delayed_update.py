@@ -112,6 +112,26 @@ def test_a_weight_set_between_steps_is_not_overwritten_when_the_update_lands(sta
     engine.destroy()
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_write_of_the_values_held_before_the_update_in_flight_is_a_write(stage):
+    """Inside GatheredParameters(modifier_rank=0) with an update in flight, a layer norm reset to ones (the values the
+    forward still computes with before the update lands) is reset: the context shows the trained weights, so every
+    written element differs from them and is written. Before, the context showed the weights before the update, a
+    reset element compared equal to them, and it kept the update's value (2026-11-28, fuzz seed 457105)."""
+    torch.manual_seed(0)
+    engine = zkern.Engine(TinyGPT(), _config(stage))
+    _train(engine, range(1))  # update 0 in flight: the working weights are still the initial ones
+    p = dict(engine.module.named_parameters())["blocks.0.ln1.weight"]
+    with zkern.GatheredParameters([p], modifier_rank=0):
+        assert not torch.equal(p.detach().float(), torch.ones_like(p, dtype=torch.float32)), \
+            "the context shows the weights before the update in flight"
+        p.data.fill_(1.0)
+    state = engine.full_state_dict()
+    assert torch.equal(state["blocks.0.ln1.weight"], torch.ones_like(state["blocks.0.ln1.weight"]))
+    assert not torch.equal(state["blocks.0.ln2.weight"], torch.ones_like(state["blocks.0.ln2.weight"]))  # landed
+    engine.destroy()
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_next_backward_copies_a_chunk_down_only_once_the_delayed_adam_is_done_with_it(stage):
     """The background Adam steps the chunks in the order they landed, and the next backward's copy of a chunk waits

@@ -110,6 +110,13 @@ REGRESSIONS = [
     # the same at stage 2, world 2: the landed chunks were not gathered across ranks
     '{"delayed_update": true, "offload_optimizer": "cpu", "seed": 800752, "stage": 2, "steps": 5, "world": 2, '
     '"write_at": 2}',
+    # a GatheredParameters write with an update in flight: the context showed the weights before it, so the elements
+    # written with those very values (a layer norm's ones at step 1) counted as unchanged and kept the update's
+    # values (seed 6200's 2,000 draws, 2026-11-28; now the context shows the trained weights: store.trained_view)
+    '{"delayed_update": true, "offload_optimizer": "cpu", "seed": 457105, "stage": 1, "write_at": 1}',
+    '{"arch": "moe", "checkpoint": "zkern", "clip": 0.05, "delayed_update": true, "eval_at": 1, "eval_generation": '
+    'true, "frontend": "accelerator", "offload_optimizer": "cpu", "save_at": 1, "scheduler": "WarmupLR_log", "seed": '
+    '457105, "stage": 1, "stage_after": 2, "steps": 3, "world": 1, "world_after": 3, "write_at": 1}',
 ]
 
 

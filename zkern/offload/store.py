@@ -209,6 +209,17 @@ class ShardStore:
             return contextlib.nullcontext()
         return self.delayed.landed_view()
 
+    def trained_view(self, modifier_rank: int | None) -> contextlib.ExitStack:
+        """A GatheredParameters context that may write (a modifier rank) shows the trained model: a delayed update in
+        flight is landed in view (landed_view) until the returned stack is closed, so the values a rank writes are
+        compared with the weights the update gives them (writing the value an element held before the update
+        writes it). The context closes it before a write lands the update for real, and a context that changed
+        nothing leaves the run as it was. Collective, as landed_view is."""
+        stack = contextlib.ExitStack()
+        if modifier_rank is not None and self.update_pending():
+            stack.enter_context(self.landed_view())
+        return stack
+
     def read(self, t: torch.Tensor, state: str = "master") -> torch.Tensor:
         """The values of t: t itself when it is in memory; else read from the file its stand-in names (the
         parameter file for the working shard's slices, else the optimizer's `state` file: master, exp_avg,

@@ -70,10 +70,11 @@ def shard_slice(g: FlatGroup, i: int) -> slice:
     return slice(b.shard_offset, b.shard_offset + b.chunk)
 
 
-def write_modified(comm, store, index: dict, pinned: list, modifier_rank: int) -> None:
+def write_modified(comm, store, index: dict, pinned: list, modifier_rank: int, before_landing=None) -> None:
     """A GatheredParameters context with a modifier rank ends: that rank's values reach every rank's copy, and the
     elements it changed the fp32 masters. pinned: (parameter, its values when the context began); index: id(p) ->
-    (group, parameter index). Where nothing changed, nothing is written (a delayed update in flight stays so)."""
+    (group, parameter index). Where nothing changed, nothing is written (a delayed update in flight stays so).
+    before_landing: called once the changes are known, before a delayed update lands (store.trained_view's close)."""
     with torch.no_grad():
         edits = []
         for p, before in pinned:
@@ -82,6 +83,8 @@ def write_modified(comm, store, index: dict, pinned: list, modifier_rank: int) -
             new = p.detach().clone()  # a copy: a landing below refreshes p from the shards
             edits.append((p, new, (new != before) & ~(new.isnan() & before.isnan())))
         # every rank sees the same broadcast values, so every rank reaches the same answer without a collective
+        if before_landing is not None:
+            before_landing()
         if not any(changed.any() for _, _, changed in edits):
             return
         store.land_update()  # its weights must not arrive over the write

@@ -80,6 +80,7 @@ class Stage12Runtime:
         self._reducing = False
         self._in_pass = False  # inside engine.backward (begin_backward to end_backward)
         self._handles = []
+        self._views: list = []  # open GatheredParameters contexts' trained views (store.trained_view), innermost last
         for gi, g in enumerate(self.groups):
             for i, p in enumerate(g.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad_at, gi, i)))
@@ -263,9 +264,11 @@ class Stage12Runtime:
         """Parameters are whole at stages 0-2: nothing to gather. With a modifier rank, each one's values are kept,
         so that unpin can tell which elements the modifier changed (a collective: the ranks check they agree)."""
         _agree_on_pin(self.groups[0].comm, len(params), modifier_rank, self.groups[0].param_flat.device)
-        # a delayed update in flight stays so: the context shows the weights the forward computes with (unpin lands
-        # it only where a rank changed something)
-        self.groups[0].store.settle()
+        # a delayed update in flight stays so (unpin lands it only where a rank changed something); a context that
+        # may write shows it landed in view (store.trained_view), so its writes are compared with the trained model
+        store = self.groups[0].store
+        store.settle()
+        self._views.append(store.trained_view(modifier_rank))
         return [(p, p.detach().clone() if modifier_rank is not None else None) for p in params]
 
     def unpin(self, pinned: list, modifier_rank: int | None) -> None:
@@ -274,8 +277,13 @@ class Stage12Runtime:
         the others keep their fp32 master value, which the 16-bit copy had only rounded). The optimizer's moments
         are kept. Without one, the parameters are the training copies as they are: a change made in the context
         on one rank is not written into the masters, and the next optimizer step writes over it."""
-        if modifier_rank is not None:
-            group_state.write_modified(self.groups[0].comm, self.groups[0].store, self._index, pinned, modifier_rank)
+        view = self._views.pop()
+        try:
+            if modifier_rank is not None:
+                group_state.write_modified(self.groups[0].comm, self.groups[0].store, self._index, pinned,
+                                           modifier_rank, before_landing=view.close)
+        finally:
+            view.close()
 
     def add_external_reader(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
         """`module` reads p in its forward (GatheredParameters' fwd_module): its forward now marks p as able to get

@@ -76,9 +76,10 @@ def agree_pin(s: Shards, gatherer: Gatherer, u: Unit, modifier_rank: int | None)
                         f"pass the same parameters in the same order")
 
 
-def unpin(s: Shards, gatherer: Gatherer, units: list[Unit], modifier_rank: int | None) -> None:
+def unpin(s: Shards, gatherer: Gatherer, units: list[Unit], modifier_rank: int | None, before_landing=None) -> None:
     """Leave a GatheredParameters context; with modifier_rank, write that rank's values into every shard (the
-    working copy, and the fp32 master where a value changed). Where no rank's values changed, nothing is written:
+    working copy, and the fp32 master where a value changed; before_landing runs once that is known, before a
+    delayed update lands). Where no rank's values changed, nothing is written:
     a context that only read leaves the run exactly as it was (a delayed update in flight stays in flight)."""
     if modifier_rank is not None:
         with torch.no_grad():
@@ -88,6 +89,8 @@ def unpin(s: Shards, gatherer: Gatherer, units: list[Unit], modifier_rank: int |
             if s.comm.world > 1:
                 s.comm.all_reduce(flag, "GatheredParameters: whether any rank's parameters changed", kind="control",
                                   op=torch.distributed.ReduceOp.MAX)
+            if before_landing is not None:  # the changes are known: the trained view closes before a landing
+                before_landing()
             if flag.item():
                 s.store.land_update()  # a delayed update in flight lands first: its weights must not arrive later
                 for u, mine, changed in edits:

@@ -92,6 +92,7 @@ class Stage3Runtime:
         self.hooks = Stage3Hooks(model, s.units, needs, self.gatherer, unit_of=s.unit_of,
                                  merge_divergent=self.merge_divergent)
         self._child_handles = layout.watch_optional_children(model, self.units, needs)
+        self._views: list = []  # open GatheredParameters contexts' trained views (store.trained_view), innermost last
         reduce_comm = comm.sibling()
         self.quantized = QuantizedReduce.from_config(reduce_comm, zero)
         self.reducer = GradReducer(s.units, reduce_comm, grad_shard=s.grad_shard,
@@ -231,12 +232,23 @@ class Stage3Runtime:
         return pinning.generation_params(self.units, self.gatherer.max_live)
 
     def pin(self, params: list[torch.nn.Parameter], modifier_rank: int | None) -> list[Unit]:
-        # a delayed update in flight stays so: the context shows the weights the forward computes with, and lands
-        # it only where a rank changed something (pinning.unpin)
-        return pinning.pin(self.shards, self.gatherer, params, modifier_rank)
+        # a delayed update in flight stays so, and lands only where a rank changed something (pinning.unpin); a
+        # context that may write shows it landed in view (store.trained_view), its writes compared with that
+        view = self.shards.store.trained_view(modifier_rank)
+        try:
+            units = pinning.pin(self.shards, self.gatherer, params, modifier_rank)
+        except BaseException:
+            view.close()
+            raise
+        self._views.append(view)
+        return units
 
     def unpin(self, units: list[Unit], modifier_rank: int | None) -> None:
-        pinning.unpin(self.shards, self.gatherer, units, modifier_rank)
+        view = self._views.pop()
+        try:
+            pinning.unpin(self.shards, self.gatherer, units, modifier_rank, before_landing=view.close)
+        finally:
+            view.close()
 
     def add_external_reader(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
         u = self.shards.unit_of[id(p)]

@@ -47,6 +47,7 @@ TARGETED = [
     '{"seed": 32, "stage": 3, "views": true, "world": 2}',
     '{"delayed_update": true, "offload_optimizer": "cpu", "reads_at": 1, "seed": 33, "stage": 2, "world": 2}',
     '{"optimizer": "Muon", "seed": 34, "stage": 3, "world": 2}',
+    '{"delayed_update": true, "offload_optimizer": "cpu", "seed": 457105, "stage": 1, "write_at": 1}',
 ]
 
 
@@ -76,6 +77,8 @@ KILLERS = {
     "stage3.views_freed": 21, "offload.save_lands_update": 22, "offload.export_one_behind": 22,
     "engine.hooks_hold_runtime": 4,
     "muon.spans_not_assembled": 23, "muon.aspect_scale_dropped": 23,  # added 2026-11-28 with Muon (optim/muon.py)
+    # added 2026-11-28: the GatheredParameters write the fuzzer found comparing with the weights before the update
+    "offload.write_compared_with_stale": 24,
 }
 
 

@@ -32,6 +32,7 @@ from zkern.verify.planted_offload import (
     speculation_kept_when_clipped,
     staging_takes_working_copies,
     upload_unwaited,
+    write_compared_with_stale,
 )
 
 ENV = "ZKERN_MUTANT"
@@ -466,6 +467,8 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
                                   _hooks_hold_runtime),
     "offload.export_one_behind": ("the exports miss the delayed update in flight", export_one_behind),
     "offload.save_lands_update": ("a save lands the delayed update early, changing the run", save_lands_update),
+    "offload.write_compared_with_stale": ("a write under the delayed update is compared with the weights before it",
+                                          write_compared_with_stale),
     "accelerate.boundary_ignored": ("zkern.hf.Accelerator's backward steps at every micro-step",
                                     _accelerate_boundary_ignored),
     "accelerate.load_flags_dropped": ("zkern.hf.Accelerator's load_state drops its load flags",

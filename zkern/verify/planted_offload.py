@@ -112,3 +112,13 @@ def save_lands_update(p) -> None:
     from zkern.offload.store import ShardStore
 
     p.set(ShardStore, "settle", lambda self: self.land_update())
+
+
+def write_compared_with_stale(p) -> None:
+    """A GatheredParameters context that may write shows the weights before the delayed update in flight, so an
+    element written with the value it held before the update counts as unchanged and keeps the update's value."""
+    import contextlib
+
+    from zkern.offload.store import ShardStore
+
+    p.set(ShardStore, "trained_view", lambda self, modifier_rank: contextlib.ExitStack())

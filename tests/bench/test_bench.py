@@ -522,16 +522,22 @@ def test_offload_suite_accounts_for_where_the_gradients_went_down():
     delayed update and a speculative step whose guess stood, the ring's first four chunks with it, none at step()
     and where the guess was undone: those come down again), and times the delayed and the speculative host Adam and
     the share of it hidden. Without clipping every guess stands; with it, as the gradient norm falls (the tiny GPT's
-    is below 1.0 here, the small one's above it)."""
+    is below 1.0 here, the small one's above it). The partial offload's row (ratio 0.5) stages only the host part's
+    gradients and says the share stepped on the device and that part's time."""
     from bench import offload_suite
 
     rec = offload_suite.run([1, 3], 2, "tiny", steps=4, progress=lambda line: None)
     rows = {(r["stage"], r["mode"]): r for r in rec["rows"]}
     assert set(rows) == {(s, m) for s in (1, 3) for m in ("backward", "whole", "step", "delayed", "speculative",
-                                                           "speculative-unclipped")}
+                                                           "speculative-unclipped", "partial")}
     for mode in ("backward", "step"):  # stage 3's two units are two chunks a rank: no ring
         assert [rows[(s, mode)]["staging_ring"] for s in (1, 3)] == [4, 0]
-    assert all(r["staging_ring"] == 0 for (s, m), r in rows.items() if m not in ("backward", "step"))
+    assert all(r["staging_ring"] == 0 for (s, m), r in rows.items() if m not in ("backward", "step", "partial"))
+    for stage in (1, 3):  # partial offload: about half the shard on the device, only the rest's gradients come down
+        partial, whole = rows[(stage, "partial")], rows[(stage, "whole")]
+        assert 0.3 < partial["device_share"] < 0.7 and partial["device_step_s"] > 0, partial
+        assert partial["grad_bytes"] < whole["grad_bytes"]
+        assert all(not r["device_share"] for (s, m), r in rows.items() if m != "partial")
     for (stage, mode), r in rows.items():
         assert r["grad_bytes"] > 0 and r["steps_timed"] == 2
         undone = mode == "speculative" and r["speculation_kept_steps"] == 0
@@ -559,9 +565,11 @@ def test_offload_suite_accounts_for_where_the_gradients_went_down():
     assert set(rec["ratios"]) == {f"stage{s}_step_{k}" for s in (1, 3)
                                   for k in ("during_backward_over_at_step", "delayed_over_during_backward",
                                             "ring_over_whole_shard", "speculative_over_during_backward",
-                                            "speculative_unclipped_over_during_backward")}
+                                            "speculative_unclipped_over_during_backward",
+                                            "partial_over_during_backward")}
     table = offload_suite.table(rec)
     assert "| 3 | during backward |" in table and "| 1 | delayed update |" in table
+    assert "| 1 | partial offload, ratio 0.5 |" in table
 
 
 def test_the_overhead_suite_times_zkern_beside_its_peer_and_its_ratios_are_gated():

@@ -150,8 +150,6 @@ class HostStep(DelayedUpdate, SpeculativeStep):
     def _down(self, gi: int, ci: int) -> None:
         """Device gradient chunk -> host staging (async on CUDA; the event marks its arrival)."""
         src, dst = self.device_groups[gi].chunks[ci].grad, self.host_groups[gi].chunks[ci].grad
-        if src is dst:  # partial offload's device part: nothing to copy
-            return
         if self.stream is None:
             dst.copy_(src)
             return
@@ -305,7 +303,6 @@ class HostStep(DelayedUpdate, SpeculativeStep):
         order = [(gi, ci) for gi, g in enumerate(self.host_groups) for ci in range(len(g.chunks))
                  if (gi, ci) not in device]
         sent = self._sent or set()
-        self._position = {}
         if self.ring is not None:  # those down already first, in the order they came; then backward's order
             order = [k for k in self._landed if k in sent] + [k for k in reversed(order) if k not in sent]
             for p, key in enumerate(order):

@@ -134,25 +134,22 @@ class ShardStore:
     def resident(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor holding t's values in memory: t itself, or the part of a split shard holding the range t
         names (the optimizer's pieces and chunks step those in place). A range in a file stays its stand-in."""
-        split = self._split_of(t)
+        split = self.split_of(t)
         return t if split is None else split.resident(t)
 
     def split_parts(self, t: torch.Tensor | None) -> list[torch.Tensor]:
         """The device and host parts behind a split shard's stand-in (what the state registry counts and moves); []
         for anything else."""
-        split = None if t is None else self._split_of(t)
+        split = None if t is None else self.split_of(t)
         return [] if split is None else [split.device_part, split.host_part]
 
     def split_bytes(self, t: torch.Tensor | None) -> tuple[int, int]:
         """(device bytes, host bytes) of a split shard's stand-in; (0, 0) for anything else."""
-        split = None if t is None else self._split_of(t)
+        split = None if t is None else self.split_of(t)
         return (0, 0) if split is None else split.nbytes()
 
     def split_of(self, t: torch.Tensor) -> SplitShard | None:
         """The split shard t is a range of (partial offload), else None."""
-        return self._split_of(t)
-
-    def _split_of(self, t: torch.Tensor) -> SplitShard | None:
         if not t.is_meta:
             return None
         return next((s for s in self.splits if s.owns(t)), None)
@@ -230,7 +227,7 @@ class ShardStore:
             return t
         if self._in_param_file(t):
             return self.params.read(t)
-        split = self._split_of(t)
+        split = self.split_of(t)
         if split is not None:
             return split.read(t)
         return self._optimizer_files().read(state, t)
@@ -243,7 +240,7 @@ class ShardStore:
             t.copy_(values)
         elif self._in_param_file(t):
             self.params.write(t, values)
-        elif (split := self._split_of(t)) is not None:
+        elif (split := self.split_of(t)) is not None:
             split.write(t, values)
         else:
             self._optimizer_files().write(state, t, values)

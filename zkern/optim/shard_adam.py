@@ -93,10 +93,8 @@ class ShardAdam(torch.optim.Optimizer):
             self._buffers.append(buffers)
             self._chunk_buffers.append([buffers[chunk.param.device] for chunk in g.chunks])
         # the group's buffers on its first chunk's device (its only ones but under partial offload)
-        self.exp_avg = [b[_device(g)][0] if _device(g) in b else next(iter(b.values()))[0]
-                        for b, g in zip(self._buffers, groups)]
-        self.exp_avg_sq = [b[_device(g)][1] if _device(g) in b else next(iter(b.values()))[1]
-                           for b, g in zip(self._buffers, groups)]
+        self.exp_avg = [b[_device(g)][0] for b, g in zip(self._buffers, groups)]
+        self.exp_avg_sq = [b[_device(g)][1] for b, g in zip(self._buffers, groups)]
         # Per-piece state as views into the flat buffers, shaped like the piece (as torch's AdamW keeps it).
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for gi, g in enumerate(groups):

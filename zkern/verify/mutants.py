@@ -48,6 +48,7 @@ TARGETED = [
     '{"delayed_update": true, "offload_optimizer": "cpu", "reads_at": 1, "seed": 33, "stage": 2, "world": 2}',
     '{"optimizer": "Muon", "seed": 34, "stage": 3, "world": 2}',
     '{"delayed_update": true, "offload_optimizer": "cpu", "seed": 457105, "stage": 1, "write_at": 1}',
+    '{"offload_optimizer": "cpu", "offload_ratio": 0.5, "save_at": 1, "seed": 35, "stage": 3, "world": 2}',
 ]
 
 
@@ -79,6 +80,7 @@ KILLERS = {
     "muon.spans_not_assembled": 23, "muon.aspect_scale_dropped": 23,  # added 2026-11-28 with Muon (optim/muon.py)
     # added 2026-11-28: the GatheredParameters write the fuzzer found comparing with the weights before the update
     "offload.write_compared_with_stale": 24,
+    "offload.device_part_unstepped": 25,  # added 2026-11-28 with partial offload (offload/partial.py)
 }
 
 

@@ -23,6 +23,7 @@ import torch
 
 from zkern.verify.planted_offload import (
     delay_lands_at_once,
+    device_part_unstepped,
     export_one_behind,
     nvme_last_tile_skipped,
     offload_not_uploaded,
@@ -469,6 +470,7 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "offload.save_lands_update": ("a save lands the delayed update early, changing the run", save_lands_update),
     "offload.write_compared_with_stale": ("a write under the delayed update is compared with the weights before it",
                                           write_compared_with_stale),
+    "offload.device_part_unstepped": ("partial offload's device part never steps", device_part_unstepped),
     "accelerate.boundary_ignored": ("zkern.hf.Accelerator's backward steps at every micro-step",
                                     _accelerate_boundary_ignored),
     "accelerate.load_flags_dropped": ("zkern.hf.Accelerator's load_state drops its load flags",

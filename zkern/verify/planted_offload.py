@@ -122,3 +122,15 @@ def write_compared_with_stale(p) -> None:
     from zkern.offload.store import ShardStore
 
     p.set(ShardStore, "trained_view", lambda self, modifier_rank: contextlib.ExitStack())
+
+
+def device_part_unstepped(p) -> None:
+    """Partial offload's device part is left out of the step's order: its chunks never step."""
+    from zkern.offload.host import HostStep
+
+    def make(original):
+        def init(self, device_groups, **kw):
+            original(self, device_groups, **kw)
+            self.device_keys = []
+        return init
+    p.wrap(HostStep, "__init__", make)

@@ -6,8 +6,10 @@
 
 Per stage, each system in processes of its own, the same model, data and seed (bench/probe_systems.py): zkern;
 DDP (stage 0), ZeroRedundancyOptimizer (1), FSDP2 with reshard_after_forward=False (2) and fully sharded (3);
-DeepSpeed at the same stage where it is installed. bf16 for all: zkern and DeepSpeed keep bf16 weights and an fp32
-master, the stock systems fp32 weights under autocast (PyTorch's recipe; FSDP2 a bf16 MixedPrecisionPolicy).
+DeepSpeed at the same stage where it is installed; at stage 3 also zkern keeping a bf16 working shard to gather
+from (zkern3-keep: its between-steps K, and its step time over the default's). bf16 for all: zkern and DeepSpeed
+keep bf16 weights and an fp32 master, the stock systems fp32 weights under autocast (PyTorch's recipe; FSDP2 a bf16
+MixedPrecisionPolicy).
 
 It runs on the CPU (ranks over gloo); a GPU's per-phase allocator figures come from `bench/gpu_probe.py variants`.
 A rank's peak is measured, not counted: on a CPU every allocation and free through torch's allocator from before
@@ -42,6 +44,8 @@ from zkern.testing import TrainSpec, allocation_peak, live_tensor_bytes, rank_de
 PEERS = {0: ("ddp",), 1: ("zero1",), 2: ("fsdp2-zero2",), 3: ("fsdp2",)}
 STOCK_NAME = {"ddp": "ddp", "zero1": "zero1", "fsdp2-zero2": "fsdp2", "fsdp2": "fsdp2"}
 MEASURED_STEPS, TIMED_STEPS = 2, 4
+# zkern beside itself: stage 3 keeping a bf16 working shard to gather from (what it costs in memory, buys in time)
+ZKERN_VARIANTS = {3: ("zkern3-keep",)}
 
 
 def _run_system(rank: int, world: int, name: str, spec: TrainSpec) -> dict:
@@ -112,7 +116,7 @@ def run(stages: list[int], worlds: list[int] | int | None, model: str, wanted_pe
     for world in worlds:
         run_ = {"world": world, "stages": []}
         for stage in stages:
-            names = [f"zkern{stage}", *PEERS[stage]]
+            names = [f"zkern{stage}", *ZKERN_VARIANTS.get(stage, ()), *PEERS[stage]]
             if probe_systems.deepspeed_installed() and (wanted_peers is None or "deepspeed" in wanted_peers):
                 names.append(f"deepspeed{stage}")
             formula = zkern.estimate_memory(numel, world, stage)["total"]
@@ -141,6 +145,10 @@ def _ratios(stage: int, systems: dict, formula: int, activations: int) -> dict:
                 systems[peer]["peak_bytes_per_rank"]
             out[f"stage{stage}_between_over_{STOCK_NAME[peer]}"] = zk["between_bytes_per_rank"] / \
                 systems[peer]["between_bytes_per_rank"]
+    keep = systems.get(f"zkern{stage}-keep")
+    if keep is not None:  # what the kept working shard costs and buys: its bytes, the cast's time
+        out[f"stage{stage}_keep_between_k"] = keep["between_k"]
+        out[f"stage{stage}_keep_step_over_cast"] = keep["step_s"] / zk["step_s"]
     ds = systems.get(f"deepspeed{stage}")
     if ds is not None:
         out[f"stage{stage}_peak_over_deepspeed"] = zk["peak_bytes_per_rank"] / ds["peak_bytes_per_rank"]

@@ -17,6 +17,8 @@ zkern2-offload-bf16-spec  bf16 state and the speculative step (offload_optimizer
                      and a staging buffer per chunk)
 zkern2-offload-r25, -r50, -r75  partial offload (offload_optimizer.ratio 0.25, 0.5, 0.75): that share of the
                      optimizer shard on the host, the rest stepped on the device
+zkern3-keep          stage 3 keeping a bf16 working shard beside the fp32 master to gather from
+                     (zero_optimization.stage3_keep_working_shard; zkern3 casts each gather's chunk from the master)
 zkern3-offload       stage 3 with offload_optimizer and offload_param cpu
 zkern3-offload-bf16-spec  the same with bf16 state and the speculative step: DeepSpeed's SuperOffload configuration
                      (stage 3, both offloads, super_offload); the guessed parameters staged on the host
@@ -67,7 +69,9 @@ OFFLOAD = {"zkern2-offload": (2, {"offload_optimizer": HOST_ADAM}, {}),
            "zkern3-offload-inline": (3, {"offload_optimizer": HOST_ADAM, "offload_param": HOST_ADAM}, {}),
            **{f"zkern2-offload-r{int(r * 100)}": (2, {"offload_optimizer": {**HOST_ADAM, "ratio": r}}, {})
               for r in (0.25, 0.5, 0.75)}}
-NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *OFFLOAD, "ddp", "ddp-fused", "zero1", "fsdp2", "fsdp2-fused",
+# name -> (stage, zero_optimization entries): zkern on the device with a key set
+KEYED = {"zkern3-keep": (3, {"stage3_keep_working_shard": True})}
+NAMES = ("zkern0", "zkern1", "zkern2", "zkern3", *KEYED, *OFFLOAD, "ddp", "ddp-fused", "zero1", "fsdp2", "fsdp2-fused",
          "fsdp2-zero2", "fsdp2-offload", "torch-mixed", "torch-mixed-offload", "deepspeed0", "deepspeed1", "deepspeed2",
          "deepspeed3", "deepspeed2-offload")
 
@@ -286,6 +290,9 @@ def build(name: str, spec: TrainSpec, world: int):
             if bf16_state:
                 spec = dataclasses.replace(spec, extra_config={
                     **spec.extra_config, "bf16": {"enabled": True, **bf16_state}, "bf16_stochastic_rounding": True})
+        elif name in KEYED:
+            stage, zero = KEYED[name]
+            spec = dataclasses.replace(spec, stage=stage, zero={**spec.zero, **zero})
         else:
             spec = dataclasses.replace(spec, stage=int(name[-1]))
         if spec.stage == 3:

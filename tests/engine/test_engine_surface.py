@@ -175,10 +175,11 @@ def _device_bytes(engine) -> dict[tuple[str, torch.dtype], int]:
     return out
 
 
-def _offload_worker(rank, world, stage, precision, include):
+def _offload_worker(rank, world, stage, precision, include, zero=None):
     def build():
         torch.manual_seed(0)
         cfg = _config(stage, gradient_accumulation_steps=2)
+        cfg["zero_optimization"].update(zero or {})
         if precision == "bf16":
             cfg["bf16"] = {"enabled": True}
         return zkern.Engine(TinyGPT(), cfg)
@@ -230,13 +231,23 @@ def test_offload_states_frees_the_device_and_training_continues_bit_for_bit(stag
 
 @pytest.mark.dist
 def test_offload_states_moves_only_what_include_names():
-    for r in spawn(_offload_worker, 2, 3, "bf16", ["optim_states", "hp_params"]):
+    for r in spawn(_offload_worker, 2, 3, "bf16", ["optim_states", "hp_params"],
+                   {"stage3_keep_working_shard": True}):
         # the moments and the fp32 master left; the bf16 working shard, the buffers and the gradients stayed
         assert r["before"]["optimizer", torch.float32] > 0 and r["before"]["weights", torch.float32] > 0
         moved = {("optimizer", torch.float32), ("weights", torch.float32)}
         assert r["during"] == {k: v for k, v in r["before"].items() if k not in moved}, r["during"]
         assert ("weights", torch.bfloat16) in r["during"] and any(k == "transient" for k, _ in r["during"])
         assert r["forward"] is None and "reload_states" in r["step"]  # a forward reads only what stayed
+        assert r["losses"]["offloaded"] == r["losses"]["plain"]
+
+
+@pytest.mark.dist
+def test_without_a_working_shard_the_masters_are_what_a_forward_reads():
+    # stage 3's gathers cast from the fp32 master: moving hp_params moves what a forward reads, which then refuses
+    for r in spawn(_offload_worker, 2, 3, "bf16", ["hp_params"]):
+        assert ("weights", torch.float32) in r["before"] and ("weights", torch.float32) not in r["during"]
+        assert "reload_states" in r["forward"] and "reload_states" in r["step"]
         assert r["losses"]["offloaded"] == r["losses"]["plain"]
 
 

@@ -109,11 +109,14 @@ def test_offload_param_alone_trains_as_without_it():
     specs = [TrainSpec(stage=3, precision=p, zero={"offload_param": {"device": "cpu"}}, reduce_bucket_size=5000,
                        steps=5) for p in ("fp32", "bf16")]
     per_rank = spawn(engine_runs, 2, [*specs, *(without_offload(s) for s in specs)])
-    for off, plain in zip(per_rank[0][:2], per_rank[0][2:]):
+    for off, plain, precision in zip(per_rank[0][:2], per_rank[0][2:], ("fp32", "bf16")):
         assert off["losses"] == plain["losses"]
         assert all(torch.equal(off["state"][k], v) for k, v in plain["state"].items())
         shard = off["memory"]["host"]["params"]  # the resting working shard, reported on the host
-        assert shard > 0 and off["memory"]["cpu"]["params"] < plain["memory"]["cpu"]["params"]
+        # on the device: the persistent units only (bf16 without offload keeps no working shard either: its gathers
+        # cast from the master)
+        device, kept = off["memory"]["cpu"]["params"], plain["memory"]["cpu"]["params"]
+        assert shard > 0 and (device < kept if precision == "fp32" else device == kept)
 
 
 def test_offload_sections_parse_with_deepspeed_defaults():

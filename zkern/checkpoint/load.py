@@ -193,8 +193,10 @@ def _stage(h: Holdings, manifest: dict, path: str, *, strict: bool, optimizer: b
         for start, live in resting.get(id(t), [(0, t.detach().reshape(-1))]):
             master = smap.resting_masters.get((id(t), start))
             # the master's copy (stage 3 keeps frozen pieces in it too) takes the fp32 values, the working view their
-            # rounding, as a step writes them
-            staged = torch.empty(live.numel(), dtype=torch.float32 if master is not None else live.dtype)
+            # rounding, as a step writes them; so does a master slice that stands for a working shard not kept
+            rounded = (id(t), start) in smap.resting_rounded
+            staged = torch.empty(live.numel(), dtype=torch.float32 if master is not None else
+                                 t.dtype if rounded else live.dtype)
             reader.request(kind, found, start, staged)
             plan.copies.append((live, staged))
             if master is not None:

@@ -167,7 +167,8 @@ def snapshot(h: Holdings, *, client_state, exclude_frozen: bool, copy: bool) -> 
         if id(t) in resting:
             p, shape, ranges = resting[id(t)]
             module[name] = {"shape": list(shape), "dtype": dtype_name(p.dtype), "frozen": True}
-            snap.entries.extend(("module", name, start, view) for start, view in ranges)
+            snap.entries.extend(("module", name, start, view.to(p.dtype) if (id(p), start) in smap.resting_rounded
+                                 else view) for start, view in ranges)
         else:
             module[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "frozen": frozen}
             if h.rank == 0 or node_local:

@@ -210,6 +210,7 @@ ZERO = {
     "stage3_fetch_units": Key("str_list", ()),
     "stage3_merge_divergent_modules": _bool(True),
     "keep_gradient_buffers": _bool(False),
+    "stage3_keep_working_shard": _bool(False),
     "zeropp_weight_group_size": _int(2048, 2),
     "zeropp_grad_group_size": _int(64, 2),
     # DeepSpeed's short names (pydantic aliases, populate_by_name)

@@ -33,6 +33,9 @@ class ShardMap:
     resting_masters: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)  # stage 3:
     # (id(parameter), first element) -> the fp32 master's slice of that frozen shard piece, where the runtime keeps
     # one (a load writes both; full_state_dict reads the master)
+    resting_rounded: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # stage 3 without a working
+    # shard: (id(parameter), first element) of the resting views that are fp32 master slices holding values of the
+    # parameter's dtype; a save writes them in that dtype, a load rounds to it
 
 
 class Runtime(Protocol):

@@ -92,6 +92,15 @@ class RuntimeSpec:
         return self.offload_optimizer == "cpu" and self.offload_ratio < 1.0
 
     @property
+    def casts_from_master(self) -> bool:
+        """Stage 3 keeps no 16-bit working shard: each gather casts this rank's chunk from the fp32 master (FSDP2's
+        way: 2 bytes a parameter over N fewer, between steps and within them). In mixed precision with the master
+        and the parameters on the device, unless zero_optimization.stage3_keep_working_shard; with any offload the
+        working shard stays (the host step writes it, and it is what goes up for a gather)."""
+        return self.stage == 3 and self.mixed and self.offload_optimizer == "none" and self.offload_param == "none" \
+            and not self.zero.stage3_keep_working_shard
+
+    @property
     def offloaded(self) -> bool:
         """The optimizer steps on the host (ZeRO-Offload) or from files (ZeRO-Infinity)."""
         return self.offload_optimizer in ("cpu", "nvme")

@@ -21,7 +21,8 @@ def full_fp32(s: Shards, rank0_only: bool, only: set[int] | None = None) -> dict
     source = s.master if s.master is not None else s.param_shard
     keep = not rank0_only or s.comm.rank == 0
     values = whole(s, source, torch.float32, "fp32 weights for full_state_dict", keep, only=only)
-    if s.master is not None and any(not p.requires_grad for p in s.all_params):
+    # (without a working shard the master's frozen elements hold working-dtype values: layout.partition)
+    if s.master is not None and s.param_shard is not None and any(not p.requires_grad for p in s.all_params):
         frozen = whole(s, s.param_shard, torch.float32, "frozen weights for full_state_dict", keep,
                        frozen_only=True, only=only)
         if keep:
@@ -33,7 +34,7 @@ def full_working(s: Shards, rank0_only: bool = False) -> dict[int, torch.Tensor]
     """id(parameter) -> value in the working dtype (collective; None off rank 0 with rank0_only, which then
     holds one unit at a time), for saving 16-bit weights."""
     keep = not rank0_only or s.comm.rank == 0
-    values = whole(s, s.param_shard, s.dtype, "weights in the working dtype", keep)
+    values = whole(s, s.source, s.dtype, "weights in the working dtype", keep)  # cast as a gather casts
     return values if keep else None
 
 

@@ -83,7 +83,7 @@ def allocate(s: Shards, spec: RuntimeSpec, store: ShardStore, param_files) -> No
         s.param_shard = store.attach_param_file(s.param_store)
     elif s.params_on_host:  # offload_param: the working shard rests on the host, copied up per gather
         s.param_shard = store.allocate(shard, dtype, "host", pin=spec.pin_params)
-    else:
+    elif not spec.casts_from_master:
         s.param_shard = store.allocate(shard, dtype, "device")
     # offload_optimizer: the fp32 master shard lives on the host, in fp32 runs too (the optimizer's copy).
     s.master = None
@@ -107,8 +107,8 @@ def allocate(s: Shards, spec: RuntimeSpec, store: ShardStore, param_files) -> No
     s.empty = torch.empty(0, dtype=dtype, device=device)
     if frozen_units:
         store.keep_int8(FrozenStore({u.index: u.bucket.chunk for u in frozen_units}, zero.zeropp_weight_group_size,
-                                    torch.device("cpu") if s.param_store is not None else s.param_shard.device,
-                                    pin=s.param_shard.is_pinned()))
+                                    torch.device("cpu") if s.param_store is not None else s.source.device,
+                                    pin=s.source.is_pinned()))
 
 
 def partition(s: Shards) -> None:
@@ -124,6 +124,9 @@ def partition(s: Shards) -> None:
             built = [is_sharded(p) for p in u.plan.params]
             values = [gather_built(p, s.comm, "a parameter built under init_sharded, for the stage-3 layout")
                       if sharded else p.detach() for p, sharded in zip(u.plan.params, built)]
+            if s.param_shard is None and not s.store.in_int8(u.index):
+                # a frozen parameter's master holds its working-dtype value, as a working shard would
+                values = [v if p.requires_grad else v.to(s.dtype) for p, v in zip(u.plan.params, values)]
             full = ops.flatten(values, torch.float32, align=ALIGN, pad_to=b.padded).to(device)  # (b.padded,)
             del values
             if not all(built):
@@ -132,7 +135,8 @@ def partition(s: Shards) -> None:
             if s.store.in_int8(u.index):
                 s.store.int8.put(u.index, mine)  # from the fp32 values, not a 16-bit rounding of them
             else:
-                s.store.write(s.param_shard[b.shard_offset:b.shard_offset + b.chunk], mine)
+                if s.param_shard is not None:
+                    s.store.write(s.param_shard[b.shard_offset:b.shard_offset + b.chunk], mine)
                 if s.master is not None:
                     s.store.write(s.master[b.shard_offset:b.shard_offset + b.chunk], mine)
             for p in u.plan.params:
@@ -146,7 +150,7 @@ def partition(s: Shards) -> None:
 def make_shard_groups(s: Shards, groups: list[list[torch.nn.Parameter]]) -> list[ShardGroup]:
     """Per optimizer group: its pieces, and per unit the contiguous sub-range of its pieces."""
     base = s.master if s.master is not None else s.param_shard
-    out_base = s.param_shard if s.master is not None else None
+    out_base = s.param_shard if s.master is not None else None  # None too where the gathers cast from the master
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g}
     pieces: list[list[torch.Tensor]] = [[] for _ in groups]
     spans: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (group, unit) -> (piece, shard, numel)
@@ -185,7 +189,7 @@ def make_shard_groups(s: Shards, groups: list[list[torch.nn.Parameter]]) -> list
 def shard_map(s: Shards) -> ShardMap:
     pieces = [[(i, start, True) for i, start in zip(idx, starts)]
               for idx, starts in zip(s.pieces_param, s.pieces_start)]
-    resting, masters = [], {}
+    resting, masters, rounded = [], {}, set()
     staged: dict[int, torch.Tensor] = {}  # int8-resting units: their chunk dequantized, to save or load into
     for piece in s.layout.pieces(s.comm.rank):
         p = s.all_params[piece.param]
@@ -199,6 +203,9 @@ def shard_map(s: Shards) -> ShardMap:
                 staged[u.index] = s.store.int8.get(u.index, torch.float32)
             lo = piece.shard_start - u.bucket.shard_offset
             view = staged[u.index][lo:lo + piece.numel]
+        elif s.param_shard is None:  # no working shard: the master's slice, holding working-dtype values (partition)
+            view = s.master[piece.shard_start:piece.shard_start + piece.numel]
+            rounded.add((id(p), piece.param_start))
         else:
             view = s.param_shard[piece.shard_start:piece.shard_start + piece.numel]
             if s.master is not None:
@@ -216,7 +223,9 @@ def shard_map(s: Shards) -> ShardMap:
                 s.secondary.forget(ui)
 
     return ShardMap(pieces=pieces, shapes=[s.full_shapes[id(p)] for p in s.params], resting=resting,
-                    commit=commit if staged else None, resting_masters=masters)
+                    commit=commit if staged else None, resting_masters=masters,
+                    resting_rounded=rounded)
+
 
 def attach_ds_attributes(s: Shards, gathered: set[int]) -> None:
     """DeepSpeed's ds_* attributes (ds_attributes.py) on every parameter stage 3 partitions, and its status:
@@ -234,16 +243,17 @@ def attach_ds_attributes(s: Shards, gathered: set[int]) -> None:
 
 
 def _ds_partition(s: Shards, p: torch.nn.Parameter, numel: int, rank: int, shard: torch.Tensor) -> torch.Tensor:
-    """This rank's elements of p in its working shard (empty when its chunk holds none of them, or the shard rests
-    in a file or as int8 codes: then a meta tensor of that length)."""
+    """This rank's elements of p in its working shard (empty when its chunk holds none of them; a meta tensor of
+    that length where the shard rests in a file or as int8 codes, or where no working shard is kept and the
+    gathers cast from the fp32 master)."""
     u = s.unit_of[id(p)]
     b = u.bucket
     off = s.offsets[id(p)]
     lo, hi = max(off, rank * b.chunk), min(off + numel, (rank + 1) * b.chunk)
     n = max(0, hi - lo)
     start = b.shard_offset + lo - rank * b.chunk if n else b.shard_offset
-    if s.store.in_files(shard) or s.store.in_int8(u.index):
-        return torch.empty(n, dtype=shard.dtype, device="meta")
+    if shard is None or s.store.in_files(shard) or s.store.in_int8(u.index):
+        return torch.empty(n, dtype=s.dtype, device="meta")
     return shard[start:start + n]
 
 

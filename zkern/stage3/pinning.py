@@ -116,27 +116,29 @@ def _edits(s: Shards, units: list[Unit], modifier_rank: int) -> list[tuple[Unit,
         if s.store.in_int8(u.index):
             before = s.store.int8.get(u.index, mine.dtype).to(mine.device)
         else:
-            before = s.store.read(s.param_shard[b.shard_offset:b.shard_offset + b.chunk]).to(mine.device)
+            before = s.working(b.shard_offset, b.shard_offset + b.chunk).to(mine.device)
         changed = (mine != before) & ~(mine.isnan() & before.isnan())
         out.append((u, mine, changed))
     return out
 
 
 def _write(s: Shards, u: Unit, mine: torch.Tensor, changed: torch.Tensor) -> None:
-    """The changed elements of u's chunk into its working shard and its fp32 master; the others keep the values
-    there (the master's own, which the 16-bit copy only rounded; a landed update's)."""
+    """The changed elements of u's chunk into its working shard (where one is kept) and its fp32 master; the others
+    keep the values there (the master's own, which the 16-bit copy only rounded; a landed update's)."""
     b = u.bucket
     if s.secondary is not None:  # every rank writes, so every rank forgets alike
         s.secondary.forget(u.index)
     if s.store.in_int8(u.index):
         s.store.int8.write(u.index, mine)
         return
-    resting = s.param_shard[b.shard_offset:b.shard_offset + b.chunk]
-    working = s.store.read(resting)
     if s.master is not None:
         region = s.master[b.shard_offset:b.shard_offset + b.chunk]
         master = s.store.read(region)
         where = changed.to(master.device)
         s.store.write(region, torch.where(where, mine.to(master.device, master.dtype), master))
+    if s.param_shard is None:  # the gathers cast from the master
+        return
+    resting = s.param_shard[b.shard_offset:b.shard_offset + b.chunk]
+    working = s.store.read(resting)
     where = changed.to(working.device)
     s.store.write(resting, torch.where(where, mine.to(working.device), working))

@@ -24,7 +24,7 @@ def state_components(s: Shards, reducer: GradReducer, quantized: QuantizedReduce
     buffers (transient), the gathered copies and hpZ's slices (derived from the shards), LoCo's errors."""
 
     def weights() -> dict:
-        return host_copy({"param_shard": s.store.read(s.param_shard),
+        return host_copy({"param_shard": None if s.param_shard is None else s.store.read(s.param_shard),
                           "master": None if s.master is None else s.store.read(s.master),
                           "frozen_int8": None if s.store.int8 is None else s.store.int8.store})
 

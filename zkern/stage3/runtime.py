@@ -3,7 +3,9 @@
     python -m pytest tests/stage3/ -q
 
 At rest every parameter's .data is an empty tensor; each rank holds its chunk of every fetch unit (units.py)
-in `param_shard` (working dtype; on the host with offload_param, in a file with offload_param "nvme"), `master`
+in `param_shard` (working dtype; on the host with offload_param, in a file with offload_param "nvme"; none in
+mixed precision with the master on the device, whose gathers cast from the master: RuntimeSpec.casts_from_master),
+`master`
 (fp32: mixed precision, or on the host with offload_optimizer, in files with its device "nvme") and
 `grad_shard`, all in self.shards (shards.py). A shard in files is a stand-in there: shards.store
 (offload/store.py) reads and writes every range. The layout is partition.plan_unit_layout: one bucket per unit,
@@ -79,7 +81,7 @@ class Stage3Runtime:
         if zero.zero_hpz_partition_size > 1:
             s.secondary = Secondary(comm, zero.zero_hpz_partition_size,
                                     {u.index: u.bucket.padded for u in s.units if not u.persistent}, dtype, device)
-        self.gatherer = Gatherer(s.units, comm, param_shard=s.param_shard, dtype=dtype, device=device,
+        self.gatherer = Gatherer(s.units, comm, param_shard=s.source, dtype=dtype, device=device,
                                  layout=where,
                                  params_on_host=s.params_on_host, param_store=s.param_store,
                                  prefetch_numel=zero.stage3_prefetch_bucket_size,

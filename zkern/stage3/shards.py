@@ -41,7 +41,9 @@ class Shards:
     # -- the homes (layout.allocate) ------------------------------------------------------------------------------
     store: ShardStore | None = None  # where each shard's bytes live
     param_store: object | None = None  # offload_param "nvme": the parameter files (param_shard is their stand-in)
-    param_shard: torch.Tensor | None = None  # working dtype
+    # working dtype; None where the gathers cast each chunk from the master (mixed precision with the master on the
+    # device, unless zero_optimization.stage3_keep_working_shard): no 16-bit copy of the shard beside the master
+    param_shard: torch.Tensor | None = None
     master: torch.Tensor | None = None  # fp32 (mixed precision or offload), else None: the working shard steps
     grad_shard: torch.Tensor | None = None
     empty: torch.Tensor | None = None  # what a parameter's .data is at rest
@@ -49,4 +51,15 @@ class Shards:
     pieces_param: list[list[int]] = field(default_factory=list)  # per group: trainable index of each piece
     pieces_start: list[list[int]] = field(default_factory=list)  # per group: first element of its parameter
     secondary: Secondary | None = None  # hpZ's copies (a load or a modifier rank's write makes them stale)
+
+    @property
+    def source(self) -> torch.Tensor:
+        """The shard the gathers read: the working shard, or the master they cast from."""
+        return self.param_shard if self.param_shard is not None else self.master
+
+    def working(self, lo: int, hi: int) -> torch.Tensor:
+        """This rank's elements [lo, hi) of the shard in the working dtype, as a gather reads them (read only)."""
+        if self.param_shard is not None:
+            return self.store.read(self.param_shard[lo:hi])
+        return self.master[lo:hi].to(self.dtype)
 

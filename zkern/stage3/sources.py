@@ -20,7 +20,8 @@ class UnitSources:
     def __init__(self, units: list[Unit], comm: Comm, *, param_shard: torch.Tensor, params_on_host: bool,
                  quantize_weights: int, secondary: Secondary | None, frozen: FrozenStore | None, param_store,
                  uploads: Uploads | None):
-        """quantize_weights: qwZ's group size (0: off); secondary: hpZ's secondary partition; frozen: the units
+        """param_shard: the shard gathers read (the working shard, or the fp32 master they cast from: shards.source);
+        quantize_weights: qwZ's group size (0: off); secondary: hpZ's secondary partition; frozen: the units
         resting as int8 (zeropp.py); param_store: the parameter file (offload_param "nvme"); uploads: where
         prefetched units' host chunks go up off the compute stream (offload_param "cpu")."""
         self.comm, self.param_shard, self.params_on_host = comm, param_shard, params_on_host
@@ -35,11 +36,16 @@ class UnitSources:
         self.ahead_ok = [plain and (frozen is None or u.index not in frozen) for u in units]
 
     def own_chunk(self, u: Unit, buffer: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of u, where the gather reads it (with offload_param: already copied into its slot)."""
+        """This rank's chunk of u, where the gather reads it (with offload_param, or cast from the master: already
+        in its slot)."""
         b = u.bucket
         own = self.param_shard[b.shard_offset:b.shard_offset + b.chunk]
         if self.param_store is not None:  # on NVMe: cached, read ahead, or read now
             own = self.param_store.unit(u.index)
+        if own.dtype != buffer.dtype:
+            # the fp32 master (no working shard kept): cast into this rank's own slot, gathered in place, as FSDP2
+            # casts its shard into the all-gather's input; qwZ quantizes the cast values, as it would a working shard
+            return buffer[self.comm.rank * b.chunk:(self.comm.rank + 1) * b.chunk].copy_(own)
         if self.params_on_host:
             # Copied up into this rank's own slot of the gather buffer, then gathered in place: no extra buffer.
             slot = buffer[self.comm.rank * b.chunk:(self.comm.rank + 1) * b.chunk]

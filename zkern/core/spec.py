@@ -56,6 +56,7 @@ class RuntimeSpec:
     comm_dtype: torch.dtype  # gradients are reduced in this dtype (communication_data_type)
     accum_dtype: torch.dtype  # and accumulated across micro-steps in this one (data_types.grad_accum_dtype)
     bucket_numel: int  # gradient bucket elements (stages 0-2: min of reduce and allgather bucket sizes)
+    accumulation: int  # gradient_accumulation_steps: backwards per optimizer step, as configured
     overlap: bool  # overlap_comm: reductions run while backward continues
     reduce_scatter: bool  # stages 1-3: reduce-scatter (else all-reduce and keep this rank's chunk)
     offload_optimizer: str  # "none", "cpu" or "nvme": where the fp32 master and moments live
@@ -79,6 +80,7 @@ class RuntimeSpec:
         return RuntimeSpec(stage=zero.stage, device=device, dtype=dtype, mixed=dtype != master,
                            master_dtype=master, state_dtype=states, stochastic_rounding=cfg.bf16_stochastic_rounding,
                            comm_dtype=comm_dtype, accum_dtype=accum_dtype, bucket_numel=bucket,
+                           accumulation=cfg.gradient_accumulation_steps,
                            overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
                            offload_optimizer=zero.offload_optimizer_device, offload_param=zero.offload_param_device,
                            offload_ratio=(zero.offload_optimizer_ratio if zero.offload_optimizer_device == "cpu"

@@ -110,7 +110,6 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         self.scaler = LossScaler.from_config(cfg, self.autocast_dtype)
         # The training counters (counters.py): global_steps, micro_steps and the rest read from them.
         self.counters = Counters(Count(cfg.gradient_accumulation_steps))
-        # offload_states()' (resident.py); without a working copy the fp32 masters are what a forward reads too
         self.residency = Residency(device, mixed=spec.dtype != torch.float32 and not spec.casts_from_master)
         # What the helpers acting for the engine are given (parts.py): never the engine itself.
         self.parts = parts = EngineParts(

@@ -3,9 +3,9 @@
     python -m pytest tests/engine/test_engine.py -q -k "stage0 or stage1 or stage2"
 
 Its parameters become views into one flat working-dtype buffer laid out by partition.plan_layout; its gradients
-views into a flat buffer (stages 0-1) or are folded bucket by bucket into a shard (stage 2); this rank steps its
-chunk of every bucket. runtime.py drives the groups through one reduce schedule; group_state.py reads them whole,
-writes their masters and accounts for them.
+views into a flat buffer (stages 0-1) or are folded bucket by bucket into a shard (stage 2, and stage 1 where each
+step has one backward: `sharded_grads`); this rank steps its chunk of every bucket. runtime.py drives the groups
+through one reduce schedule; group_state.py reads them whole, writes their masters and accounts for them.
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ class FlatGroup:
     """One group of trainable parameters packed into flat buffers, for ZeRO stages 0, 1 and 2."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], spec: RuntimeSpec, *, comm: Comm,
-                 store: ShardStore):
+                 store: ShardStore, sharded_grads: bool | None = None):
         """spec: the stage, dtypes, bucket size and offload as resolved from the config (core/spec.py). store:
         where the shards live (offload/store.py); with its optimizer files (offload_optimizer.device "nvme") the
-        master shard is a region of them (self.master is then the region's stand-in)."""
+        master shard is a region of them (self.master is then the region's stand-in). sharded_grads: gradients go
+        into bucket buffers reduced into this rank's shard as backward produces them (default: at stage 2; the
+        runtime also asks it of stage 1, see Stage12Runtime)."""
         stage, dtype, mixed, device = spec.stage, spec.dtype, spec.mixed, spec.device
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
+        self.sharded_grads = stage == 2 if sharded_grads is None else sharded_grads
         self.dtype, self.mixed, self.overlap, self.reduce_scatter = dtype, mixed, spec.overlap, spec.reduce_scatter
         self.comm_dtype, self.accum_dtype = spec.comm_dtype, spec.accum_dtype
         # Every bucket's collective goes through it; qgZ (stage 2) is its `quantized`, which Stage12Runtime sets.
@@ -62,15 +65,15 @@ class FlatGroup:
             for i in range(b.first, b.last):
                 params[i].data = self._param_view(self.param_flat, i)
 
-        # Gradients: stages 0-1 a full flat buffer, stage 2 a shard, in the accumulation dtype. Where that is the
-        # working dtype, the flat buffer's views are the parameters' .grad and autograd accumulates into them;
-        # otherwise each gradient is added into the buffer as it arrives and freed.
+        # Gradients: a full flat buffer (stages 0-1), or a shard (sharded_grads), in the accumulation dtype. Where
+        # that is the working dtype, the flat buffer's views are the parameters' .grad and autograd accumulates into
+        # them; otherwise each gradient is added into the buffer as it arrives and freed.
         # They exist from a step's first backward to the step (ensure_grads, free_grads), under stable views.
         self.grad_flat = self.grad_shard = None
         self._grad_views = None
         self.keep_grads = spec.zero.keep_gradient_buffers
         alloc = aligned_zeros if self.keep_grads else aligned_empty  # empty: no page is touched before it goes
-        if stage < 2:
+        if not self.sharded_grads:
             self.grad_flat = alloc(layout.total, self.accum_dtype, device)
             if self.accum_dtype == dtype:
                 self._grad_views = [self._param_view(self.grad_flat, i) for i in range(len(self.params))]
@@ -195,7 +198,7 @@ class FlatGroup:
         first this backward."""
         again = self.fired[i]
         self.fired[i] = self.used[i] = True
-        if self.stage == 2:
+        if self.sharded_grads:
             b = self.bucket_of[i]
             buf = self._open.get(b.index)
             if buf is None:
@@ -215,7 +218,7 @@ class FlatGroup:
     def launch(self, b: Bucket) -> None:
         """Issue bucket b's gradient collective (in the schedule's order, the same on every rank)."""
         purpose = f"gradients of bucket {b.index}, parameters {self.names[b.first]}..{self.names[b.last - 1]}"
-        if self.stage == 2:
+        if self.sharded_grads:
             buf = self._open.pop(b.index, None)
             if buf is None:
                 buf = self._take_buffer(b)
@@ -287,7 +290,7 @@ class FlatGroup:
     def end_backward(self) -> None:
         """Wait for every collective of this backward (the runtime launched the rest)."""
         self.reducer.drain()
-        if self.stage == 2:
+        if self.sharded_grads:
             self._micro_since_step += 1
         self.touched = [False] * len(self.params)
 

@@ -53,7 +53,9 @@ class Stage12Runtime:
         """quantized: qgZ's two-hop int4 reduction (zeropp.py), stage 2 only."""
         # Reverse registration order: backward produces gradients roughly last layer first, so buckets fill in
         # order. Empty optimizer groups get no FlatGroup and stay empty in the optimizer.
-        self.flat = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], spec, comm=comm, store=store) if g else None
+        self.sharded_grads = sharded_grads(spec, sum(p.numel() for g in groups for p in g))
+        self.flat = [FlatGroup(g[::-1], [names[id(p)] for p in g[::-1]], spec, comm=comm, store=store,
+                               sharded_grads=self.sharded_grads) if g else None
                      for g in groups]
         self.groups = [g for g in self.flat if g is not None]
         # parameters are whole on every rank (never in files); on_final_grads: see core/runtime.py
@@ -131,9 +133,9 @@ class Stage12Runtime:
             g.launch(b)
 
     def begin_backward(self, boundary: bool) -> None:
-        """Stage 2 reduces every micro-step, stages 0-1 at the boundary. Parameters no module of which ran forward
-        count as complete now: their gradient is zero in this backward."""
-        self._reducing = self.stage == 2 or boundary
+        """Stage 2 (and stage 1 with sharded_grads) reduces every micro-step, stages 0-1 at the boundary. Parameters
+        no module of which ran forward count as complete now: their gradient is zero in this backward."""
+        self._reducing = self.sharded_grads or boundary
         self._in_pass = True
         for g in self.groups:
             g.on_final, g.final_pass = self.on_final_grads, boundary
@@ -325,6 +327,12 @@ class Stage12Runtime:
             lines.append(f"group {i}: {len(g.params)} parameters, {layout.numel} elements in {len(layout.buckets)} "
                          f"buckets, padded with {layout.padding} zero elements to a shard of {layout.shard_numel} per "
                          f"rank (padding never enters the math)")
+        if self.stage == 1:
+            lines.append("stage 1: each bucket is reduced into this rank's gradient shard during backward (one "
+                         "backward a step, several buckets)" if self.sharded_grads else
+                         "stage 1: the whole gradient is kept and reduced at the accumulation's boundary (with "
+                         "gradient_accumulation_steps 1 and reduce_bucket_size under a third of the model, backward "
+                         "would reduce into the shard instead)")
         return lines
 
     def warnings(self, reduce_bucket_size: int) -> list[str]:
@@ -338,6 +346,18 @@ class Stage12Runtime:
                 f"group's elements ({n} trainable in all), so backward fills buckets as large as the whole gradient "
                 f"and stage 2 holds as much gradient memory as stage 1. Set zero_optimization.reduce_bucket_size "
                 f"well below {max(g.layout.numel for g in sharded)} (\"auto\" = hidden_size**2) to keep the saving."]
+
+
+def sharded_grads(spec: RuntimeSpec, numel: int) -> bool:
+    """Whether gradients go into bucket buffers reduced into each rank's shard as backward produces them: at stage 2
+    always; at stage 1 where every step has one backward (gradient_accumulation_steps 1), so no gradient is
+    accumulated before the reduction, and the buckets in flight (about three) stay well under the whole gradient
+    (numel elements; DeepSpeed's 5e8 default is one bucket as large as a smaller model's gradient, which would save
+    nothing). Stage 1 then holds its shard of the gradient, not the whole 16-bit one, as DeepSpeed's stage 1
+    reduces into its partition in backward; with several micro-steps it accumulates whole and reduces at the
+    boundary. A step with more backwards than configured (set_gradient_accumulation_boundary) reduces each one and
+    sums the shards, as stage 2 does."""
+    return spec.stage == 2 or (spec.stage == 1 and spec.accumulation == 1 and 3 * spec.bucket_numel <= numel)
 
 
 def _agree_on_pin(comm, count: int, modifier_rank: int | None, device: torch.device) -> None:

@@ -351,6 +351,7 @@ def test_new_draw_dimensions_are_drawn_and_refused_where_they_clash():
         assert any(getattr(d, field) >= 0 for d in draws), field
     assert any(not d.overlap for d in draws) and any(not d.reduce_scatter for d in draws)
     assert any(d.block_units for d in draws) and any(d.max_live for d in draws) and any(d.fp32_comm for d in draws)
+    assert any(d.keep_working and d.stage == 3 and d.precision != "fp32" for d in draws)
     with pytest.raises(ValueError, match="qgZ needs reduce_scatter"):
         Draw(stage=2, world=2, qgz=True, reduce_scatter=False).checked()
     with pytest.raises(ValueError, match="fp32_comm is for 16-bit draws"):

@@ -102,6 +102,7 @@ class Draw:
     fp32_comm: bool = False  # communication_data_type fp32 and data_types.grad_accum_dtype fp32 (16-bit draws)
     block_units: bool = False  # stage 3: stage3_fetch_units ["Block"]
     max_live: int = 0  # stage 3: stage3_max_live_parameters (0: the default)
+    keep_working: bool = False  # stage 3: stage3_keep_working_shard (a 16-bit shard beside the master to gather from)
     # who drives the engine: "engine" (its own calls), "accelerator" (a script written for Accelerate+DeepSpeed, on
     # zkern.hf.Accelerator: loops.py) or "trainer" (zkern.hf.Trainer's loop: trainer_loop.py)
     frontend: str = "engine"
@@ -328,6 +329,8 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
             values["block_units"] = rng.random() < 0.3
             if rng.random() < 0.2:
                 values["max_live"] = rng.choice((20_000, 60_000))
+            if rng.random() < 0.2:
+                values["keep_working"] = True
         values["optimizer"] = rng.choice(OPTIMIZERS[:1] * 4 + OPTIMIZERS[1:])
         values["scheduler"] = rng.choice(SCHEDULERS[:1] * 3 + SCHEDULERS[1:])
         if values.get("offload_optimizer") == "cpu" and values.get("offload_param") != "nvme" and \

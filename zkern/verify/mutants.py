@@ -49,6 +49,7 @@ TARGETED = [
     '{"optimizer": "Muon", "seed": 34, "stage": 3, "world": 2}',
     '{"delayed_update": true, "offload_optimizer": "cpu", "seed": 457105, "stage": 1, "write_at": 1}',
     '{"offload_optimizer": "cpu", "offload_ratio": 0.5, "save_at": 1, "seed": 35, "stage": 3, "world": 2}',
+    '{"precision": "bf16", "seed": 36, "stage": 3, "world": 2}',
 ]
 
 
@@ -81,6 +82,7 @@ KILLERS = {
     # added 2026-11-28: the GatheredParameters write the fuzzer found comparing with the weights before the update
     "offload.write_compared_with_stale": 24,
     "offload.device_part_unstepped": 25,  # added 2026-11-28 with partial offload (offload/partial.py)
+    "stage3.gather_source_cached": 26,  # added 2026-11-29 with stage 3's gathers cast from the master
 }
 
 

@@ -200,6 +200,23 @@ def _shard_offset(p: _Patches) -> None:
     p.wrap(UnitSources, "own_chunk", make)
 
 
+def _gather_source_cached(p: _Patches) -> None:
+    """Stage 3 gathers each unit's chunk as its first gather read it (its cast from the master kept), never the
+    stepped values."""
+    from zkern.stage3.sources import UnitSources
+
+    kept: dict[tuple[int, int], torch.Tensor] = {}
+
+    def make(original):
+        def own_chunk(self, u, buffer):
+            own = original(self, u, buffer)
+            first = kept.setdefault((id(self), u.index), own.detach().clone())
+            slot = buffer[self.comm.rank * u.bucket.chunk:(self.comm.rank + 1) * u.bucket.chunk]
+            return slot.copy_(first)
+        return own_chunk
+    p.wrap(UnitSources, "own_chunk", make)
+
+
 def _first_unit_grads_dropped(p: _Patches) -> None:
     """Stage 3: the gradients of the first unit's parameters never reach its reduce buffer."""
     from zkern.stage3.reduce import GradReducer
@@ -464,6 +481,8 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "offload.staging_overwritten": ("a weight set between backward and step() overwrites the host's gradient copies",
                                     staging_takes_working_copies),
     "stage3.views_freed": ("stage 3 frees a unit under the views of it a module handed out", _views_freed),
+    "stage3.gather_source_cached": ("stage 3's gathers send each chunk as first cast from the master, never the "
+                                    "stepped values", _gather_source_cached),
     "engine.hooks_hold_runtime": ("a dropped engine's runtime is kept alive by its gradient hooks",
                                   _hooks_hold_runtime),
     "offload.export_one_behind": ("the exports miss the delayed update in flight", export_one_behind),

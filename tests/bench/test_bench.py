@@ -239,8 +239,10 @@ def test_engine_suite_runs_bf16_against_autocast_peers():
         assert names[0] == "ddp" and names[-1] == f"zkern stage {st['stage']}"
         assert st["peer"] == ("zero1" if st["stage"] == 1 else "fsdp2")
         # the formula counts parameters; the tiny model's 32-element norms and biases each take a 128-element slot
-        # (every parameter 256-byte aligned): 7.9% more elements
-        assert 0.99 <= st["ratios"]["model_state_over_formula"] <= 1.10
+        # (every parameter 256-byte aligned): 7.9% more elements. Stage 3 in bf16 keeps no working shard (the
+        # paper's 2 of 16 bytes a parameter over N), stage 1 with one backward a step may keep only its gradient shard
+        low = {1: 0.80, 3: 0.99 * 14 / 16}[st["stage"]]
+        assert low <= st["ratios"]["model_state_over_formula"] <= 1.10
         # bf16 against fp32-weight autocast: the curves agree to bf16 rounding, not more
         assert 0 < st["ratios"]["loss_gap_vs_ddp"] < 2**-7
         for s in st["systems"]:

@@ -327,13 +327,7 @@ class Stage12Runtime:
             lines.append(f"group {i}: {len(g.params)} parameters, {layout.numel} elements in {len(layout.buckets)} "
                          f"buckets, padded with {layout.padding} zero elements to a shard of {layout.shard_numel} per "
                          f"rank (padding never enters the math)")
-        if self.stage == 1:
-            lines.append("stage 1: each bucket is reduced into this rank's gradient shard during backward (one "
-                         "backward a step, several buckets)" if self.sharded_grads else
-                         "stage 1: the whole gradient is kept and reduced at the accumulation's boundary (with "
-                         "gradient_accumulation_steps 1 and reduce_bucket_size under a third of the model, backward "
-                         "would reduce into the shard instead)")
-        return lines
+        return lines + ([STAGE1_GRADIENTS[self.sharded_grads]] if self.stage == 1 else [])
 
     def warnings(self, reduce_bucket_size: int) -> list[str]:
         """Stage 2 whose every group is one bucket: the whole gradient is held at once. (A small group alone in one
@@ -346,6 +340,14 @@ class Stage12Runtime:
                 f"group's elements ({n} trainable in all), so backward fills buckets as large as the whole gradient "
                 f"and stage 2 holds as much gradient memory as stage 1. Set zero_optimization.reduce_bucket_size "
                 f"well below {max(g.layout.numel for g in sharded)} (\"auto\" = hidden_size**2) to keep the saving."]
+
+
+STAGE1_GRADIENTS = {  # the start-up line: where stage 1's gradients go (sharded_grads)
+    True: "stage 1: each bucket is reduced into this rank's gradient shard during backward (one backward a step, "
+          "several buckets)",
+    False: "stage 1: the whole gradient is kept and reduced at the accumulation's boundary (with "
+           "gradient_accumulation_steps 1 and reduce_bucket_size under a third of the model, backward would reduce "
+           "into the shard instead)"}
 
 
 def sharded_grads(spec: RuntimeSpec, numel: int) -> bool:

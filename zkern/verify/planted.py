@@ -1,8 +1,8 @@
 """The planted bugs themselves: each mutant breaks one thing zkern must get right, the way a real bug would (an
 optimizer that never updates, a reduction that forgets a rank, a checkpoint that drops the moments). mutants.py
 plants each in turn and runs draws until one fails; this file is only the catalogue and the planting (offload's
-mutants are in planted_offload.py), so the runner (which plants the one ZKERN_MUTANT names) does not depend on the
-driver.
+mutants are in planted_offload.py, stage 3's in planted_stage3.py), so the runner (which plants the one ZKERN_MUTANT
+names) does not depend on the driver.
 
     python -c "from zkern.verify.planted import MUTANTS; print(len(MUTANTS))"
 
@@ -34,6 +34,13 @@ from zkern.verify.planted_offload import (
     staging_takes_working_copies,
     upload_unwaited,
     write_compared_with_stale,
+)
+from zkern.verify.planted_stage3 import (
+    first_unit_grads_dropped,
+    gather_source_cached,
+    shard_offset,
+    stale_after_step,
+    views_freed,
 )
 
 ENV = "ZKERN_MUTANT"
@@ -185,61 +192,6 @@ def _params_not_gathered(p: _Patches) -> None:
     from zkern.stage12.flat_group import FlatGroup
 
     p.set(FlatGroup, "gather_bucket", lambda self, index: None)
-
-
-# -- stage 3 -------------------------------------------------------------------------------------------------------
-def _shard_offset(p: _Patches) -> None:
-    """Stage 3 gathers a unit from its shard one element off."""
-    from zkern.stage3.sources import UnitSources
-
-    def make(original):
-        def own_chunk(self, u, buffer):
-            own = original(self, u, buffer)
-            return torch.roll(own, 1) if own.numel() > 1 else own
-        return own_chunk
-    p.wrap(UnitSources, "own_chunk", make)
-
-
-def _gather_source_cached(p: _Patches) -> None:
-    """Stage 3 gathers each unit's chunk as its first gather read it (its cast from the master kept), never the
-    stepped values."""
-    from zkern.stage3.sources import UnitSources
-
-    kept: dict[tuple[int, int], torch.Tensor] = {}
-
-    def make(original):
-        def own_chunk(self, u, buffer):
-            own = original(self, u, buffer)
-            first = kept.setdefault((id(self), u.index), own.detach().clone())
-            slot = buffer[self.comm.rank * u.bucket.chunk:(self.comm.rank + 1) * u.bucket.chunk]
-            return slot.copy_(first)
-        return own_chunk
-    p.wrap(UnitSources, "own_chunk", make)
-
-
-def _first_unit_grads_dropped(p: _Patches) -> None:
-    """Stage 3: the gradients of the first unit's parameters never reach its reduce buffer."""
-    from zkern.stage3.reduce import GradReducer
-
-    def make(original):
-        def scatter_into(self, g, u, param, grad, add):
-            if u.index == min(x.index for x in self.units if x.trainable):
-                grad = torch.zeros_like(grad)
-            return original(self, g, u, param, grad, add)
-        return scatter_into
-    p.wrap(GradReducer, "_scatter_into", make)
-
-
-def _stale_after_step(p: _Patches) -> None:
-    """Stage 3: the persistent units are not gathered again after the step (their copies go stale)."""
-    from zkern.stage3.gatherer import Gatherer
-
-    def after_step(self):
-        self.version += 1
-        for u in self.units:
-            if u.persistent:
-                u.version = self.version  # claims fresh, keeps the old values
-    p.set(Gatherer, "after_step", after_step)
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------------
@@ -410,14 +362,6 @@ def _trainer_accumulation_unscaled(p: _Patches) -> None:
     p.wrap(Trainer, "_engine_backward", make)
 
 
-def _views_freed(p: _Patches) -> None:
-    """Stage 3 frees a unit's storage at rest even where a view of it left a module's call (escapes.py undone)."""
-    from zkern.stage3 import hooks
-
-    p.set(hooks, "alias_parameters", lambda output, units: output)
-    p.set(hooks, "mark_escaped", lambda output, module, units: [])
-
-
 def _hooks_hold_runtime(p: _Patches) -> None:
     """The gradient hooks a runtime leaves on the parameters hold it strongly (a dropped engine is never freed)."""
     from zkern.stage3 import runtime as stage3
@@ -450,9 +394,9 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "reduce.rank0_twice": ("rank 0's gradient counted twice", _rank0_twice),
     "reduce.no_predivide": ("the sum over ranks never divided by the world size", _no_predivide),
     "stage12.params_not_gathered": ("stages 1-2 never gather the updated chunks", _params_not_gathered),
-    "stage3.shard_offset": ("stage 3 gathers from one element off", _shard_offset),
-    "stage3.unit_grads_dropped": ("stage 3 drops the first unit's gradients", _first_unit_grads_dropped),
-    "stage3.stale_after_step": ("stage 3's persistent units stale after the step", _stale_after_step),
+    "stage3.shard_offset": ("stage 3 gathers from one element off", shard_offset),
+    "stage3.unit_grads_dropped": ("stage 3 drops the first unit's gradients", first_unit_grads_dropped),
+    "stage3.stale_after_step": ("stage 3's persistent units stale after the step", stale_after_step),
     "ckpt.moments_not_restored": ("a load keeps the optimizer's moments as they were", _moments_not_restored),
     "ckpt.step_count_plus_one": ("a load sets each piece's step count one too high", _step_count_plus_one),
     "ckpt.scheduler_not_restored": ("a load leaves the LR schedule where it was", _scheduler_not_restored),
@@ -480,9 +424,9 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "offload.delay_lands_at_once": ("the delayed update's weights go up before the next forward", delay_lands_at_once),
     "offload.staging_overwritten": ("a weight set between backward and step() overwrites the host's gradient copies",
                                     staging_takes_working_copies),
-    "stage3.views_freed": ("stage 3 frees a unit under the views of it a module handed out", _views_freed),
+    "stage3.views_freed": ("stage 3 frees a unit under the views of it a module handed out", views_freed),
     "stage3.gather_source_cached": ("stage 3's gathers send each chunk as first cast from the master, never the "
-                                    "stepped values", _gather_source_cached),
+                                    "stepped values", gather_source_cached),
     "engine.hooks_hold_runtime": ("a dropped engine's runtime is kept alive by its gradient hooks",
                                   _hooks_hold_runtime),
     "offload.export_one_behind": ("the exports miss the delayed update in flight", export_one_behind),

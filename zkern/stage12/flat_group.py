@@ -30,15 +30,15 @@ class FlatGroup:
     """One group of trainable parameters packed into flat buffers, for ZeRO stages 0, 1 and 2."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], spec: RuntimeSpec, *, comm: Comm,
-                 store: ShardStore, sharded_grads: bool | None = None):
+                 store: ShardStore, sharded_grads: bool):
         """spec: the stage, dtypes, bucket size and offload as resolved from the config (core/spec.py). store:
         where the shards live (offload/store.py); with its optimizer files (offload_optimizer.device "nvme") the
         master shard is a region of them (self.master is then the region's stand-in). sharded_grads: gradients go
-        into bucket buffers reduced into this rank's shard as backward produces them (default: at stage 2; the
-        runtime also asks it of stage 1, see Stage12Runtime)."""
+        into bucket buffers reduced into this rank's shard as backward produces them (stage 2, and stage 1 where
+        runtime.sharded_grads says so)."""
         stage, dtype, mixed, device = spec.stage, spec.dtype, spec.mixed, spec.device
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
-        self.sharded_grads = stage == 2 if sharded_grads is None else sharded_grads
+        self.sharded_grads = sharded_grads
         self.dtype, self.mixed, self.overlap, self.reduce_scatter = dtype, mixed, spec.overlap, spec.reduce_scatter
         self.comm_dtype, self.accum_dtype = spec.comm_dtype, spec.accum_dtype
         # Every bucket's collective goes through it; qgZ (stage 2) is its `quantized`, which Stage12Runtime sets.

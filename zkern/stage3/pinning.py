@@ -116,7 +116,8 @@ def _edits(s: Shards, units: list[Unit], modifier_rank: int) -> list[tuple[Unit,
         if s.store.in_int8(u.index):
             before = s.store.int8.get(u.index, mine.dtype).to(mine.device)
         else:
-            before = s.working(b.shard_offset, b.shard_offset + b.chunk).to(mine.device)
+            # in the working dtype, as the gather read it (cast from the master where no working shard is kept)
+            before = s.store.read(s.source[b.shard_offset:b.shard_offset + b.chunk]).to(mine.device, mine.dtype)
         changed = (mine != before) & ~(mine.isnan() & before.isnan())
         out.append((u, mine, changed))
     return out

@@ -57,9 +57,3 @@ class Shards:
         """The shard the gathers read: the working shard, or the master they cast from."""
         return self.param_shard if self.param_shard is not None else self.master
 
-    def working(self, lo: int, hi: int) -> torch.Tensor:
-        """This rank's elements [lo, hi) of the shard in the working dtype, as a gather reads them (read only)."""
-        if self.param_shard is not None:
-            return self.store.read(self.param_shard[lo:hi])
-        return self.master[lo:hi].to(self.dtype)
-

@@ -5,9 +5,10 @@
 
 Per stage and world, the same model and data trained by zkern with the config's AdamW and with its Muon (the hidden
 matrices; AdamW for the rest), each in its own ranks: the median step time after warm-up (the slowest rank's), and
-the bytes a rank sends per step, Muon's assembly of the matrices that span ranks counted apart (comm_stats' "muon").
-Newton-Schulz is arithmetic Adam does not do (five iterations of three matrix products per matrix); at stage 0 every
-rank repeats it for every matrix, at stages 1-3 each rank does it for the matrices it holds a piece of.
+the bytes a rank sends per step, Muon's traffic for the matrices that span ranks counted apart (comm_stats' "muon":
+the pieces to their owners and the results back). Newton-Schulz is arithmetic Adam does not do (five iterations of
+three matrix products per matrix); at stage 0 every rank repeats it for every matrix, at stages 1-3 each rank does it
+for the matrices it holds whole and those it owns.
 """
 
 from __future__ import annotations

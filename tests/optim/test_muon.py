@@ -19,70 +19,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.optim._muon as torch_muon
 from checkpoint_runs import assert_same_state, spec_for, topology_source, topology_target, with_stage
+from muon_runs import ADAM_LR, MUON_LR, muon_spec, reference
 
 import zkern
 from zkern.checkpoint import load_optimizer_state_dict
 from zkern.testing import TrainSpec, assert_params_close, engine_run, global_batch, spawn
-
-MUON_LR, ADAM_LR, STEPS = 2e-2, 1e-2, 4
-PARAMS = {"lr": MUON_LR, "adam_lr": ADAM_LR, "momentum": 0.9, "weight_decay": 0.01, "betas": [0.9, 0.99],
-          "eps": 1e-8}
-
-
-def muon_spec(stage: int, ns_method: str = "gram", **kwargs) -> TrainSpec:
-    optimizer = {"type": "Muon", "params": {**PARAMS, "ns_method": ns_method}}
-    return TrainSpec(stage=stage, steps=STEPS, reduce_bucket_size=3000, extra_config={"optimizer": optimizer},
-                     **kwargs)
-
-
-def hidden(name: str, p: torch.Tensor) -> bool:
-    """DeepSpeed's use_muon rule, written out: matrices whose name names neither an embedding nor the LM head."""
-    return p.ndim >= 2 and "embed" not in name and "lm_head" not in name
-
-
-def _exact_newton_schulz(grad, coefficients, steps, eps):
-    x = grad.double()
-    tall = x.size(0) > x.size(1)
-    x = x.T if tall else x
-    x = x / x.norm().clamp(min=eps)
-    a, b, c = coefficients
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.T if tall else x).float()
-
-
-def reference(spec: TrainSpec, world: int, exact: bool, prepare=None) -> dict[str, torch.Tensor]:
-    """One process, the whole global batch: torch.optim.Muon on the hidden matrices, torch.optim.AdamW on the rest,
-    clip_grad_norm_ over both (exact: torch's Newton-Schulz in fp64 instead of bf16)."""
-    model = spec.make_model()
-    if prepare is not None:
-        prepare(model)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    tagged = [(getattr(p, "use_muon", hidden(n, p)), p) for n, p in named]
-    muon = torch.optim.Muon([p for m, p in tagged if m], lr=MUON_LR, weight_decay=PARAMS["weight_decay"],
-                            momentum=PARAMS["momentum"], nesterov=True)
-    adamw = torch.optim.AdamW([p for m, p in tagged if not m], lr=ADAM_LR, betas=tuple(PARAMS["betas"]),
-                              eps=PARAMS["eps"], weight_decay=PARAMS["weight_decay"])
-    saved = torch_muon._zeropower_via_newtonschulz
-    if exact:
-        torch_muon._zeropower_via_newtonschulz = _exact_newton_schulz
-    try:
-        batches = spec.batches(world)
-        for step in range(spec.steps):
-            muon.zero_grad()
-            adamw.zero_grad()
-            idx, tgt = global_batch(batches, step)
-            spec.loss(model, idx, tgt, step).backward()
-            if spec.clip > 0:
-                torch.nn.utils.clip_grad_norm_([p for _, p in named], spec.clip)
-            muon.step()
-            adamw.step()
-    finally:
-        torch_muon._zeropower_via_newtonschulz = saved
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def runs(rank: int, world: int, specs: list[TrainSpec]) -> list[dict]:
@@ -141,32 +83,62 @@ def test_muon_with_zeropp_trains_as_plain_muon():
         assert moved > 0, f"stage {stage} {zero}: the weights equal plain Muon's (nothing was quantized)"
 
 
-def test_muon_assembles_only_matrices_that_span_ranks():
-    """Stage 0 holds every matrix whole (no traffic for Muon); stage 3 splits units over ranks, and what Muon adds to a
-    step is one all-gather of the spanning matrices' elements, each rank sending its own pieces: about half the
-    matrices at world 2 (an all-reduce of the zero-padded matrices would send all of them)."""
-    per_rank = spawn(_spanning, 2, timeout=300)
-    stage0, stage3 = per_rank[0]
-    assert stage0 == (0, 0, 0)
-    spanning, calls, nbytes = stage3
-    assert spanning > 0 and calls == 1  # one bucket a step (the tiny model's spanning matrices fit one)
-    # (W - 1) / W of W shares of fp32: one share, the larger rank's part of the spanning matrices
-    assert 4 * spanning // 2 <= nbytes <= 4 * spanning * 0.6
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_spanning_matrix_is_orthogonalized_once_by_its_owner(world):
+    """Stage 0 holds every matrix whole: no traffic for Muon, and every rank orthogonalizes every matrix (as torch's
+    Muon under DDP). Stage 3 cuts units over the ranks, so most matrices span ranks: each is orthogonalized exactly
+    once, by one rank holding a piece of it (its owner, the same on every rank), each matrix held whole by the rank
+    that holds it; the step's Muon traffic is two all-to-alls (the pieces to their owners, the results back), in
+    which a rank sends the elements of its pieces that others own and its owned matrices' slices that others hold,
+    each once, and nothing more."""
+    per_rank = spawn(_spanning, world, timeout=300)
+    stage0 = [r[0] for r in per_rank]
+    stage3 = [r[1] for r in per_rank]
+    for r in stage0:
+        assert (r["calls"], r["bytes"]) == (0, 0) and sorted(r["orthogonalized"]) == sorted(r["owners"])
+    owners = stage3[0]["owners"]
+    assert all(r["owners"] == owners for r in stage3)  # one plan on every rank
+    done = [j for r in stage3 for j in r["orthogonalized"]]
+    assert sorted(done) == sorted(owners)  # each matrix once over the ranks
+    assert sum(o is not None for o in owners.values()) > 1 and stage3[0]["spanning"] > 0
+    for rank, r in enumerate(stage3):
+        for j in r["orthogonalized"]:  # by its owner, or by the one rank holding it whole
+            assert owners[j] in (rank, None) and (owners[j] == rank or r["whole"][j])
+        assert r["calls"] == 2  # one bucket: out to the owners and back
+        to_owners, back = r["assembly"]
+        assert r["bytes"] == 4 * (to_owners + back)  # "gram" on a CPU: results in fp32
+    sent = sum(r["assembly"][0] for r in stage3)
+    assert sent == sum(r["assembly"][1] for r in stage3)  # every element out comes back
+    assert 0 < sent < stage3[0]["spanning"]  # an owner's own pieces stay where they are
 
 
-def _spanning(rank: int, world: int) -> list[tuple[int, int, int]]:
+def _spanning(rank: int, world: int) -> list[dict]:
     out = []
     for stage in (0, 3):
         spec = muon_spec(stage)
         engine = spec.build_engine(spec.make_model(), world)
+        optimizer = engine.optimizer
+        done = []
+        orthogonalized = optimizer._orthogonalized
+
+        def counted(m, whole, orthogonalized=orthogonalized, done=done):
+            done.append(m.index)
+            return orthogonalized(m, whole)
+
+        optimizer._orthogonalized = counted
         idx, tgt = global_batch(spec.batches(world), 0)
         before = engine.comm_stats()
         loss = engine(idx[rank::world], tgt[rank::world])
         engine.backward(loss)
         engine.step()
         after = engine.comm_stats()
-        out.append((engine.optimizer.spanning_numel(), after["calls"].get("muon", 0) - before["calls"].get("muon", 0),
-                    after.get("muon", 0) - before.get("muon", 0)))
+        whole = {j: bool(m.pieces) and sum(n for *_, n in m.pieces) == m.numel
+                 for j, m in optimizer._matrices.items()}
+        out.append({"spanning": optimizer.spanning_numel(), "owners": optimizer.owners(), "orthogonalized": done,
+                    "assembly": optimizer.assembly_numel(), "whole": whole,
+                    "calls": after["calls"].get("muon", 0) - before["calls"].get("muon", 0),
+                    "bytes": after.get("muon", 0) - before.get("muon", 0)})
         engine.destroy()
     return out
 
@@ -268,9 +240,9 @@ def test_muon_refusals_name_the_key():
         zkern.Config.load(_config(per_head_muon=True))
     with pytest.raises(zkern.ConfigError, match="'optimizer.params.ns_method' must be \"gram\""):
         zkern.Config.load(_config(ns_method="quintic"))
-    nvme = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}
-    with pytest.raises(zkern.ConfigError, match="Muon with offload_optimizer device \"nvme\""):
-        zkern.Config.load({**_config(), "zero_optimization": nvme})
+    partial = {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}
+    with pytest.raises(zkern.ConfigError, match="with Muon is not supported"):
+        zkern.Config.load({**_config(), "zero_optimization": partial})
     delayed = {"stage": 2, "offload_optimizer": {"device": "cpu", "delayed_update": True}}
     with pytest.raises(zkern.ConfigError, match="delayed_update' runs zkern's own Adam/AdamW"):
         zkern.Config.load({**_config(), "zero_optimization": delayed})

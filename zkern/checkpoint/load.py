@@ -28,6 +28,7 @@ from zkern.core.generators import encode
 from zkern.core.shard_groups import shares_staging, working_pieces
 from zkern.core.state import kinds_a_load_resets
 from zkern.errors import CheckpointError
+from zkern.optim.piece_states import PieceStates
 from zkern.optim.shard_adam import ShardAdam
 
 if TYPE_CHECKING:
@@ -35,9 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zkern")
 
-# Optimizers whose per-parameter state is exp_avg, exp_avg_sq and step with the same meaning: a checkpoint of one
-# resumes the other.
+# Optimizers whose per-parameter state has the same names and meaning: a checkpoint of one resumes the other.
 ADAM_FAMILY = {"ShardAdam", "NvmeAdam", "Adam", "AdamW", "CPUAdam"}
+FAMILIES = (ADAM_FAMILY, {"ShardMuon", "NvmeMuon"})
 
 
 class _Plan:
@@ -253,7 +254,7 @@ def _stage_forms(h: Holdings, manifest: dict, plan: _Plan, kinds: tuple[str, ...
 def _check_optimizer(optimizer, manifest: dict, where: str) -> None:
     saved = manifest["optimizer"]
     mine = type(optimizer).__name__
-    if saved["type"] != mine and not {saved["type"], mine} <= ADAM_FAMILY:
+    if saved["type"] != mine and not any({saved["type"], mine} <= family for family in FAMILIES):
         raise CheckpointError(f"{where}: the checkpoint's optimizer is {saved['type']}, the engine's {mine}: their "
                               f"states do not correspond; pass load_optimizer_states=False to load the weights only")
     if len(saved["param_groups"]) != len(optimizer.param_groups):
@@ -407,7 +408,7 @@ def _restore_forms(h: Holdings, manifest: dict, plan: _Plan) -> None:
 
 
 def _set_optimizer_state(opt, gi: int, k: int, piece: torch.Tensor, state: dict) -> None:
-    if isinstance(opt, ShardAdam):
+    if isinstance(opt, PieceStates):
         opt.set_piece_state(gi, k, state)
         return
     new = {}

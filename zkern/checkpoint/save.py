@@ -56,7 +56,7 @@ from zkern.checkpoint.tensorfile import StreamWriter
 from zkern.core.pinned import pinned_empty
 from zkern.core.shard_groups import working_pieces
 from zkern.errors import CheckpointError
-from zkern.optim.shard_adam import ShardAdam
+from zkern.optim.piece_states import PieceStates
 
 if TYPE_CHECKING:
     from zkern.checkpoint.holdings import Holdings
@@ -92,7 +92,7 @@ class Snapshot:
 
 def optimizer_piece_state(optimizer: torch.optim.Optimizer, group: int, index: int, piece: torch.Tensor) -> dict:
     """The optimizer's state of one shard piece: per-element tensors and scalars."""
-    if isinstance(optimizer, ShardAdam):
+    if isinstance(optimizer, PieceStates):
         return optimizer.piece_state(group, index)
     return dict(optimizer.state.get(piece, {}))
 

@@ -450,16 +450,34 @@ class Comm:
         what = f"all_gather of {out.numel()} {out.dtype} elements ({purpose})"
         return self._run(_all_gather_single if out.is_cuda else _all_gather_list, what, async_op, out, inp)
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, purpose: str, *, async_op: bool = False) -> Work:
-        """out (world * n,) <- [rank q's inp chunk [self.rank] for q in ranks]: inp's chunk j goes to rank j."""
-        if out.numel() != inp.numel() or inp.numel() % self.world:
-            raise ValueError(f"all_to_all: input of {inp.numel()} and output of {out.numel()} elements must be equal "
-                             f"and divisible by the world size {self.world}")
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, purpose: str, *, out_splits: list[int] | None = None,
+                   inp_splits: list[int] | None = None, kind: str = "all_to_all", async_op: bool = False) -> Work:
+        """out (world * n,) <- [rank q's inp chunk [self.rank] for q in ranks]: inp's chunk j goes to rank j. With
+        splits the chunks are uneven: inp's consecutive inp_splits[j] elements go to rank j, and out takes
+        out_splits[q] elements from each rank q, in rank order (each rank's inp_splits[r] must be rank r's
+        out_splits[its rank])."""
+        if (out_splits is None) != (inp_splits is None):
+            raise ValueError("all_to_all: give both out_splits and inp_splits, or neither")
+        if out_splits is None:
+            if out.numel() != inp.numel() or inp.numel() % self.world:
+                raise ValueError(f"all_to_all: input of {inp.numel()} and output of {out.numel()} elements must be "
+                                 f"equal and divisible by the world size {self.world}")
+            sent = (self.world - 1) * inp.numel() // self.world
+        else:
+            if (len(out_splits), len(inp_splits)) != (self.world, self.world) or \
+                    (sum(out_splits), sum(inp_splits)) != (out.numel(), inp.numel()):
+                raise ValueError(f"all_to_all: splits {out_splits} / {inp_splits} must have one entry per rank "
+                                 f"({self.world}) and sum to the output's {out.numel()} / input's {inp.numel()} "
+                                 f"elements")
+            sent = inp.numel() - inp_splits[self.rank]
         if self.world == 1:
             return self._local(out, inp)
-        self._count("all_to_all", (self.world - 1) * inp.numel() * inp.element_size() // self.world)
+        self._count(kind, sent * inp.element_size())
         what = f"all_to_all of {inp.numel()} {inp.dtype} elements ({purpose})"
-        return self._run(dist.all_to_all_single, what, async_op, out, inp)
+        if out_splits is None:
+            return self._run(dist.all_to_all_single, what, async_op, out, inp)
+        return self._run(dist.all_to_all_single, what, async_op, out, inp, output_split_sizes=out_splits,
+                         input_split_sizes=inp_splits)
 
     def broadcast(self, t: torch.Tensor, purpose: str, *, src: int = 0) -> None:
         """In-place broadcast of t from rank src (used once, at construction, so every rank starts equal)."""

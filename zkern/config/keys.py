@@ -243,8 +243,7 @@ ZERO = {
     "override_module_apply": Inert("zkern does not patch Module.apply"),
     "log_trace_cache_warnings": Inert("zkern says once when a pass departs from its recorded order"),
     "enable_sanity_checks": Inert("zkern checks its stage-3 invariants at the end of every pass, always"),
-    "save_muon_momentum_buffer_in_memory": Inert("Muon's momentum is per element and always in memory beside its "
-                                                  "shard"),
+    "save_muon_momentum_buffer_in_memory": _bool(False),
     "parameter_alignment": Inert("zkern pads every chunk to 64 elements (16-byte aligned) itself"),
     "legacy_stage1": DefaultOnly(False, "DeepSpeed's legacy stage 1"),
     "mics_shard_size": DefaultOnly(-1, f"MiCS, {REMOVED_UPSTREAM}"),

@@ -216,10 +216,6 @@ def _check_partial_offload(cfg: Config) -> None:
 def _check_muon(cfg: Config) -> None:
     if cfg.optimizer is None or cfg.optimizer.type != "muon":
         return
-    if cfg.zero_optimization.offload_optimizer_device == "nvme":
-        raise ConfigError("'optimizer.type' Muon with offload_optimizer device \"nvme\": zkern streams only its Adam's "
-                          "state from files; use offload_optimizer device \"cpu\" (Muon's momentum and AdamW's "
-                          "moments on the host, Newton-Schulz on the device)")
     bf16 = cfg.bf16
     keys = [k for k in ("bf16_optimizer_states", "bf16_master_weights_and_grads") if bf16.enabled and getattr(bf16, k)]
     if keys:

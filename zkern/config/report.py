@@ -30,6 +30,14 @@ def summary(cfg: Config) -> list[str]:
     offload += [f"parameters -> {zero.offload_param_device}" for _ in [0] if zero.offload_param_device != "none"]
     if offload:
         lines.append("offload: " + ", ".join(offload))
+    muon = cfg.optimizer is not None and cfg.optimizer.type == "muon"
+    if muon and zero.offload_optimizer_device == "nvme":
+        lines.append("Muon on NVMe: master and AdamW moments in files; Muon's momentum " + (
+            "in host memory (save_muon_momentum_buffer_in_memory)" if zero.save_muon_momentum_buffer_in_memory else
+            "in the exp_avg files"))
+    elif zero.save_muon_momentum_buffer_in_memory:
+        lines.append("save_muon_momentum_buffer_in_memory: changes nothing here (it keeps Muon's momentum off NVMe; "
+                     "this run has no Muon on offload_optimizer \"nvme\")")
     share = f"{zero.offload_optimizer_cpuadam_cores_perc:g} of the CPU Adam's threads (cpuadam_cores_perc)"
     if zero.offload_optimizer_delayed_update:
         lines.append(f"host Adam: the delayed update, one step behind the model, on {share}")

@@ -109,6 +109,7 @@ class ZeroConfig:
     # Stage 3 in mixed precision with the master on the device: the gathers cast each rank's chunk from the fp32
     # master (as FSDP2 does); true keeps a 16-bit working shard beside it (2 bytes a parameter over N) to gather from.
     stage3_keep_working_shard: bool = _default(K.ZERO, "stage3_keep_working_shard")
+    save_muon_momentum_buffer_in_memory: bool = _default(K.ZERO, "save_muon_momentum_buffer_in_memory")
     # ZeRO-Offload: "none" or "cpu" (fp32 master and Adam moments on the host; stages 1-3), and for stage 3 the
     # parameter shards at rest on the host. pin_memory: page-locked host buffers (CUDA only).
     offload_optimizer_device: str = _default(K.OFFLOAD["offload_optimizer"], "device")

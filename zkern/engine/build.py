@@ -22,10 +22,12 @@ from zkern.core.spec import RuntimeSpec
 from zkern.engine import muon_groups
 from zkern.offload import nvme
 from zkern.offload.nvme import NvmeAdam
+from zkern.offload.nvme_muon import NvmeMuon
 from zkern.offload.store import ShardStore
 from zkern.optim.lamb_lion import Lamb, Lion
 from zkern.optim.lr_schedules import build_scheduler
-from zkern.optim.muon import Ranks, ShardMuon
+from zkern.optim.muon import ShardMuon
+from zkern.optim.muon_owners import Ranks
 from zkern.optim.shard_adam import ShardAdam
 from zkern.stage3.runtime import Stage3Runtime
 from zkern.stage3.sharded_init import is_sharded
@@ -249,7 +251,11 @@ def build_optimizer(cfg: Config, client: torch.optim.Optimizer | None, shard_gro
     if client is None and cfg.optimizer.type == "muon":
         if requested is None or any("use_muon" not in r for r in requested):
             raise ValueError("Muon's optimizer groups are made by muon_groups.split (each half tagged use_muon)")
-        return ShardMuon(muon_groups.optimizer_groups(cfg, [g.pieces for g in shard_groups], requested))
+        groups = muon_groups.optimizer_groups(cfg, [g.pieces for g in shard_groups], requested)
+        if nvme is not None:
+            return NvmeMuon(groups, nvme,
+                            momentum_in_memory=cfg.zero_optimization.save_muon_momentum_buffer_in_memory)
+        return ShardMuon(groups)
     if client is None and cfg.optimizer.type in _OTHERS:
         if nvme is not None:
             raise ConfigError(f"zero_optimization.offload_optimizer.device \"nvme\" streams Adam's states from disk; "
@@ -315,8 +321,10 @@ def attach_layout(optimizer: torch.optim.Optimizer, runtime, comm: Comm, stage: 
     if isinstance(optimizer, ShardMuon):
         ranks = Ranks(comm.rank, comm.world,
                       total=lambda t: comm.all_reduce(t, "where Muon's pieces lie", kind="control"),
-                      gather=lambda out, inp: comm.all_gather(out, inp, "Muon's matrices that span ranks",
-                                                              kind="muon"))
+                      gather=lambda out, inp: comm.all_gather(out, inp, "where Muon's pieces lie", kind="control"),
+                      exchange=lambda out, inp, out_splits, inp_splits: comm.all_to_all(
+                          out, inp, "Muon's matrices that span ranks, to their owners and back",
+                          out_splits=out_splits, inp_splits=inp_splits, kind="muon"))
         smap = runtime.shard_map()
         muon = {j for j, p in enumerate(runtime.params) if p.use_muon}  # every rank's, not only this rank's pieces
         optimizer.device = device
@@ -324,8 +332,8 @@ def attach_layout(optimizer: torch.optim.Optimizer, runtime, comm: Comm, stage: 
                              ranks if stage > 0 and comm.world > 1 else None)
         if comm.rank == 0:
             names = runtime.names
-            log.info("zkern: Muon on %d matrices (%d elements; %d of them in matrices that span ranks, assembled by "
-                     "all-gathers each step), AdamW on the other %d parameters: %s",
+            log.info("zkern: Muon on %d matrices (%d elements; %d of them in matrices that span ranks, each "
+                     "orthogonalized by one owner: all-to-alls each step), AdamW on the other %d parameters: %s",
                      len(muon), sum(smap.shapes[j].numel() for j in muon), optimizer.spanning_numel(),
                      len(names) - len(muon), ", ".join(n for j, n in enumerate(names) if j not in muon) or "none")
         return

@@ -18,6 +18,7 @@ from zkern.engine.counters import Counters
 from zkern.engine.parts import EngineParts
 from zkern.engine.precision import LossScaler, autocast_dtype
 from zkern.engine.reporting import Reporter
+from zkern.optim.piece_states import PieceStates
 from zkern.optim.shard_adam import ShardAdam
 
 
@@ -73,7 +74,7 @@ def _optimizer(optimizer: torch.optim.Optimizer, store) -> Component:
     initial = hyper_parameters(optimizer)
 
     def reset() -> None:
-        if isinstance(optimizer, ShardAdam):
+        if isinstance(optimizer, PieceStates):
             optimizer.reset_state()
         else:
             optimizer.state.clear()
@@ -83,7 +84,7 @@ def _optimizer(optimizer: torch.optim.Optimizer, store) -> Component:
         pieces = []
         for gi, group in enumerate(optimizer.param_groups):
             for i, piece in enumerate(group["params"]):
-                if isinstance(optimizer, ShardAdam):
+                if isinstance(optimizer, PieceStates):
                     state = optimizer.piece_state(gi, i)
                     state = {k: (store.read(v, k) if isinstance(v, torch.Tensor) else v)
                              for k, v in state.items()}

@@ -24,7 +24,8 @@ from zkern.core.measure import peak_rss_bytes, rss_bytes
 from zkern.core.runtime import Runtime
 from zkern.engine.parts import EngineParts
 from zkern.monitor import Monitors
-from zkern.optim.shard_adam import ShardAdam
+from zkern.offload.nvme_muon import NvmeMuon
+from zkern.optim.piece_states import PieceStates
 
 log = logging.getLogger("zkern")
 PHASES = ("forward", "backward", "step")
@@ -165,6 +166,12 @@ def log_offload(parts: EngineParts) -> None:
     if zero.offload_param_device != "nvme" and zero.offload_param_nvme_path is not None:
         log.warning("zkern: zero_optimization.offload_param.nvme_path is set but the device is %r: the "
                     "parameter shards are not on NVMe (set device \"nvme\" for that)", zero.offload_param_device)
+    if parts.nvme is not None and isinstance(parts.optimizer, NvmeMuon):
+        log.info("zkern NVMe: master and AdamW moments in %s (%.1f MB per rank, %s I/O), Muon's momentum %s; read "
+                 "and written a piece at a time, a matrix whole before it steps", parts.nvme.directory,
+                 parts.nvme.nbytes() / 1e6, parts.nvme.io_path,
+                 "in host memory" if parts.optimizer.momentum_in_memory else "in the exp_avg files")
+        return
     if parts.nvme is not None:
         log.info("zkern NVMe: master and Adam moments in %s (%.1f MB per rank, %s I/O), stepped in tiles of %d "
                  "elements through %d buffer sets (%.1f MB of host memory)", parts.nvme.directory,
@@ -265,7 +272,7 @@ def measured(device: torch.device, accounted: int) -> dict:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
         return 0
-    if isinstance(optimizer, ShardAdam):
+    if isinstance(optimizer, PieceStates):
         return optimizer.state_bytes()
     seen, total = set(), 0
     for state in optimizer.state.values():

@@ -51,6 +51,7 @@ from zkern.core.shard_groups import Chunk, ShardGroup, shares_staging
 from zkern.offload.delayed import DelayedUpdate
 from zkern.offload.partial import host_share
 from zkern.offload.speculative import SpeculativeStep
+from zkern.optim.muon import ShardMuon
 from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 
 
@@ -338,10 +339,13 @@ class HostStep(DelayedUpdate, SpeculativeStep):
             optimizer.step(grad_scale=grad_scale, active=active, before_chunk=self._before_chunk,
                            after_chunk=self._after_chunk(self._up),
                            **({"order": order} if self.device_keys else {}) | self._send_kept(kept, order))
-        else:  # a torch optimizer steps every piece at once
+        else:  # a torch optimizer (or Muon) steps every piece at once
             for gi, ci in order:
                 self._wait_down(gi, ci)
-            step_torch_optimizer(optimizer, self.host_groups, grad_scale=grad_scale, active=active)
+            if isinstance(optimizer, ShardMuon):
+                optimizer.step_shard(self.host_groups, grad_scale=grad_scale, active=active)
+            else:
+                step_torch_optimizer(optimizer, self.host_groups, grad_scale=grad_scale, active=active)
             for gi, ci in order:
                 self._up(gi, ci)
         if self.stream is not None:

@@ -36,11 +36,14 @@ import torch
 
 from zkern import ops
 from zkern.core.shard_groups import ShardGroup
+from zkern.optim.piece_states import load_piece_states
 from zkern.optim.shard_adam import ShardAdam, _runs
 
 log = logging.getLogger("zkern")
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
+# Muon's momentum takes the first moment's file: a Muon piece has no Adam moments (nvme_muon.py)
+FILE_OF = {"momentum_buffer": "exp_avg"}
 ALIGN_BYTES = 4096  # O_DIRECT's alignment: every transfer starts and ends on it, in every file
 
 
@@ -158,7 +161,8 @@ class NvmeShard:
     def read(self, state: str, t: torch.Tensor) -> torch.Tensor:
         """The values of state ("master", "exp_avg", "exp_avg_sq") at the elements slice t covers: a fresh
         host tensor shaped like t, in t's dtype (a bf16 state read through an fp32 master's slice is widened,
-        exactly)."""
+        exactly). Muon's "momentum_buffer" is read from the exp_avg file (FILE_OF)."""
+        state = FILE_OF.get(state, state)
         region, lo = self.locate(t)
         hi = lo + t.numel()
         out = torch.empty(t.numel(), dtype=t.dtype)
@@ -172,6 +176,7 @@ class NvmeShard:
 
     def write(self, state: str, t: torch.Tensor, values: torch.Tensor) -> None:
         """state's elements at slice t <- values (numel of t; blocks only partly covered are read first)."""
+        state = FILE_OF.get(state, state)
         region, lo = self.locate(t)
         hi = lo + t.numel()
         values = values.reshape(-1)
@@ -279,15 +284,7 @@ class NvmeAdam(ShardAdam):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's format (as state_dict returns it), written to disk."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
-            raise ValueError("the optimizer state_dict has other parameter groups than this engine's shard (another "
-                             "world size, stage or model)")
-        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            for i, key in enumerate(saved["params"]):
-                self.set_piece_state(gi, i, state_dict["state"].get(key, {}))
+        load_piece_states(self, state_dict)
 
     # -- the step -----------------------------------------------------------------------------------------------
     def _tiles(self, runs: dict) -> list[tuple[Tile, list]]:

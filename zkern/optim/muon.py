@@ -6,16 +6,19 @@ group (use_muon: hidden matrices) or an AdamW group (the rest).
 A Muon group's momentum is element-wise, so each rank keeps it for its own pieces, as Adam's moments. Newton-Schulz
 is not: it needs each matrix whole. A flat shard holds most matrices whole on one rank (stages 1-2 cut a flat
 group only at the ranks' boundaries; stage 3 cuts every unit into world-many chunks, so there a matrix spans the
-few ranks whose chunks cover it). So ownership follows the shard: the ranks that hold a piece of a matrix are its
-owners. A matrix one rank holds whole is orthogonalized there with no communication. The matrices that span ranks
-are assembled in buckets, one all-gather each: every rank sends its pieces of the bucket's matrices packed end to
-end (padded to the longest rank's share), and each holder places every rank's pieces where they belong, then
-orthogonalizes the matrix and applies its own slice (the same input on each holder, so the same output). That is
-(N - 1) / N of the bucket per rank, half of what an all-reduce of zero-padded matrices sends. A rank never
-orthogonalizes a matrix it holds none of: at stages 1-3 the Newton-Schulz work is spread over the ranks, at stage 0
-(every rank holds every piece) each rank repeats all of it, as torch's Muon under DDP does. Where every rank's
-pieces lie is exchanged once, at set_layout (one all-reduce of counts, one all-gather of ranges), so every rank
-issues the same collectives in the same order each step.
+few ranks whose chunks cover it). A matrix one rank holds whole is orthogonalized there with no communication.
+Each matrix that spans ranks gets one owner among the ranks holding a piece of it (muon_owners.py says which). In
+buckets, every rank sends its pieces of the bucket's matrices to their owners (one
+all-to-all), each owner orthogonalizes its matrices once, and sends each holder its slices of the result (one
+all-to-all back, in the iteration's own dtype: bf16 for "standard", so the values are exact). A rank sends each
+element of its pieces it does not own once and receives each slice once, where an all-gather would hand every rank
+the whole bucket; and each matrix is orthogonalized once, where every holder would repeat it. At stage 0 every rank
+holds every piece and repeats all of it, as torch's Muon under DDP does. Where every rank's pieces lie is exchanged
+once, at set_layout (one all-reduce of counts, one all-gather of ranges), and the owners follow from it the same on
+every rank, so every rank issues the same collectives in the same order each step.
+
+The step goes matrix by matrix (bucket by bucket for the spanning ones): a piece's momentum is stepped, its update
+used and dropped before the next, so the step's transient memory is one matrix or one bucket, never the shard.
 
 The update is torch.optim.Muon's: buf <- lerp(buf, g, 1 - momentum); u = lerp(g, buf, momentum) (Nesterov) or buf;
 O = NS(u); w <- w (1 - lr wd) - lr sqrt(max(1, rows / cols)) O. A parameter of more than two dimensions is the
@@ -28,106 +31,13 @@ Newton-Schulz runs on `device` (the training device), also when the pieces live 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
+from zkern.core.shard_groups import ShardGroup
+from zkern.optim.muon_owners import Bucket, Matrix, Ranks, exchange_ranges, plan
+from zkern.optim.newton_schulz import NS_METHODS, gram_newton_schulz, matrix_shape, newton_schulz, ns_dtype
 from zkern.reference import adam_step_
-
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_METHODS = ("gram", "standard")
-ASSEMBLY_BUCKET = 1 << 24  # elements of the spanning matrices assembled per all-gather (a larger matrix goes alone)
-
-
-def matrix_shape(shape: torch.Size) -> tuple[int, int]:
-    """The matrix Muon orthogonalizes for a parameter of this shape (2 or more dimensions)."""
-    rows = shape[0]
-    return rows, math.prod(shape) // rows
-
-
-def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalization: the quintic iteration in bf16 on the wide orientation (bf16 result)."""
-    x = g.bfloat16()
-    tall = g.size(0) > g.size(1)
-    if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))
-    a, b, c = NS_COEFFICIENTS
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
-
-
-def gram_newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """The same quintic map, iterated on the small Gram matrix R = X X^T (n x n, n the short side) and applied to X
-    once at the end (DeepSpeed's "gram" method: far fewer flops when the matrix is wide). The accumulated left factor
-    Q is applied and the iteration restarted from Q X after two steps, which keeps half precision stable."""
-    dtype = torch.float16 if g.is_cuda else torch.float32
-    x = g.to(dtype)
-    tall = g.size(0) > g.size(1)
-    if tall:
-        x = x.T
-    x = x / (x.norm() + eps)
-    a, b, c = NS_COEFFICIENTS
-    n, m = x.shape
-    if m <= n:  # square: nothing to gain
-        for _ in range(steps):
-            gram = x @ x.T
-            x = a * x + (b * gram + c * gram @ gram) @ x
-        return x.T if tall else x
-    r, q, restart = x @ x.T, None, 2
-    for i in range(steps):
-        if i == restart:
-            x = q @ x
-            r, q = x @ x.T, None
-        z = b * r + c * r @ r
-        if q is None:
-            q = z.clone()
-            q.diagonal().add_(a)
-        else:
-            q = a * q + z @ q
-        if i < steps - 1 and i + 1 != restart:
-            rz = a * r + z @ r
-            r = a * rz + z @ rz
-    return (x.T @ q.T) if tall else (q @ x)
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """How an optimizer reaches the other ranks: total(t) sums t over them in place; gather(out, inp) puts every rank's
-    inp (equal sizes) into out in rank order."""
-
-    rank: int
-    world: int
-    total: Callable[[torch.Tensor], None]
-    gather: Callable[[torch.Tensor, torch.Tensor], None]
-
-
-@dataclass
-class _Bucket:
-    """Spanning matrices assembled by one all-gather: `share` elements from each rank; segments[r]: where rank r's
-    pieces go, (matrix index, first element, numel, offset in r's share)."""
-
-    matrices: list[int]
-    share: int
-    segments: list[list[tuple[int, int, int, int]]] = field(default_factory=list)
-
-
-@dataclass
-class _Matrix:
-    """One Muon parameter: its matrix shape and this rank's pieces of it (group, piece index, first element, numel)."""
-
-    index: int  # the trainable parameter's index (the same on every rank)
-    shape: tuple[int, int]
-    pieces: list[tuple[int, int, int, int]]
-    spans_ranks: bool = False  # no rank holds all of it: assembled by an all-gather
-
-    @property
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
 
 
 class ShardMuon(torch.optim.Optimizer):
@@ -137,14 +47,17 @@ class ShardMuon(torch.optim.Optimizer):
         """groups: torch param-group dicts whose params are the pieces; a Muon group has lr, momentum, weight_decay,
         nesterov, ns_method, ns_steps; an AdamW group lr, betas, eps, weight_decay. Each piece is a whole parameter
         until set_layout says otherwise."""
-        for g in groups:
-            if g.get("use_muon") and g.get("ns_method") not in NS_METHODS:
-                raise ValueError(f"Muon's ns_method must be one of {NS_METHODS}, got {g.get('ns_method')!r}")
+        methods = {g.get("ns_method") for g in groups if g.get("use_muon")}
+        if not methods <= set(NS_METHODS) or len(methods) > 1:
+            raise ValueError(f"Muon's ns_method must be one of {NS_METHODS}, the same in every group, got "
+                             f"{sorted(map(str, methods))}")
+        self.ns_method = methods.pop() if methods else "gram"  # what an owner's results travel back in (ns_dtype)
         super().__init__(groups, {})
         self.device = device
         self.ranks: Ranks | None = None
-        self._matrices: dict[int, _Matrix] | None = None  # until set_layout: each param is its own whole matrix
-        self._buckets: list[_Bucket] = []
+        self._matrices: dict[int, Matrix] | None = None  # until set_layout: each param is its own whole matrix
+        self._buckets: list[Bucket] = []
+        self._bound: tuple[dict, dict] | None = None  # step_shard's (gradient, out) views by (group, piece)
 
     def _whole_params_layout(self) -> None:
         """Without set_layout (the optimizer over whole parameters, one process): each param is its own matrix."""
@@ -169,7 +82,7 @@ class ShardMuon(torch.optim.Optimizer):
                 raise ValueError(f"Muon orthogonalizes matrices; trainable parameter {j} has shape "
                                  f"{tuple(shapes[j])}: train it in an AdamW group (use_muon False)")
         self.ranks, self._buckets = ranks, []
-        self._matrices = {j: _Matrix(j, matrix_shape(shapes[j]), []) for j in sorted(muon)}
+        self._matrices = {j: Matrix(j, matrix_shape(shapes[j]), []) for j in sorted(muon)}
         for gi, g in enumerate(self.param_groups):
             for k, (j, start) in enumerate(pieces[gi]):
                 if j in self._matrices:
@@ -177,109 +90,162 @@ class ShardMuon(torch.optim.Optimizer):
                         raise ValueError(f"trainable parameter {j} is a Muon parameter in an AdamW group")
                     self._matrices[j].pieces.append((gi, k, start, g["params"][k].numel()))
         if ranks is not None and self._matrices:
-            self._plan_assembly(self._exchange_ranges(ranks))
-
-    def _exchange_ranges(self, ranks: Ranks) -> list[list[tuple[int, int, int]]]:
-        """Every rank's pieces of the Muon matrices, [rank] -> [(matrix index, first element, numel)]."""
-        mine = [(m.index, start, numel) for m in self._matrices.values() for _, _, start, numel in m.pieces if numel]
-        counts = torch.zeros(ranks.world, dtype=torch.int64, device=self.device)
-        counts[ranks.rank] = len(mine)
-        ranks.total(counts)
-        longest = max(int(counts.max()), 1)
-        table = torch.full((longest, 3), -1, dtype=torch.int64, device=self.device)
-        if mine:
-            table[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
-        every = torch.empty(ranks.world * longest * 3, dtype=torch.int64, device=self.device)
-        ranks.gather(every, table.view(-1))
-        rows = every.view(ranks.world, longest, 3).tolist()
-        return [[tuple(row) for row in rows[r][:int(counts[r])]] for r in range(ranks.world)]
-
-    def _plan_assembly(self, held: list[list[tuple[int, int, int]]]) -> None:
-        """Which matrices span ranks (no rank holds all of one), and their buckets: the same plan on every rank."""
-        by_matrix: dict[int, list[list[tuple[int, int]]]] = {j: [[] for _ in held] for j in self._matrices}
-        for r, rows in enumerate(held):
-            for j, start, numel in rows:
-                by_matrix[j][r].append((start, numel))
-        bucket: _Bucket | None = None
-        size = 0
-        for j, m in self._matrices.items():
-            per_rank = [sum(n for _, n in ranges) for ranges in by_matrix[j]]
-            if max(per_rank) != m.numel and sum(per_rank) != m.numel:
-                raise ValueError(f"Muon: the ranks' pieces of trainable parameter {j} cover {sum(per_rank)} of its "
-                                 f"{m.numel} elements")
-            m.spans_ranks = max(per_rank) < m.numel
-            if not m.spans_ranks:
-                continue
-            if bucket is None or size + m.numel > ASSEMBLY_BUCKET:
-                bucket, size = _Bucket([], 0, [[] for _ in held]), 0
-                self._buckets.append(bucket)
-            bucket.matrices.append(j)
-            size += m.numel
-        for b in self._buckets:
-            for r in range(len(held)):
-                at = 0
-                for j in b.matrices:
-                    for start, numel in sorted(by_matrix[j][r]):
-                        b.segments[r].append((j, start, numel, at))
-                        at += numel
-                b.share = max(b.share, at)
+            self._buckets = plan(self._matrices, exchange_ranges(self._matrices, ranks, self.device), ranks.rank)
 
     def spanning_numel(self) -> int:
-        """Elements of the matrices assembled across ranks each step (what Muon adds to the step's traffic)."""
+        """Elements of the matrices assembled across ranks each step."""
         return sum(m.numel for m in self._matrices.values() if m.spans_ranks)
 
+    def assembly_numel(self) -> tuple[int, int]:
+        """What this rank sends each step for the spanning matrices: (elements of its pieces that go to other ranks'
+        owners, elements of its own matrices' results that go back to their other holders)."""
+        me = self.ranks.rank if self.ranks is not None else 0
+        return (sum(sum(b.sends) - b.sends[me] for b in self._buckets),
+                sum(sum(b.receives) - b.receives[me] for b in self._buckets))
+
+    def owners(self) -> dict[int, int | None]:
+        """Each Muon matrix (by trainable parameter index): the rank that orthogonalizes it where it spans ranks,
+        None where each rank holding it holds it whole (and orthogonalizes it there)."""
+        return {j: m.owner if m.spans_ranks else None for j, m in self._matrices.items()}
+
+    # -- where a piece's values live (NvmeMuon keeps them in files) ---------------------------------------------
+    def _load(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        """The values `name` ("master", "momentum_buffer", "exp_avg", "exp_avg_sq") of piece p, to update in place:
+        the master is p itself; a state is p's own tensor in self.state, zeros until its first step."""
+        if name == "master":
+            return p
+        state = self.state[p]
+        if name not in state:
+            state[name] = torch.zeros_like(p)
+        return state[name]
+
+    def _store(self, gi: int, k: int, p: torch.Tensor, name: str, values: torch.Tensor) -> None:
+        """values (from _load, updated) are back where they belong: in memory they never left."""
+
+    def _grad(self, gi: int, k: int, p: torch.Tensor) -> torch.Tensor | None:
+        """Piece k of group gi's gradient in fp32: p.grad, or the chunk's slice step_shard bound (upcast and
+        scaled here, one piece at a time)."""
+        if self._bound is None:
+            return p.grad
+        view = self._bound[0].get((gi, k))
+        if view is None:
+            return None
+        grad, scale = view
+        return grad.float() * scale if grad.dtype != torch.float32 or scale != 1.0 else grad
+
+    # -- the step ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        """One step over the pieces' .grad (or the gradients step_shard bound): AdamW on the AdamW groups' pieces,
+        then each matrix this rank holds whole, then the spanning matrices bucket by bucket. A matrix's momentum
+        and Newton-Schulz input exist only while it is updated, so the step's transient memory is one matrix, or
+        one bucket of spanning ones, never the whole shard's."""
         if closure is not None:
             raise ValueError("zkern's Muon takes no closure")
         if self._matrices is None:
             self._whole_params_layout()
-        updates: dict[tuple[int, int], torch.Tensor] = {}  # (group, piece) -> its NS input
         for gi, g in enumerate(self.param_groups):
             if not g.get("use_muon"):
-                self._adamw(g)
-                continue
-            for k, p in enumerate(g["params"]):
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - g["momentum"])
-                updates[(gi, k)] = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+                self._adamw(gi, g)
         for m in self._matrices.values():
-            if not m.spans_ranks and m.pieces and all((gi, k) in updates for gi, k, _, _ in m.pieces):
-                self._apply(m, self._orthogonalized(m, self._whole_here(m, updates)))
+            if not m.spans_ranks and m.pieces:
+                updates = self._updates(m)
+                if len(updates) == len(m.pieces):
+                    self._apply(m, self._orthogonalized(m, self._whole_here(m, updates)))
         for b in self._buckets:
-            self._assemble(b, updates)
+            self._assemble(b)
         return None
 
-    def _assemble(self, b: _Bucket, updates: dict) -> None:
-        """One all-gather of every rank's pieces of b's matrices; each holder orthogonalizes the matrices it holds a
-        piece of (with a gradient: a parameter without one on any rank has none on all) and applies its slice."""
+    @torch.no_grad()
+    def step_shard(self, groups: list[ShardGroup], *, grad_scale: float, active: list[list[bool]]) -> None:
+        """The engine's step over its shard groups (this optimizer's param groups are their pieces): each active
+        piece's gradient is its slice of the chunk's gradient, times grad_scale (upcast one piece at a time, as
+        the piece is updated), and each chunk's working copy (out) then takes the new values."""
+        grads, outs = {}, {}
+        for gi, g in enumerate(groups):
+            for chunk in g.chunks:
+                for index, start, numel in chunk.pieces:
+                    if active[gi][index]:
+                        grads[(gi, index)] = (chunk.grad[start:start + numel].view(g.pieces[index].shape),
+                                              grad_scale)
+                    if chunk.out is not None:
+                        outs[(gi, index)] = chunk.out[start:start + numel]
+        self._bound = (grads, outs)
+        try:
+            self.step()
+        finally:
+            self._bound = None
+        self._refresh_outs(groups)
+
+    def _refresh_outs(self, groups: list[ShardGroup]) -> None:
+        """Each chunk's working copy <- its master (the whole chunk, padding included)."""
+        for g in groups:
+            for chunk in g.chunks:
+                if chunk.out is not None:
+                    chunk.out.copy_(chunk.param)
+
+    def _updates(self, m: Matrix) -> dict[tuple[int, int], torch.Tensor]:
+        """Each of this rank's pieces of m with a gradient: its momentum stepped (buf <- lerp(buf, g, 1 - momentum))
+        and its Newton-Schulz input (Nesterov: lerp(g, buf, momentum); else buf), by (group, piece)."""
+        out = {}
+        for gi, k, _, _ in m.pieces:
+            g = self.param_groups[gi]
+            p = g["params"][k]
+            grad = self._grad(gi, k, p)
+            if grad is None:
+                continue
+            buf = self._load(p, "momentum_buffer")
+            buf.lerp_(grad, 1 - g["momentum"])
+            out[(gi, k)] = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+            self._store(gi, k, p, "momentum_buffer", buf)
+        return out
+
+    def _assemble(self, b: Bucket) -> None:
+        """b's spanning matrices: every rank sends its pieces of each to the matrix's owner (one all-to-all); each
+        owner puts its matrices together, orthogonalizes them, and sends every holder its slices of the result (one
+        all-to-all back, in the iteration's output dtype); each holder applies its slices. A matrix without a gradient
+        (none on any rank: a parameter without one on any rank has none on all) is neither orthogonalized nor
+        applied."""
         ranks = self.ranks
-        share = torch.zeros(b.share, dtype=torch.float32, device=self.device)
+        updates = {}
+        for j in b.matrices:
+            updates.update(self._updates(self._matrices[j]))
         mine = {(m.index, start): (gi, k) for m in (self._matrices[j] for j in b.matrices)
                 for gi, k, start, _ in m.pieces}
-        for j, start, numel, at in b.segments[ranks.rank]:
+        send = torch.zeros(sum(b.sends), dtype=torch.float32, device=self.device)
+        for j, start, numel, at in b.send:
             u = updates.get(mine[(j, start)])
             if u is not None:
-                share[at:at + numel].copy_(u.reshape(-1))
-        every = torch.empty(ranks.world * b.share, dtype=torch.float32, device=self.device)
-        ranks.gather(every, share)
-        shares = every.view(ranks.world, b.share)
-        wanted = [j for j in b.matrices if self._matrices[j].pieces and all(
-            (gi, k) in updates for gi, k, _, _ in self._matrices[j].pieces)]
-        wholes = {j: torch.empty(self._matrices[j].numel, dtype=torch.float32, device=self.device) for j in wanted}
-        for r in range(ranks.world):
-            for j, start, numel, at in b.segments[r]:
-                if j in wholes:
-                    wholes[j][start:start + numel].copy_(shares[r, at:at + numel])
-        for j, whole in wholes.items():
-            self._apply(self._matrices[j], self._orthogonalized(self._matrices[j], whole))
+                send[at:at + numel].copy_(u.reshape(-1))
+        received = torch.empty(sum(b.receives), dtype=torch.float32, device=self.device)
+        ranks.exchange(received, send, b.receives, b.sends)
+        del send
+        results = torch.zeros(sum(b.receives), dtype=ns_dtype(self.ns_method, self.device), device=self.device)
+        for j, places in b.owned.items():
+            m = self._matrices[j]
+            if not self._stepped(m, updates):
+                continue
+            whole = torch.empty(m.numel, dtype=torch.float32, device=self.device)
+            for start, numel, at in places:
+                whole[start:start + numel].copy_(received[at:at + numel])
+            ortho = self._orthogonalized(m, whole)
+            for start, numel, at in places:
+                results[at:at + numel].copy_(ortho[start:start + numel])
+        del received
+        back = torch.empty(sum(b.sends), dtype=results.dtype, device=self.device)
+        ranks.exchange(back, results, b.sends, b.receives)
+        for j, start, numel, at in b.send:
+            m = self._matrices[j]
+            if self._stepped(m, updates):
+                gi, k = mine[(j, start)]
+                self._apply_piece(gi, k, m.shape, back[at:at + numel])
 
-    def _whole_here(self, m: _Matrix, updates: dict) -> torch.Tensor:
+    @staticmethod
+    def _stepped(m: Matrix, updates: dict) -> bool:
+        """Every piece of m this rank holds has its update (so every rank's has: see _assemble)."""
+        return bool(m.pieces) and all((gi, k) in updates for gi, k, _, _ in m.pieces)
+
+    def _whole_here(self, m: Matrix, updates: dict) -> torch.Tensor:
         """The NS input of a matrix this rank holds whole, flat on `device`: the one piece's own update where a
         single piece is the matrix (no copy on the same device), else the pieces put together."""
         if len(m.pieces) == 1:
@@ -290,7 +256,7 @@ class ShardMuon(torch.optim.Optimizer):
         return whole
 
     @staticmethod
-    def _add_pieces(m: _Matrix, updates: dict, whole: torch.Tensor) -> None:
+    def _add_pieces(m: Matrix, updates: dict, whole: torch.Tensor) -> None:
         """This rank's pieces of m's NS input into its place in `whole` (zeros elsewhere); nothing for a piece
         without a gradient (every holder agrees: a parameter without one on any rank has none on all)."""
         for gi, k, start, numel in m.pieces:
@@ -298,7 +264,7 @@ class ShardMuon(torch.optim.Optimizer):
             if u is not None:
                 whole[start:start + numel].copy_(u.reshape(-1))
 
-    def _orthogonalized(self, m: _Matrix, whole: torch.Tensor) -> torch.Tensor:
+    def _orthogonalized(self, m: Matrix, whole: torch.Tensor) -> torch.Tensor:
         g = self.param_groups[m.pieces[0][0]]
         fn = newton_schulz if g["ns_method"] == "standard" else gram_newton_schulz
         return fn(whole.view(m.shape), g["ns_steps"]).reshape(-1)
@@ -309,25 +275,33 @@ class ShardMuon(torch.optim.Optimizer):
         rows, cols = shape
         return math.sqrt(max(1.0, rows / cols))
 
-    def _apply(self, m: _Matrix, ortho: torch.Tensor) -> None:
-        """w <- w (1 - lr wd) - lr lr_factor O on each of this rank's pieces of m."""
+    def _apply(self, m: Matrix, ortho: torch.Tensor) -> None:
+        """Each of this rank's pieces of m takes its slice of the orthogonalized update O (m's whole, flat)."""
         for gi, k, start, numel in m.pieces:
-            g = self.param_groups[gi]
-            p = g["params"][k]
-            p.mul_(1 - g["lr"] * g["weight_decay"])
-            p.add_(ortho[start:start + numel].to(p.device).view(p.shape), alpha=-g["lr"] * self.lr_factor(m.shape))
+            self._apply_piece(gi, k, m.shape, ortho[start:start + numel])
 
-    def _adamw(self, g: dict) -> None:
+    def _apply_piece(self, gi: int, k: int, shape: tuple[int, int], ortho: torch.Tensor) -> None:
+        """w <- w (1 - lr wd) - lr lr_factor O for piece k of group gi, whose slice of O is `ortho`."""
+        g = self.param_groups[gi]
+        p = g["params"][k]
+        w = self._load(p, "master")
+        w.mul_(1 - g["lr"] * g["weight_decay"])
+        w.add_(ortho.to(w.device).view(w.shape), alpha=-g["lr"] * self.lr_factor(shape))
+        self._store(gi, k, p, "master", w)
+
+    def _adamw(self, gi: int, g: dict) -> None:
         """torch.optim.AdamW's single-tensor arithmetic (zkern.reference.adam_step_) on each piece with a gradient;
         the step counted as a tensor, as torch counts it, so checkpoints carry over between the two."""
-        for p in g["params"]:
-            if p.grad is None:
+        for k, p in enumerate(g["params"]):
+            grad = self._grad(gi, k, p)
+            if grad is None:
                 continue
             state = self.state[p]
-            if not state:
+            if "step" not in state:
                 state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
             state["step"] += 1
-            adam_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"]), lr=g["lr"],
-                       betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"], adamw=True)
+            values = {name: self._load(p, name) for name in ("master", "exp_avg", "exp_avg_sq")}
+            adam_step_(values["master"], grad, values["exp_avg"], values["exp_avg_sq"], step=int(state["step"]),
+                       lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"], adamw=True)
+            for name, v in values.items():
+                self._store(gi, k, p, name, v)

@@ -26,10 +26,11 @@ from zkern import ops
 from zkern.core.buffers import aligned_zeros
 from zkern.core.partition import ALIGN
 from zkern.core.shard_groups import Chunk, ShardGroup
+from zkern.optim.piece_states import PieceStates
 from zkern.reference import call_seed
 
 
-class ShardAdam(torch.optim.Optimizer):
+class ShardAdam(PieceStates, torch.optim.Optimizer):
     """Adam/AdamW over flat shard chunks, with torch.optim.AdamW's per-parameter semantics."""
 
     def __init__(self, groups: list[ShardGroup], options: list[dict], *, state_dtype: torch.dtype = torch.float32,

@@ -103,6 +103,7 @@ class Draw:
     block_units: bool = False  # stage 3: stage3_fetch_units ["Block"]
     max_live: int = 0  # stage 3: stage3_max_live_parameters (0: the default)
     keep_working: bool = False  # stage 3: stage3_keep_working_shard (a 16-bit shard beside the master to gather from)
+    muon_in_memory: bool = False  # Muon on NVMe: save_muon_momentum_buffer_in_memory (the momentum off the files)
     # who drives the engine: "engine" (its own calls), "accelerator" (a script written for Accelerate+DeepSpeed, on
     # zkern.hf.Accelerator: loops.py) or "trainer" (zkern.hf.Trainer's loop: trainer_loop.py)
     frontend: str = "engine"
@@ -192,8 +193,10 @@ class Draw:
             problems.append(f"optimizer, scheduler and load_flags must be among {OPTIMIZERS}, {SCHEDULERS} and "
                             f"{LOAD_FLAGS}")
         if (self.bf16_state or "nvme" in (self.offload_optimizer, self.offload_param)) and \
-                self.optimizer not in ZKERN_ADAM:
-            problems.append(f"bf16 optimizer state and NVMe offload need zkern's Adam ({ZKERN_ADAM})")
+                self.optimizer not in ZKERN_ADAM and not (self.optimizer == "Muon" and not self.bf16_state):
+            problems.append(f"bf16 optimizer state and NVMe offload need zkern's Adam ({ZKERN_ADAM}) or, NVMe, Muon")
+        if self.muon_in_memory and (self.optimizer != "Muon" or self.offload_optimizer != "nvme"):
+            problems.append("muon_in_memory needs Muon with offload_optimizer nvme")
         if self.delayed_update and (self.offload_optimizer != "cpu" or self.offload_param == "nvme"
                                     or self.optimizer not in ZKERN_ADAM):
             problems.append(f"delayed_update needs offload_optimizer cpu, no NVMe parameters and zkern's Adam "
@@ -333,6 +336,8 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
                 values["keep_working"] = True
         values["optimizer"] = rng.choice(OPTIMIZERS[:1] * 4 + OPTIMIZERS[1:])
         values["scheduler"] = rng.choice(SCHEDULERS[:1] * 3 + SCHEDULERS[1:])
+        if values["optimizer"] == "Muon" and values.get("offload_optimizer") == "nvme":
+            values["muon_in_memory"] = rng.random() < 0.5
         if values.get("offload_optimizer") == "cpu" and values.get("offload_param") != "nvme" and \
                 values["optimizer"] in ZKERN_ADAM and rng.random() < 0.5:
             values["delayed_update"] = True

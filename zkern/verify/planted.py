@@ -233,7 +233,8 @@ def _load_flags_ignored(p: _Patches) -> None:
 
 # -- the other optimizers (torch's and zkern's Lamb and Lion over the shard pieces) ---------------------------------
 def _torch_grad_scale_dropped(p: _Patches) -> None:
-    """A torch optimizer stepping the shard pieces gets the gradients without the unscale/clip/average factor."""
+    """A torch optimizer (or Muon) stepping the shard pieces gets the gradients without the unscale/clip/average
+    factor."""
     from zkern.engine import stepping
     from zkern.offload import host
 
@@ -243,6 +244,13 @@ def _torch_grad_scale_dropped(p: _Patches) -> None:
                 return original(optimizer, groups, grad_scale=1.0, **kw)
             return step
         p.wrap(module, "step_torch_optimizer", make)
+    from zkern.optim.muon import ShardMuon
+
+    def make_muon(original):
+        def step_shard(self, groups, *, grad_scale, **kw):
+            return original(self, groups, grad_scale=1.0, **kw)
+        return step_shard
+    p.wrap(ShardMuon, "step_shard", make_muon)
 
 
 def _lamb_norms_local(p: _Patches) -> None:
@@ -257,15 +265,21 @@ def _lamb_norms_local(p: _Patches) -> None:
 
 
 def _muon_spans_not_assembled(p: _Patches) -> None:
-    """Muon orthogonalizes each rank's own part of a matrix that spans ranks (the assembly's all-reduce skipped)."""
+    """Muon's spanning matrices never leave their ranks: what the all-to-alls would bring from the other ranks arrives
+    as zeros (each owner orthogonalizes its own part of a matrix alone; the other holders get no update back)."""
     from zkern.optim.muon import ShardMuon
 
     def make(original):
         def set_layout(self, pieces, shapes, muon, ranks):
             original(self, pieces, shapes, muon, ranks)
-            if ranks is not None:  # every other rank's share arrives as zeros
-                self.ranks = dataclasses.replace(ranks, gather=lambda out, inp: out.zero_().view(
-                    ranks.world, -1)[ranks.rank].copy_(inp))
+            if ranks is None:
+                return
+
+            def own_chunk_only(out, inp, out_splits, inp_splits):
+                out.zero_()
+                at_out, at_inp = sum(out_splits[:ranks.rank]), sum(inp_splits[:ranks.rank])
+                out[at_out:at_out + out_splits[ranks.rank]].copy_(inp[at_inp:at_inp + inp_splits[ranks.rank]])
+            self.ranks = dataclasses.replace(ranks, exchange=own_chunk_only)
         return set_layout
     p.wrap(ShardMuon, "set_layout", make)
 
@@ -404,8 +418,8 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "torch_optimizer.grad_scale_dropped": ("a torch optimizer's gradients miss the unscale/clip/average factor",
                                            _torch_grad_scale_dropped),
     "lamb.norms_local": ("Lamb's trust ratio from each rank's own pieces", _lamb_norms_local),
-    "muon.spans_not_assembled": ("Muon orthogonalizes each rank's part of a matrix that spans ranks",
-                                 _muon_spans_not_assembled),
+    "muon.spans_not_assembled": ("Muon's spanning matrices never reach their owners (each orthogonalizes its "
+                                 "part alone)", _muon_spans_not_assembled),
     "muon.aspect_scale_dropped": ("Muon's step without sqrt(rows / cols)", _muon_aspect_scale_dropped),
     "loco.no_feedback": ("LoCo never adds its error back", _loco_no_feedback),
     "qgz.hop_drops_ranks": ("qgZ's hop sums only the rank's own section", _qgz_one_hop_dropped),

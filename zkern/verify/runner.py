@@ -77,6 +77,8 @@ def config(draw: Draw, world: int, stage: int, root: str, device: str) -> dict:
         zero["stage3_max_live_parameters"] = draw.max_live
     if stage == 3 and draw.keep_working:
         zero["stage3_keep_working_shard"] = True
+    if draw.muon_in_memory:
+        zero["save_muon_momentum_buffer_in_memory"] = True
     nvme = os.path.join(root, "nvme")
     if draw.offload_optimizer != "none" and stage > 0:
         zero["offload_optimizer"] = {"device": draw.offload_optimizer, "nvme_path": nvme, "buffer_count": 3,

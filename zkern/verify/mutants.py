@@ -50,6 +50,7 @@ TARGETED = [
     '{"delayed_update": true, "offload_optimizer": "cpu", "seed": 457105, "stage": 1, "write_at": 1}',
     '{"offload_optimizer": "cpu", "offload_ratio": 0.5, "save_at": 1, "seed": 35, "stage": 3, "world": 2}',
     '{"precision": "bf16", "seed": 36, "stage": 3, "world": 2}',
+    '{"offload_optimizer": "nvme", "optimizer": "Muon", "seed": 37, "stage": 2, "world": 2}',
 ]
 
 
@@ -83,6 +84,7 @@ KILLERS = {
     "offload.write_compared_with_stale": 24,
     "offload.device_part_unstepped": 25,  # added 2026-11-28 with partial offload (offload/partial.py)
     "stage3.gather_source_cached": 26,  # added 2026-11-29 with stage 3's gathers cast from the master
+    "nvme.muon_momentum_unwritten": 27,  # added 2026-11-29 with Muon on NVMe (offload/nvme_muon.py)
 }
 
 

@@ -26,6 +26,7 @@ from zkern.verify.planted_offload import (
     device_part_unstepped,
     export_one_behind,
     nvme_last_tile_skipped,
+    nvme_muon_momentum_unwritten,
     offload_not_uploaded,
     ring_reused_early,
     save_lands_update,
@@ -439,6 +440,8 @@ MUTANTS: dict[str, tuple[str, Callable[[_Patches], None]]] = {
     "offload.staging_overwritten": ("a weight set between backward and step() overwrites the host's gradient copies",
                                     staging_takes_working_copies),
     "stage3.views_freed": ("stage 3 frees a unit under the views of it a module handed out", views_freed),
+    "nvme.muon_momentum_unwritten": ("Muon on NVMe never writes the stepped momentum back to its file",
+                                     nvme_muon_momentum_unwritten),
     "stage3.gather_source_cached": ("stage 3's gathers send each chunk as first cast from the master, never the "
                                     "stepped values", gather_source_cached),
     "engine.hooks_hold_runtime": ("a dropped engine's runtime is kept alive by its gradient hooks",

@@ -134,3 +134,16 @@ def device_part_unstepped(p) -> None:
             self.device_keys = []
         return init
     p.wrap(HostStep, "__init__", make)
+
+
+def nvme_muon_momentum_unwritten(p) -> None:
+    """Muon on NVMe: each piece's stepped momentum is never written back to its file (every step starts again from
+    the momentum the file held)."""
+    from zkern.offload.nvme_muon import NvmeMuon
+
+    def make(original):
+        def store(self, gi, k, piece, name, values):
+            if name != "momentum_buffer":
+                original(self, gi, k, piece, name, values)
+        return store
+    p.wrap(NvmeMuon, "_store", make)

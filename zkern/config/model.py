@@ -205,9 +205,7 @@ def _check_partial_offload(cfg: Config) -> None:
                (zero.offload_optimizer_speculative_step or zero.offload_optimizer_super_offload,
                 "'speculative_step' (or 'super_offload')", "its guessed step and rollback cover the whole shard"),
                (zero.offload_param_device != "none", "offload_param", "the device part of the optimizer would write "
-                "parameters that rest on the host"),
-               (cfg.optimizer is not None and cfg.optimizer.type == "muon", "Muon",
-                "its matrices are assembled from one optimizer home")]
+                "parameters that rest on the host")]
     for on, what, why in clashes:
         if on:
             raise ConfigError(f"{name} with {what} is not supported: {why}; set ratio to 1 or drop {what}")

@@ -206,10 +206,10 @@ class Draw:
             problems.append(f"speculative needs offload_optimizer cpu, no NVMe parameters, no delayed_update and "
                             f"zkern's Adam ({ZKERN_ADAM})")
         if self.offload_ratio != 1.0 and (self.offload_optimizer != "cpu" or self.offload_param != "none"
-                                          or self.delayed_update or self.speculative or self.optimizer == "Muon"
+                                          or self.delayed_update or self.speculative
                                           or not 0.0 <= self.offload_ratio < 1.0):
             problems.append("offload_ratio (partial offload) needs offload_optimizer cpu without offload_param, "
-                            "delayed_update, speculative or Muon, and a ratio in [0, 1)")
+                            "delayed_update or speculative, and a ratio in [0, 1)")
         if self.optimizer == "Lion" and not self.exact:
             # Lion steps by sign(c): a rounding that flips a small c moves the element a whole 2 lr, so 16-bit and
             # quantized Lion runs end 0.22-0.8 of the untrained distance from the fp32 reference even on one rank
@@ -347,7 +347,7 @@ def random_draw(rng: random.Random, worlds: tuple[int, ...] = WORLDS, nvme: bool
         if values.get("offload_optimizer") == "cpu" and rng.random() < 0.4:  # a smaller ring reuses its buffers more
             values["staging_chunks"] = rng.choice((0, 1, 2))
         if values.get("offload_optimizer") == "cpu" and values.get("offload_param", "none") == "none" and not (
-                values.get("delayed_update") or values.get("speculative")) and values["optimizer"] != "Muon" \
+                values.get("delayed_update") or values.get("speculative")) \
                 and rng.random() < 0.3:  # partial offload: the shard's start on the device
             values["offload_ratio"] = rng.choice((0.0, 0.3, 0.5, 0.8))
         if "overflow_at" in values:

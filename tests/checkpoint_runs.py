@@ -127,6 +127,33 @@ def topology_target(rank: int, world: int, spec: TrainSpec, source: str, resaved
     return {"path": path, "after_load": after_load, "global_steps": global_steps, "final": engine.full_state_dict()}
 
 
+def cross_resume(rank: int, world: int, specs: dict, root: str, uninterrupted: str = "cpu",
+                 async_saves: bool = True) -> dict:
+    """specs[uninterrupted] trains 6 steps straight; then each setting saves at step 3 (and asynchronously beside it,
+    under "<name>-async", with async_saves) and each loads each other's checkpoint and trains steps 3-5. Returns
+    the full state dicts ("uninterrupted", "<src>-><dst>") and each resumed engine's steps ("<src>-><dst> steps")."""
+    spec = specs[uninterrupted]
+    engine = spec.build_engine(spec.make_model(), world)
+    train(engine, spec, 0, 6, rank, world)
+    out = {"uninterrupted": engine.full_state_dict()}
+    for src, spec in specs.items():
+        engine = spec.build_engine(spec.make_model(), world)
+        train(engine, spec, 0, 3, rank, world)
+        engine.save_checkpoint(os.path.join(root, src))
+        if async_saves:
+            engine.save_checkpoint(os.path.join(root, f"{src}-async"), async_save=True)
+        engine.destroy()  # waits for the asynchronous save first
+    for src in specs:
+        for dst, spec in specs.items():
+            engine = spec.build_engine(spec.make_model(), world)
+            engine.load_checkpoint(os.path.join(root, src))
+            train(engine, spec, 3, 6, rank, world)
+            out[f"{src}->{dst}"] = engine.full_state_dict()
+            out[f"{src}->{dst} steps"] = engine.global_steps
+            engine.destroy()
+    return out
+
+
 def assert_same_state(a: dict, b: dict, what: str) -> None:
     """Nested dicts of tensors and plain values equal exactly (tensors: same dtype, same bits)."""
     assert sorted(a) == sorted(b), what

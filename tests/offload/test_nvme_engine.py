@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from checkpoint_runs import SCHEDULER, spec_for, train
+from checkpoint_runs import SCHEDULER, cross_resume, spec_for
 
 import zkern
 from zkern import ops
@@ -104,29 +104,6 @@ def test_nvme_offload_trains_bit_for_bit_as_host_offload(tmp_path):
             log = "\n".join(per_rank[r][i]["log"])
             assert "zkern NVMe: master and Adam moments in" in log or r > 0, name
     assert os.listdir(tmp_path) == []  # engine.destroy() removed each rank's own directory under nvme_path
-
-
-def cross_resume(rank: int, world: int, specs: dict, root: str) -> dict:
-    """Host offload uninterrupted for 6 steps; then each setting saves at step 3 and each loads each other's
-    checkpoint and trains steps 3-5."""
-    engine = specs["cpu"].build_engine(specs["cpu"].make_model(), world)
-    train(engine, specs["cpu"], 0, 6, rank, world)
-    out = {"uninterrupted": engine.full_state_dict()}
-    for src, spec in specs.items():
-        engine = spec.build_engine(spec.make_model(), world)
-        train(engine, spec, 0, 3, rank, world)
-        engine.save_checkpoint(os.path.join(root, src))
-        engine.save_checkpoint(os.path.join(root, f"{src}-async"), async_save=True)
-        engine.destroy()  # waits for the asynchronous save first
-    for src in specs:
-        for dst, spec in specs.items():
-            engine = spec.build_engine(spec.make_model(), world)
-            engine.load_checkpoint(os.path.join(root, src))
-            train(engine, spec, 3, 6, rank, world)
-            out[f"{src}->{dst}"] = engine.full_state_dict()
-            out[f"{src}->{dst} steps"] = engine.global_steps
-            engine.destroy()
-    return out
 
 
 @pytest.mark.dist

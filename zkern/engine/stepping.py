@@ -19,7 +19,6 @@ from zkern.comm.divergence import signatures_differ
 from zkern.config import Config
 from zkern.core.runtime import Runtime
 from zkern.engine.parts import EngineParts
-from zkern.optim.muon import ShardMuon
 from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 
 log = logging.getLogger("zkern")
@@ -74,8 +73,6 @@ def optimizer_step(parts: EngineParts) -> None:
             parts.host_step.step(parts.optimizer, grad_scale=inv * coef, active=active)
         elif isinstance(parts.optimizer, ShardAdam):
             parts.optimizer.step(grad_scale=inv * coef, active=active, after_chunk=parts.runtime.chunk_stepped)
-        elif isinstance(parts.optimizer, ShardMuon):
-            parts.optimizer.step_shard(parts.runtime.shard_groups, grad_scale=inv * coef, active=active)
         else:
             step_torch_optimizer(parts.optimizer, parts.runtime.shard_groups, grad_scale=inv * coef, active=active)
         scale = parts.scaler.scale

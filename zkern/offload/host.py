@@ -51,7 +51,6 @@ from zkern.core.shard_groups import Chunk, ShardGroup, shares_staging
 from zkern.offload.delayed import DelayedUpdate
 from zkern.offload.partial import host_share
 from zkern.offload.speculative import SpeculativeStep
-from zkern.optim.muon import ShardMuon
 from zkern.optim.shard_adam import ShardAdam, step_torch_optimizer
 
 
@@ -342,10 +341,7 @@ class HostStep(DelayedUpdate, SpeculativeStep):
         else:  # a torch optimizer (or Muon) steps every piece at once
             for gi, ci in order:
                 self._wait_down(gi, ci)
-            if isinstance(optimizer, ShardMuon):
-                optimizer.step_shard(self.host_groups, grad_scale=grad_scale, active=active)
-            else:
-                step_torch_optimizer(optimizer, self.host_groups, grad_scale=grad_scale, active=active)
+            step_torch_optimizer(optimizer, self.host_groups, grad_scale=grad_scale, active=active)
             for gi, ci in order:
                 self._up(gi, ci)
         if self.stream is not None:

@@ -37,25 +37,23 @@ class NvmeMuon(PieceStates, ShardMuon):
         super().__init__(groups, device=device)
         self.shard, self.momentum_in_memory = shard, momentum_in_memory
 
-    def _file(self, name: str) -> str | None:
-        """The name `name` is read and written under in the files (NvmeShard.FILE_OF puts the momentum in the exp_avg
-        file), or None where it stays in host memory."""
-        return None if name == MOMENTUM and self.momentum_in_memory else name
+    def _on_disk(self, name: str) -> bool:
+        """Whether state `name` lives in the files (NvmeShard.FILE_OF puts the momentum in the exp_avg file) rather
+        than in host memory."""
+        return not (name == MOMENTUM and self.momentum_in_memory)
 
     def _load(self, p: torch.Tensor, name: str) -> torch.Tensor:
-        file = self._file(name)
-        if file is None:
+        if not self._on_disk(name):
             state = self.state[p]
             if name not in state:
                 state[name] = torch.zeros(p.shape, dtype=torch.float32)
             return state[name]
-        return self.shard.read(file, p)
+        return self.shard.read(name, p)
 
     def _store(self, gi: int, k: int, p: torch.Tensor, name: str, values: torch.Tensor) -> None:
-        file = self._file(name)
-        if file is None:
+        if not self._on_disk(name):
             return
-        self.shard.write(file, p, values)
+        self.shard.write(name, p, values)
         if name == "master" and self._bound is not None and (gi, k) in self._bound[1]:
             self._bound[1][(gi, k)].copy_(values.reshape(-1))
 
@@ -83,7 +81,7 @@ class NvmeMuon(PieceStates, ShardMuon):
         p = self.param_groups[group]["params"][index]
         state = dict(self.state.get(p, {}))
         if self.param_groups[group].get("use_muon"):
-            if self._file(MOMENTUM) is not None:
+            if self._on_disk(MOMENTUM):
                 state[MOMENTUM] = p
         elif "step" in state:
             state.update(exp_avg=p, exp_avg_sq=p)
@@ -100,9 +98,8 @@ class NvmeMuon(PieceStates, ShardMuon):
                 raise ValueError(f"optimizer state {name} for piece {index} of group {group} has {value.numel()} "
                                  f"elements, this engine's shard piece {p.numel()}: the state comes from another "
                                  f"layout (world size, stage or bucket size)")
-            file = self._file(name)
-            if file is not None:
-                self.shard.write(file, p, value if value is not None else torch.zeros(p.numel()))
+            if self._on_disk(name):
+                self.shard.write(name, p, value if value is not None else torch.zeros(p.numel()))
             elif value is not None:
                 kept[name] = value.detach().reshape(p.shape).to(torch.float32, copy=True)
         if state and "step" in state and not self.param_groups[group].get("use_muon"):

@@ -150,7 +150,7 @@ class ShardMuon(torch.optim.Optimizer):
         for m in self._matrices.values():
             if not m.spans_ranks and m.pieces:
                 updates = self._updates(m)
-                if len(updates) == len(m.pieces):
+                if self._stepped(m, updates):
                     self._apply(m, self._orthogonalized(m, self._whole_here(m, updates)))
         for b in self._buckets:
             self._assemble(b)
@@ -246,28 +246,20 @@ class ShardMuon(torch.optim.Optimizer):
         return bool(m.pieces) and all((gi, k) in updates for gi, k, _, _ in m.pieces)
 
     def _whole_here(self, m: Matrix, updates: dict) -> torch.Tensor:
-        """The NS input of a matrix this rank holds whole, flat on `device`: the one piece's own update where a
-        single piece is the matrix (no copy on the same device), else the pieces put together."""
+        """The NS input of a matrix this rank holds whole (every piece with its update), flat on `device`: the one
+        piece's own update where a single piece is the matrix (no copy on the same device), else the pieces put
+        together."""
         if len(m.pieces) == 1:
             gi, k, _, _ = m.pieces[0]
             return updates[(gi, k)].reshape(-1).to(self.device)
         whole = torch.zeros(m.numel, dtype=torch.float32, device=self.device)
-        self._add_pieces(m, updates, whole)
+        for gi, k, start, numel in m.pieces:
+            whole[start:start + numel].copy_(updates[(gi, k)].reshape(-1))
         return whole
 
-    @staticmethod
-    def _add_pieces(m: Matrix, updates: dict, whole: torch.Tensor) -> None:
-        """This rank's pieces of m's NS input into its place in `whole` (zeros elsewhere); nothing for a piece
-        without a gradient (every holder agrees: a parameter without one on any rank has none on all)."""
-        for gi, k, start, numel in m.pieces:
-            u = updates.get((gi, k))
-            if u is not None:
-                whole[start:start + numel].copy_(u.reshape(-1))
-
     def _orthogonalized(self, m: Matrix, whole: torch.Tensor) -> torch.Tensor:
-        g = self.param_groups[m.pieces[0][0]]
-        fn = newton_schulz if g["ns_method"] == "standard" else gram_newton_schulz
-        return fn(whole.view(m.shape), g["ns_steps"]).reshape(-1)
+        fn = newton_schulz if self.ns_method == "standard" else gram_newton_schulz
+        return fn(whole.view(m.shape), self.param_groups[m.pieces[0][0]]["ns_steps"]).reshape(-1)
 
     @staticmethod
     def lr_factor(shape: tuple[int, int]) -> float:

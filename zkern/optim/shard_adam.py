@@ -284,8 +284,13 @@ def step_torch_optimizer(optimizer: torch.optim.Optimizer, groups: list[ShardGro
     """Step a torch optimizer whose params are the pieces: give active pieces fp32 gradients, step, refresh.
 
     The general path (any element-wise torch optimizer); a chunk's gradient is upcast and scaled into one
-    temporary fp32 buffer when it is not already fp32 with scale 1.
+    temporary fp32 buffer when it is not already fp32 with scale 1. An optimizer that steps shard groups itself
+    (Muon's step_shard: each piece upcast as it is used, states maybe in files) is handed them instead.
     """
+    step_shard = getattr(optimizer, "step_shard", None)
+    if step_shard is not None:
+        step_shard(groups, grad_scale=grad_scale, active=active)
+        return
     for gi, g in enumerate(groups):
         for chunk in g.chunks:
             grad = chunk.grad

@@ -245,13 +245,6 @@ def _torch_grad_scale_dropped(p: _Patches) -> None:
                 return original(optimizer, groups, grad_scale=1.0, **kw)
             return step
         p.wrap(module, "step_torch_optimizer", make)
-    from zkern.optim.muon import ShardMuon
-
-    def make_muon(original):
-        def step_shard(self, groups, *, grad_scale, **kw):
-            return original(self, groups, grad_scale=1.0, **kw)
-        return step_shard
-    p.wrap(ShardMuon, "step_shard", make_muon)
 
 
 def _lamb_norms_local(p: _Patches) -> None:
